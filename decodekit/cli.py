@@ -1,0 +1,155 @@
+"""The ``decodekit`` command line: ``decodekit generate "PROMPT" [strategy flags]``.
+
+Bad input ends with a one-line message on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from decodekit.generation import DEFAULT_SYSTEM_PROMPT, check_prompts
+from decodekit.models import ModelLoadError
+from decodekit.strategies import Strategy
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+def _bounded(
+    kind: Callable[[str], Any], low: float | None = None, high: float | None = None, low_open: bool = False
+) -> Callable[[str], Any]:
+    """An argparse type that parses with ``kind`` and checks the value lies in [low, high]."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            left = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(
+                f"must be in {left}{low}, {high if high is not None else 'inf'}]; got {text}"
+            )
+        return value
+
+    return parse
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that choose and place the model."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model id, local directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--device-map", default=None, help='accelerate device map, e.g. "auto" to spread layers over the GPUs present'
+    )
+    parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16 or auto")
+
+
+def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that build a Strategy; greedy decoding unless a sampling flag is given."""
+    group = parser.add_argument_group("decoding strategy (greedy unless a sampling flag is given)")
+    group.add_argument("--temperature", type=_bounded(float, 0, low_open=True), help="sampling temperature, > 0")
+    group.add_argument("--top-k", type=_bounded(int, 1), help="sample among the k most likely tokens, >= 1")
+    group.add_argument("--top-p", type=_bounded(float, 0, 1, low_open=True), help="nucleus sampling mass, (0, 1]")
+    group.add_argument("--sample", action="store_true", help="sample at temperature 1 with no filter")
+
+
+def strategy_from_args(args: argparse.Namespace) -> Strategy:
+    """The Strategy that the strategy flags describe."""
+    return Strategy(
+        do_sample=True if args.sample else None,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decodekit", description="Decoding strategies for transformers models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate = commands.add_parser(
+        "generate",
+        help="generate a continuation of one prompt, streamed as it comes",
+        description="Generate a continuation of PROMPT, streamed to the terminal.",
+    )
+    generate.add_argument("prompt", help="the prompt text")
+    add_model_flags(generate)
+    generate.add_argument(
+        "--max-new-tokens", type=_bounded(int, 1), default=128, help="most tokens to generate, >= 1 (default 128)"
+    )
+    generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the model's chat template")
+    generate.add_argument(
+        "--system",
+        default=DEFAULT_SYSTEM_PROMPT,
+        help=f'system message for chat models (default: "{DEFAULT_SYSTEM_PROMPT}"; "" keeps the chat template\'s own)',
+    )
+    generate.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
+    generate.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
+    add_strategy_flags(generate)
+    generate.set_defaults(handler=_run_generate)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """Keep library chatter (progress bars, info logs) off the user's terminal."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.basicConfig(level=logging.INFO, format="decodekit: %(message)s", stream=sys.stderr)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer, set_seed
+
+    from decodekit.generation import generate_text
+    from decodekit.models import load_model
+
+    check_prompts([args.prompt])
+    strategy = strategy_from_args(args)
+    model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
+    if args.seed is not None:
+        set_seed(args.seed)
+    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    texts = generate_text(
+        model,
+        tokenizer,
+        [args.prompt],
+        strategy,
+        max_new_tokens=args.max_new_tokens,
+        chat=False if args.raw else None,
+        system_prompt=args.system,
+        streamer=streamer,
+    )
+    if streamer is None:
+        print(texts[0])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``decodekit`` console script and ``python -m decodekit``."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    try:
+        return args.handler(args)
+    except (ModelLoadError, ValueError, TypeError) as error:
+        print(f"decodekit {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(error, (ValueError, TypeError)) else EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("\ndecodekit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

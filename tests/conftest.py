@@ -1,0 +1,35 @@
+"""Shared fixtures: a tiny random model saved once per session, and the real default model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from tests.tiny import save_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A directory holding the tiny model and tokenizer, loadable with ``load_model(dir)``."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir):
+    """``(model, tokenizer)`` of the tiny model, loaded through decodekit's loader."""
+    from decodekit import load_model
+
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def real():
+    """``(model, tokenizer)`` of the embedded default model (SmolLM2-135M-Instruct)."""
+    from decodekit import load_model
+
+    return load_model()

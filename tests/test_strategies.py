@@ -1,0 +1,76 @@
+"""Strategy: validation, the generate kwargs it yields, and what generate does with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit import Strategy
+from decodekit.generation import encode_prompts
+
+
+def test_greedy_is_the_default():
+    assert Strategy().generate_kwargs() == {"do_sample": False}
+    assert Strategy().label == "greedy"
+
+
+def test_sampling_names_every_filter_so_model_defaults_cannot_sneak_in():
+    kwargs = Strategy(temperature=0.7).generate_kwargs()
+    assert kwargs == {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"temperature": 0}, "temperature must be"),
+        ({"temperature": float("nan")}, "temperature must be"),
+        ({"temperature": -1.0}, "temperature must be"),
+        ({"top_k": 0}, "top_k must be"),
+        ({"top_k": 2.5}, "top_k must be"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"do_sample": False, "temperature": 0.5}, "only apply when sampling"),
+    ],
+)
+def test_bad_fields_are_named(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Strategy(**fields)
+
+
+def test_round_trips_through_a_dict_and_rejects_unknown_keys():
+    strategy = Strategy(name="nucleus", temperature=0.9, top_p=0.95)
+    assert Strategy.from_dict(strategy.to_dict()) == strategy
+    with pytest.raises(ValueError, match="unknown Strategy field"):
+        Strategy.from_dict({"temprature": 0.9})
+
+
+def _generate(model, tokenizer, strategy, seed=None, **extra):
+    batch = encode_prompts(tokenizer, ["Tell me about the sea"])
+    if seed is not None:
+        torch.manual_seed(seed)
+    kwargs = strategy.generate_kwargs(model) if strategy is not None else {}
+    output = model.generate(**batch, max_new_tokens=12, **kwargs, **extra)
+    return output[0, batch["input_ids"].shape[1] :].tolist()
+
+
+def test_greedy_strategy_matches_plain_greedy_generate(tiny):
+    model, tokenizer = tiny
+    assert _generate(model, tokenizer, Strategy()) == _generate(model, tokenizer, None, do_sample=False)
+
+
+def test_top_k_one_is_greedy(tiny):
+    model, tokenizer = tiny
+    greedy = _generate(model, tokenizer, Strategy())
+    assert all(_generate(model, tokenizer, Strategy(top_k=1), seed=seed) == greedy for seed in range(3))
+
+
+def test_unset_filters_stay_off_even_when_the_model_config_sets_them(tiny):
+    model, tokenizer = tiny
+    greedy = _generate(model, tokenizer, Strategy())
+    saved = model.generation_config.top_k
+    model.generation_config.top_k = 1  # as a checkpoint's generation_config.json might
+    try:
+        samples = [_generate(model, tokenizer, Strategy(temperature=1.0), seed=seed) for seed in range(4)]
+    finally:
+        model.generation_config.top_k = saved
+    assert any(sample != greedy for sample in samples)
