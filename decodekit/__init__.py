@@ -7,9 +7,25 @@ Example:
     {'do_sample': True, 'temperature': 0.8, 'top_k': 0, 'top_p': 1.0}
 """
 
+from decodekit import logits_processors as processors
 from decodekit.generation import encode_prompts, generate_text
+from decodekit.logits_processors import (
+    FrequencyPresencePenaltyLogitsProcessor,
+    MinPLogitsProcessor,
+    StagedRepetitionPenaltyLogitsProcessor,
+)
 from decodekit.models import ModelLoadError, load_model
 from decodekit.strategies import Strategy
 
-__all__ = ["ModelLoadError", "Strategy", "encode_prompts", "generate_text", "load_model"]
+__all__ = [
+    "FrequencyPresencePenaltyLogitsProcessor",
+    "MinPLogitsProcessor",
+    "ModelLoadError",
+    "StagedRepetitionPenaltyLogitsProcessor",
+    "Strategy",
+    "encode_prompts",
+    "generate_text",
+    "load_model",
+    "processors",
+]
 __version__ = "0.1.0"

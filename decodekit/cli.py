@@ -61,7 +61,25 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=_bounded(float, 0, low_open=True), help="sampling temperature, > 0")
     group.add_argument("--top-k", type=_bounded(int, 1), help="sample among the k most likely tokens, >= 1")
     group.add_argument("--top-p", type=_bounded(float, 0, 1, low_open=True), help="nucleus sampling mass, (0, 1]")
+    group.add_argument("--min-p", type=_bounded(float, 0, 1), help="min-p filter judged at the temperature, [0, 1]")
     group.add_argument("--sample", action="store_true", help="sample at temperature 1 with no filter")
+    penalties = parser.add_argument_group("repetition penalties (greedy or sampling)")
+    penalties.add_argument(
+        "--staged-penalty", metavar="STAGES", help='penalty by recurrence count in the window, e.g. "1:1.2,3:1.5,6:2.0"'
+    )
+    penalties.add_argument(
+        "--penalty-window",
+        type=_bounded(int, 1),
+        help="how many recent tokens the staged penalty counts (default: all)",
+    )
+    penalties.add_argument(
+        "--frequency-penalty",
+        type=_bounded(float, -2, 2),
+        help="subtracted per occurrence in the generated text, [-2, 2]",
+    )
+    penalties.add_argument(
+        "--presence-penalty", type=_bounded(float, -2, 2), help="subtracted once a token was generated, [-2, 2]"
+    )
 
 
 def strategy_from_args(args: argparse.Namespace) -> Strategy:
@@ -71,6 +89,11 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
+        staged_penalty=args.staged_penalty,
+        penalty_window=args.penalty_window,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
     )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList
 
 from decodekit.strategies import Strategy
 
@@ -103,7 +104,11 @@ def generate_text(
     check_max_new_tokens(max_new_tokens)
     batch = encode_prompts(tokenizer, prompts, chat=chat, system_prompt=system_prompt)
     batch = {key: value.to(model.device) for key, value in batch.items()}
-    kwargs = {**strategy.generate_kwargs(model), **generate_kwargs}
+    kwargs = strategy.generate_kwargs(model, prompt_length=batch["input_ids"].shape[1])
+    if "logits_processor" in kwargs and "logits_processor" in generate_kwargs:
+        merged = [*kwargs["logits_processor"], *generate_kwargs["logits_processor"]]
+        generate_kwargs["logits_processor"] = LogitsProcessorList(merged)
+    kwargs.update(generate_kwargs)
     with torch.inference_mode():
         output = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
     new_tokens = output[:, batch["input_ids"].shape[1] :]

@@ -9,8 +9,22 @@ apply top-k 50 to every sampling call).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from transformers import LogitsProcessorList
+
+from decodekit.logits_processors import (
+    FrequencyPresencePenaltyLogitsProcessor,
+    MinPLogitsProcessor,
+    StagedRepetitionPenaltyLogitsProcessor,
+    parse_stages,
+)
+from decodekit.logits_processors.frequency import PENALTY_RANGE
+from decodekit.logits_processors.repetition import check_stage_table
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 
 
 def _check_positive_finite(name: str, value: float | None) -> None:
@@ -18,9 +32,20 @@ def _check_positive_finite(name: str, value: float | None) -> None:
         raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
 
 
+def _check_in_range(name: str, value: float | None, low: float, high: float) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and low <= value <= high):
+        raise ValueError(f"{name} must be in [{low}, {high}]; got {value!r}")
+
+
+def _canonical_stages(stages: str | Mapping[int, float]) -> str:
+    """One text form for a stage table, so equal tables compare and hash equal."""
+    table = check_stage_table(parse_stages(stages) if isinstance(stages, str) else stages, "staged_penalty")
+    return ",".join(f"{count}:{penalty:g}" for count, penalty in table)
+
+
 @dataclass(frozen=True)
 class Strategy:
-    """A decoding recipe: greedy, or sampling with temperature / top-k / top-p.
+    """A decoding recipe: greedy or sampling, with filters and repetition penalties.
 
     Args:
         name: a label for reports and the demo; derived from the fields when omitted.
@@ -29,6 +54,13 @@ class Strategy:
         temperature: divides the logits before sampling; > 0.
         top_k: keep only the k most likely tokens; >= 1.
         top_p: keep the smallest set of tokens whose probability reaches p; in (0, 1].
+        min_p: keep the tokens at least min_p times as likely as the top one, judged at the
+            sampling temperature (``MinPLogitsProcessor``); in [0, 1].
+        staged_penalty: a stage table ``{count: penalty}`` or ``"1:1.2,3:1.5,6:2.0"``
+            (``StagedRepetitionPenaltyLogitsProcessor``); stored in that text form.
+        penalty_window: how many recent tokens the staged penalty counts; None for all.
+        frequency_penalty: OpenAI-style, per occurrence in the generated text; in [-2, 2].
+        presence_penalty: OpenAI-style, once a token has been generated; in [-2, 2].
 
     Example:
         >>> from decodekit import Strategy
@@ -45,6 +77,11 @@ class Strategy:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    staged_penalty: str | None = None
+    penalty_window: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
 
     def __post_init__(self) -> None:
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
@@ -56,12 +93,26 @@ class Strategy:
             raise ValueError(f"top_k must be an integer >= 1; got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+        _check_in_range("min_p", self.min_p, 0.0, 1.0)
+        _check_in_range("frequency_penalty", self.frequency_penalty, *PENALTY_RANGE)
+        _check_in_range("presence_penalty", self.presence_penalty, *PENALTY_RANGE)
+        if self.staged_penalty is not None:
+            object.__setattr__(self, "staged_penalty", _canonical_stages(self.staged_penalty))
+        if self.penalty_window is not None:
+            if (
+                isinstance(self.penalty_window, bool)
+                or not isinstance(self.penalty_window, int)
+                or self.penalty_window < 1
+            ):
+                raise ValueError(f"penalty_window must be an integer >= 1; got {self.penalty_window!r}")
+            if self.staged_penalty is None:
+                raise ValueError("penalty_window applies to staged_penalty: set staged_penalty too")
         if self.do_sample is False and self._sampling_fields():
             names = ", ".join(self._sampling_fields())
             raise ValueError(f"{names} only apply when sampling: leave do_sample unset or set it to True")
 
     def _sampling_fields(self) -> list[str]:
-        return [name for name in ("temperature", "top_k", "top_p") if getattr(self, name) is not None]
+        return [name for name in SAMPLING_FIELDS if getattr(self, name) is not None]
 
     @property
     def sampling(self) -> bool:
@@ -73,22 +124,59 @@ class Strategy:
         """A short human-readable name: ``name`` if given, else one built from the fields."""
         if self.name:
             return self.name
+        penalties = [
+            f"{field}={getattr(self, field)}"
+            for field in ("staged_penalty", "penalty_window", "frequency_penalty", "presence_penalty")
+            if getattr(self, field) is not None
+        ]
         if not self.sampling:
-            return "greedy"
+            return "greedy" + (f"({', '.join(penalties)})" if penalties else "")
         parts = [f"{field}={getattr(self, field)}" for field in self._sampling_fields()]
-        return f"sample({', '.join(parts)})"
+        return f"sample({', '.join(parts + penalties)})"
 
-    def generate_kwargs(self, model: Any = None) -> dict[str, Any]:
+    @property
+    def needs_prompt_length(self) -> bool:
+        """Whether ``generate_kwargs`` needs the prompt length (to count generated tokens only)."""
+        return self.frequency_penalty is not None or self.presence_penalty is not None
+
+    def logits_processors(self, prompt_length: int | None = None) -> LogitsProcessorList:
+        """decodekit's processors for this recipe, penalties first, then min-p.
+
+        generate runs them after its own penalties and before its temperature, top-k and top-p.
+        """
+        processors = LogitsProcessorList()
+        if self.staged_penalty is not None:
+            processors.append(StagedRepetitionPenaltyLogitsProcessor(self.staged_penalty, window=self.penalty_window))
+        if self.needs_prompt_length:
+            if prompt_length is None:
+                raise ValueError(
+                    "frequency_penalty and presence_penalty count generated tokens only: "
+                    "pass prompt_length (the padded prompt's input_ids.shape[1])"
+                )
+            processors.append(
+                FrequencyPresencePenaltyLogitsProcessor(
+                    self.frequency_penalty or 0.0, self.presence_penalty or 0.0, prompt_length=prompt_length
+                )
+            )
+        if self.min_p is not None:
+            processors.append(MinPLogitsProcessor(self.min_p, temperature=self.temperature or 1.0))
+        return processors
+
+    def generate_kwargs(self, model: Any = None, *, prompt_length: int | None = None) -> dict[str, Any]:
         """The keyword arguments for ``model.generate`` that carry out this recipe.
 
         ``model`` is the model the call will run on; recipes that build per-call objects bound
-        to a model (a compressed cache) need it.
+        to a model (a compressed cache) need it. ``prompt_length`` (the padded prompt's
+        ``input_ids.shape[1]``) is needed by recipes that count generated tokens only.
         """
         kwargs: dict[str, Any] = {"do_sample": self.sampling}
         if self.sampling:
             kwargs["temperature"] = float(self.temperature if self.temperature is not None else 1.0)
             kwargs["top_k"] = self.top_k if self.top_k is not None else 0
             kwargs["top_p"] = float(self.top_p if self.top_p is not None else 1.0)
+        processors = self.logits_processors(prompt_length)
+        if processors:
+            kwargs["logits_processor"] = processors
         return kwargs
 
     def to_dict(self) -> dict[str, Any]:

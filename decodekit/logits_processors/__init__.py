@@ -1,0 +1,21 @@
+"""Logits processors for ``model.generate(logits_processor=LogitsProcessorList([...]))``.
+
+Each is vectorized over the batch, keeps the scores' dtype and device, accepts per-row
+parameters, and never removes every token of a row.
+"""
+
+from decodekit.logits_processors.frequency import FrequencyPresencePenaltyLogitsProcessor
+from decodekit.logits_processors.min_p import MinPLogitsProcessor
+from decodekit.logits_processors.repetition import (
+    StagedRepetitionPenaltyLogitsProcessor,
+    parse_stages,
+    punctuation_token_ids,
+)
+
+__all__ = [
+    "FrequencyPresencePenaltyLogitsProcessor",
+    "MinPLogitsProcessor",
+    "StagedRepetitionPenaltyLogitsProcessor",
+    "parse_stages",
+    "punctuation_token_ids",
+]

@@ -1,0 +1,90 @@
+"""Parameters that are one number, or one number per batch row (per request).
+
+A per-row tensor may have one value per row of the scores, or one per request when generate has
+expanded each request into several consecutive rows (``num_beams``, ``num_return_sequences``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+Number = float | int
+RowValues = Number | Sequence[Number] | torch.Tensor
+FLOAT32_MIN = float(torch.finfo(torch.float32).min)
+
+
+class RowParameter:
+    """A validated scalar or 1-D tensor, handed out per call on the scores' device and dtype.
+
+    Example:
+        >>> p = RowParameter("min_p", [0.1, 0.2], low=0.0, high=1.0)
+        >>> p.for_rows(4, torch.device("cpu"), torch.float32).flatten().tolist()
+        [0.10000000149011612, 0.10000000149011612, 0.20000000298023224, 0.20000000298023224]
+    """
+
+    def __init__(self, name: str, value: RowValues, *, low: float, high: float, low_open: bool = False) -> None:
+        self.name = name
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        if isinstance(value, bool):
+            raise TypeError(f"{name} must be a number or a 1-D tensor of numbers in {interval}; got {value!r}")
+        if isinstance(value, (int, float)):
+            self.scalar: float | None = float(value)
+            values = torch.tensor([self.scalar], dtype=torch.float64)
+        else:
+            try:
+                values = torch.as_tensor(value, dtype=torch.float64)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"{name} must be a number or a 1-D tensor of numbers; got {value!r}") from None
+            if values.dim() != 1 or values.numel() == 0:
+                raise ValueError(
+                    f"{name} as a tensor must be 1-D with one value per batch row; got shape {tuple(values.shape)}"
+                )
+            self.scalar = None
+        below = values <= low if low_open else values < low
+        if not torch.isfinite(values).all() or below.any() or (values > high).any():
+            shown = self.scalar if self.scalar is not None else values.tolist()
+            raise ValueError(f"{name} must be in {interval}; got {shown}")
+        self.values = values
+        self._cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return repr(self.scalar) if self.scalar is not None else f"tensor({self.values.tolist()})"
+
+    def derived(self, values: torch.Tensor) -> RowParameter:
+        """A parameter with the same name and shape whose values were computed from this one's."""
+        twin = RowParameter.__new__(RowParameter)
+        twin.name, twin.values, twin._cache = self.name, values, {}
+        twin.scalar = float(values[0]) if self.scalar is not None else None
+        return twin
+
+    @property
+    def is_scalar(self) -> bool:
+        return self.scalar is not None
+
+    def for_rows(self, rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """A ``[rows, 1]`` tensor of this parameter (a scalar broadcasts; a per-request tensor repeats)."""
+        key = (rows, device, dtype)
+        if key not in self._cache:
+            self._cache[key] = expand_rows(self.values, rows, self.name).to(device=device, dtype=dtype)[:, None]
+        return self._cache[key]
+
+
+def expand_rows(values: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """Repeat per-request ``values`` to ``rows`` rows, or raise ValueError naming ``name``."""
+    count = values.shape[0]
+    if count == 1 or count == rows:
+        return values.expand(rows, *values.shape[1:]) if count == 1 else values
+    if rows % count == 0:
+        return values.repeat_interleave(rows // count, dim=0)
+    raise ValueError(
+        f"{name} has {count} per-row values but the scores have {rows} rows: give one value per row, "
+        "or one per request when each request spans the same number of rows (beams, return sequences)"
+    )
+
+
+def log_floor(value: float) -> float:
+    """``log(value)`` with log(0) mapped to the most negative finite float32 instead of -inf."""
+    return math.log(value) if value > 0 else FLOAT32_MIN

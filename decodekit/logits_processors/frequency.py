@@ -1,0 +1,62 @@
+"""OpenAI-style frequency and presence penalties over the generated tokens."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessor
+
+from decodekit.logits_processors._rows import RowParameter, RowValues
+
+PENALTY_RANGE = (-2.0, 2.0)
+
+
+class FrequencyPresencePenaltyLogitsProcessor(LogitsProcessor):
+    r"""Subtract ``count * frequency_penalty + (count > 0) * presence_penalty`` from each score.
+
+    ``count`` is how many times the token occurs among the generated tokens: the positions of
+    ``input_ids`` from ``prompt_length`` on (the semantics of the OpenAI API and vLLM). Positive
+    values discourage repetition, negative ones encourage it.
+
+    Args:
+        frequency_penalty: in [-2, 2]; a float or one value per batch row (or per request).
+        presence_penalty: in [-2, 2]; a float or one value per batch row (or per request).
+        prompt_length: the length of the (padded) prompt in ``input_ids``; positions before it are
+            not counted. 0 counts every position.
+
+    Example:
+        >>> import torch
+        >>> from decodekit import FrequencyPresencePenaltyLogitsProcessor
+        >>> processor = FrequencyPresencePenaltyLogitsProcessor(0.5, 1.0, prompt_length=1)
+        >>> input_ids = torch.tensor([[2, 0, 0, 1]])  # prompt [2], generated [0, 0, 1]
+        >>> processor(input_ids, torch.zeros(1, 3)).tolist()
+        [[-2.0, -1.5, 0.0]]
+    """
+
+    supports_continuous_batching = False
+
+    def __init__(
+        self, frequency_penalty: RowValues = 0.0, presence_penalty: RowValues = 0.0, *, prompt_length: int
+    ) -> None:
+        low, high = PENALTY_RANGE
+        self.frequency_penalty = RowParameter("frequency_penalty", frequency_penalty, low=low, high=high)
+        self.presence_penalty = RowParameter("presence_penalty", presence_penalty, low=low, high=high)
+        if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0:
+            raise ValueError(f"prompt_length must be an integer >= 0 (the padded prompt length); got {prompt_length!r}")
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows, vocab = scores.shape
+        generated = input_ids[:, self.prompt_length :]
+        if generated.shape[1] == 0:
+            return scores
+        counted = (generated < vocab).to(torch.float32)
+        generated = generated.clamp(max=vocab - 1)
+        counts = torch.zeros((rows, vocab), dtype=torch.float32, device=scores.device)
+        counts.scatter_add_(1, generated, counted)
+        # Every occurrence of a token looks up the same count, so all writes of one token agree.
+        occurrences = counts.gather(1, generated)
+        frequency = self.frequency_penalty.for_rows(rows, scores.device, torch.float32)
+        presence = self.presence_penalty.for_rows(rows, scores.device, torch.float32)
+        penalty = torch.where(occurrences > 0, occurrences * frequency + presence, 0.0)
+        selected = scores.gather(1, generated)
+        return scores.scatter(1, generated, (selected.float() - penalty).to(scores.dtype))

@@ -1,0 +1,82 @@
+"""Min-p filtering computed in logit space, with the temperature it will be sampled at."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import LogitsProcessor
+
+from decodekit.logits_processors._rows import FLOAT32_MIN, RowParameter, RowValues, log_floor
+
+
+class MinPLogitsProcessor(LogitsProcessor):
+    r"""Keep the tokens whose probability is at least ``min_p`` times the most likely token's.
+
+    The probabilities are those of the distribution at ``temperature``: generate applies its own
+    temperature *after* user processors, so pass the temperature you sample at and min-p acts on
+    the tempered distribution, as llama.cpp and vLLM do. No softmax is needed: with ``l`` the
+    logits and ``T`` the temperature, ``p_i >= min_p * p_max`` is ``l_i >= l_max + T * ln(min_p)``.
+    With ``temperature=1`` the result equals transformers' ``MinPLogitsWarper`` on the same scores.
+
+    Args:
+        min_p: in [0, 1]; a float, or a 1-D tensor with one value per batch row (or per request
+            when generate expands requests into beams / return sequences). 0 keeps every token.
+        min_tokens_to_keep: always keep at least this many of the most likely tokens; >= 1.
+        temperature: the temperature of the distribution min-p is judged on; > 0, float or per row.
+        filter_value: the score given to removed tokens (never raises a score already below it).
+
+    Example:
+        >>> import torch
+        >>> from transformers import LogitsProcessorList
+        >>> from decodekit import MinPLogitsProcessor
+        >>> scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+        >>> MinPLogitsProcessor(min_p=0.2)(None, scores).isfinite().tolist()
+        [[True, True, True, False]]
+        >>> processors = LogitsProcessorList([MinPLogitsProcessor(0.1, temperature=0.7)])
+        >>> # model.generate(**inputs, do_sample=True, temperature=0.7, logits_processor=processors)
+    """
+
+    supports_continuous_batching = False
+
+    def __init__(
+        self,
+        min_p: RowValues,
+        min_tokens_to_keep: int = 1,
+        temperature: RowValues = 1.0,
+        filter_value: float = -math.inf,
+    ) -> None:
+        self.min_p = RowParameter("min_p", min_p, low=0.0, high=1.0)
+        self.temperature = RowParameter("temperature", temperature, low=0.0, high=math.inf, low_open=True)
+        if isinstance(min_tokens_to_keep, bool) or not isinstance(min_tokens_to_keep, int) or min_tokens_to_keep < 1:
+            raise ValueError(f"min_tokens_to_keep must be an integer >= 1; got {min_tokens_to_keep!r}")
+        if not isinstance(filter_value, (int, float)) or math.isnan(filter_value):
+            raise ValueError(f"filter_value must be a number (usually -inf); got {filter_value!r}")
+        self.min_tokens_to_keep = min_tokens_to_keep
+        self.filter_value = float(filter_value)
+        self._log_min_p = self.min_p.derived(torch.log(self.min_p.values).clamp(min=FLOAT32_MIN))
+        if self.min_p.is_scalar and self.temperature.is_scalar:
+            offset = self.temperature.scalar * log_floor(self.min_p.scalar)
+            self._scalar_offset: float | None = max(offset, FLOAT32_MIN)
+        else:
+            self._scalar_offset = None
+
+    def _offset(self, rows: int, device: torch.device) -> float | torch.Tensor:
+        """``temperature * ln(min_p)`` as a float, or a ``[rows, 1]`` float32 tensor."""
+        if self._scalar_offset is not None:
+            return self._scalar_offset
+        log_min_p = self._log_min_p.for_rows(rows, device, torch.float32)
+        temperature = self.temperature.for_rows(rows, device, torch.float32)
+        return (temperature * log_min_p).clamp(min=FLOAT32_MIN)
+
+    def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # Compare in float32 at least, so a bf16/fp16 threshold is not rounded onto the scores' grid.
+        top = scores.amax(dim=-1, keepdim=True).float()
+        threshold = top + self._offset(scores.shape[0], scores.device)
+        remove = scores < threshold
+        if self.min_tokens_to_keep > 1:
+            k = min(self.min_tokens_to_keep, scores.shape[-1])
+            remove.scatter_(-1, torch.topk(scores, k, dim=-1).indices, False)
+        if self.filter_value == -math.inf:
+            return torch.where(remove, self.filter_value, scores)
+        return torch.where(remove, scores.clamp(max=self.filter_value), scores)

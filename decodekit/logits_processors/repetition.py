@@ -1,0 +1,201 @@
+"""A repetition penalty that grows in stages with how often a token recurred in a recent window."""
+
+from __future__ import annotations
+
+import itertools
+import string
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+from decodekit.logits_processors._rows import expand_rows
+
+StageTable = Mapping[int, float]
+NO_STAGE = torch.iinfo(torch.int32).max  # pads the threshold rows of shorter per-row tables
+
+
+def parse_stages(text: str) -> dict[int, float]:
+    """Parse ``"1:1.2,3:1.5,6:2.0"`` into ``{1: 1.2, 3: 1.5, 6: 2.0}`` (validated like the processor).
+
+    Example:
+        >>> parse_stages("1:1.2, 3:1.5")
+        {1: 1.2, 3: 1.5}
+    """
+    table: dict[int, float] = {}
+    for item in text.split(","):
+        count, separator, penalty = item.partition(":")
+        try:
+            if not separator:
+                raise ValueError
+            key = int(count)
+            if key in table:
+                raise ValueError(f"stages lists the count {key} twice")
+            table[key] = float(penalty)
+        except ValueError as error:
+            detail = str(error) if "twice" in str(error) else f"bad item {item.strip()!r}"
+            raise ValueError(f"stages must look like '1:1.2,3:1.5,6:2.0' (count:penalty, ...): {detail}") from None
+    check_stage_table(table)
+    return table
+
+
+def check_stage_table(table: Any, name: str = "stages") -> list[tuple[int, float]]:
+    """Validate one stage table and return its (count, penalty) pairs in order."""
+    if not isinstance(table, Mapping) or not table:
+        raise ValueError(f"{name} must be a non-empty mapping from a count (>= 1) to a penalty (> 0); got {table!r}")
+    pairs = list(table.items())
+    for count, penalty in pairs:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name}: every count must be an integer >= 1; got {count!r}")
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
+            raise ValueError(f"{name}: every penalty must be a finite number > 0; got {penalty!r} for count {count}")
+    counts = [count for count, _ in pairs]
+    if any(later <= earlier for earlier, later in itertools.pairwise(counts)):
+        raise ValueError(f"{name}: counts must be strictly increasing; got {counts}")
+    penalties = [penalty for _, penalty in pairs]
+    if any(later < earlier for earlier, later in itertools.pairwise(penalties)):
+        raise ValueError(f"{name}: penalties must not decrease as the count grows; got {penalties}")
+    return [(count, float(penalty)) for count, penalty in pairs]
+
+
+def punctuation_token_ids(tokenizer: Any) -> list[int]:
+    """Ids of the tokens that decode to punctuation and whitespace only, to exempt from a penalty.
+
+    Example:
+        >>> ids = punctuation_token_ids(tokenizer)  # doctest: +SKIP
+        >>> processor = StagedRepetitionPenaltyLogitsProcessor({2: 1.3}, exempt_token_ids=ids)  # doctest: +SKIP
+    """
+    allowed = set(string.punctuation + string.whitespace)
+    ids = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        if text and set(text) <= allowed:
+            ids.append(token_id)
+    return ids
+
+
+class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
+    r"""A CTRL-style repetition penalty whose strength depends on how often the token recurred.
+
+    For each token, count its occurrences among the last ``window`` tokens (the whole sequence
+    when ``window`` is None); the stage table maps the count to a penalty, applied as in
+    transformers' ``RepetitionPenaltyLogitsProcessor``: a positive score is divided by it, a
+    negative one multiplied. ``{1: 1.2, 3: 1.5, 6: 2.0}`` penalizes a token seen once or twice by
+    1.2, three to five times by 1.5, six or more by 2.0. Pad tokens never count, nor do
+    ``exempt_token_ids``; with ``count_prompt=False`` neither do the first ``prompt_length``
+    positions (the prompt, left padding included).
+
+    Under beam search generate hands processors log-probabilities (all <= 0): every penalized
+    score is then multiplied by its penalty, which lowers the token's log-probability by the
+    factor; the hypothesis scores accumulate these penalized values.
+
+    Args:
+        stages: a mapping {count: penalty} with increasing counts (>= 1) and non-decreasing
+            penalties (> 0), a string such as ``"1:1.2,3:1.5"``, or a sequence of mappings, one per
+            batch row (or per request, when generate expands requests into beams).
+        window: how many of the most recent tokens are counted; >= 1, or None for all.
+        count_prompt: whether prompt tokens count (default True, like transformers' penalty).
+        exempt_token_ids: token ids never counted nor penalized (special tokens, punctuation:
+            see ``punctuation_token_ids``).
+        pad_token_id: the pad token id (or ids), never counted.
+        prompt_length: the length of the (padded) prompt; needed when ``count_prompt=False``.
+
+    Example:
+        >>> import torch
+        >>> from decodekit import StagedRepetitionPenaltyLogitsProcessor
+        >>> processor = StagedRepetitionPenaltyLogitsProcessor({1: 2.0, 3: 4.0})
+        >>> input_ids = torch.tensor([[0, 1, 1, 1]])
+        >>> processor(input_ids, torch.tensor([[8.0, 8.0, 8.0]])).tolist()
+        [[4.0, 2.0, 8.0]]
+    """
+
+    supports_continuous_batching = False
+
+    def __init__(
+        self,
+        stages: StageTable | str | Sequence[StageTable],
+        window: int | None = None,
+        count_prompt: bool = True,
+        exempt_token_ids: Iterable[int] = (),
+        pad_token_id: int | Iterable[int] | None = None,
+        prompt_length: int | None = None,
+    ) -> None:
+        tables = self._tables(stages)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be an integer >= 1 or None (the whole sequence); got {window!r}")
+        if not isinstance(count_prompt, bool):
+            raise TypeError(f"count_prompt must be True or False; got {count_prompt!r}")
+        if prompt_length is not None and (
+            isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0
+        ):
+            raise ValueError(f"prompt_length must be an integer >= 0; got {prompt_length!r}")
+        if not count_prompt and prompt_length is None:
+            raise ValueError("count_prompt=False needs prompt_length: the length of the padded prompt input_ids")
+        self.window = window
+        self.count_prompt = count_prompt
+        self.prompt_length = prompt_length or 0
+        self.uncounted_ids = torch.tensor(
+            sorted(
+                set(_token_ids("exempt_token_ids", exempt_token_ids)) | set(_token_ids("pad_token_id", pad_token_id))
+            ),
+            dtype=torch.long,
+        )
+        width = max(len(table) for table in tables)
+        self.thresholds = torch.full((len(tables), width), NO_STAGE, dtype=torch.int32)
+        self.factors = torch.ones((len(tables), width + 1), dtype=torch.float64)
+        for row, table in enumerate(tables):
+            for column, (count, penalty) in enumerate(table):
+                self.thresholds[row, column] = count
+                self.factors[row, column + 1 :] = penalty
+        self._cache: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def _tables(stages: Any) -> list[list[tuple[int, float]]]:
+        if isinstance(stages, str):
+            stages = parse_stages(stages)
+        if isinstance(stages, Mapping):
+            return [check_stage_table(stages)]
+        if isinstance(stages, Sequence) and stages:
+            return [check_stage_table(table, f"stages[{row}]") for row, table in enumerate(stages)]
+        raise ValueError(f"stages must be a mapping {{count: penalty}}, a string or a list of mappings; got {stages!r}")
+
+    def _row_tables(self, rows: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (rows, device, dtype)
+        if key not in self._cache:
+            thresholds = expand_rows(self.thresholds, rows, "stages").to(device).contiguous()
+            factors = expand_rows(self.factors, rows, "stages").to(device=device, dtype=dtype)
+            self._cache[key] = (thresholds, factors)
+        return self._cache[key]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows, vocab = scores.shape
+        start = 0 if self.window is None else max(input_ids.shape[1] - self.window, 0)
+        ids = input_ids[:, start:]
+        counted = ids < vocab  # ids past the output vocabulary (a larger embedding) cannot be generated
+        if self.uncounted_ids.numel():
+            self.uncounted_ids = self.uncounted_ids.to(ids.device)
+            counted &= ~torch.isin(ids, self.uncounted_ids)
+        if not self.count_prompt and self.prompt_length > start:
+            counted[:, : self.prompt_length - start] = False
+        ids = ids.clamp(max=vocab - 1)
+        counts = torch.zeros((rows, vocab), dtype=torch.int32, device=scores.device)
+        counts.scatter_add_(1, ids, counted.to(torch.int32))
+        # Every occurrence of a token looks up the same count, so all writes of one token agree.
+        occurrences = counts.gather(1, ids)
+        thresholds, factors = self._row_tables(rows, scores.device, scores.dtype)
+        stage = torch.searchsorted(thresholds, occurrences, right=True)
+        factor = factors.gather(1, stage)
+        selected = scores.gather(1, ids)
+        penalized = torch.where(selected < 0, selected * factor, selected / factor)
+        return scores.scatter(1, ids, penalized)
+
+
+def _token_ids(name: str, values: int | Iterable[int] | None) -> list[int]:
+    if values is None:
+        return []
+    items = [values] if isinstance(values, int) and not isinstance(values, bool) else list(values)
+    for value in items:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must hold token ids (integers >= 0); got {value!r}")
+    return items
