@@ -183,12 +183,14 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         counts.scatter_add_(1, ids, counted.to(torch.int32))
         # Every occurrence of a token looks up the same count, so all writes of one token agree.
         occurrences = counts.gather(1, ids)
-        thresholds, factors = self._row_tables(rows, scores.device, scores.dtype)
+        # Penalize in float32 at least, as transformers does when it divides half-precision scores.
+        compute_dtype = torch.promote_types(scores.dtype, torch.float32)
+        thresholds, factors = self._row_tables(rows, scores.device, compute_dtype)
         stage = torch.searchsorted(thresholds, occurrences, right=True)
         factor = factors.gather(1, stage)
-        selected = scores.gather(1, ids)
+        selected = scores.gather(1, ids).to(compute_dtype)
         penalized = torch.where(selected < 0, selected * factor, selected / factor)
-        return scores.scatter(1, ids, penalized)
+        return scores.scatter(1, ids, penalized.to(scores.dtype))
 
 
 def _token_ids(name: str, values: int | Iterable[int] | None) -> list[int]:

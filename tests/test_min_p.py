@@ -1,0 +1,124 @@
+"""MinPLogitsProcessor against transformers' MinPLogitsWarper and hand-checked invariants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from transformers import MinPLogitsWarper
+
+from decodekit import MinPLogitsProcessor
+from tests.strategies_hypothesis import score_batches
+
+min_ps = st.floats(0.0, 1.0, allow_nan=False)
+
+
+def _away_from_threshold(scores: torch.Tensor, min_p: float, temperature: float = 1.0) -> bool:
+    """True when no token sits within rounding distance of the min-p boundary, where the
+    softmax-based and the logit-based comparisons may round differently."""
+    if min_p <= 0:
+        return True
+    finite = scores.double().masked_fill(~torch.isfinite(scores), -1e30)
+    gap = finite - finite.amax(-1, keepdim=True) - temperature * math.log(min_p)
+    return bool((gap.abs() > 1e-3).all())
+
+
+@settings(max_examples=200, deadline=None)
+@given(scores=score_batches(dtypes=[torch.float32]), min_p=min_ps, keep=st.integers(1, 4))
+def test_equals_transformers_min_p_at_temperature_one(scores, min_p, keep):
+    assume(_away_from_threshold(scores, min_p))
+    ours = MinPLogitsProcessor(min_p, min_tokens_to_keep=keep)(None, scores)
+    theirs = MinPLogitsWarper(min_p, min_tokens_to_keep=keep)(None, scores)
+    assert torch.equal(ours, theirs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scores=score_batches(dtypes=[torch.float32]), min_p=min_ps, temperature=st.floats(0.05, 5.0))
+def test_temperature_judges_the_tempered_distribution(scores, min_p, temperature):
+    assume(_away_from_threshold(scores, min_p, temperature))
+    ours = MinPLogitsProcessor(min_p, temperature=temperature)(None, scores)
+    tempered = MinPLogitsWarper(min_p)(None, scores / temperature)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(tempered))
+
+
+@settings(max_examples=200, deadline=None)
+@given(scores=score_batches(), min_p=min_ps, keep=st.integers(1, 6), temperature=st.floats(0.1, 3.0))
+def test_invariants_over_dtypes(scores, min_p, keep, temperature):
+    out = MinPLogitsProcessor(min_p, min_tokens_to_keep=keep, temperature=temperature)(None, scores)
+    assert out.dtype == scores.dtype and out.shape == scores.shape
+    assert not torch.isnan(out).any()
+    kept = torch.isfinite(out)
+    assert torch.equal(out[kept], scores[kept])  # kept scores are untouched
+    assert not (kept & ~torch.isfinite(scores)).any()  # -inf stays -inf
+    finite_per_row = torch.isfinite(scores).sum(-1)
+    assert (kept.sum(-1) >= torch.clamp(finite_per_row, max=keep)).all()
+    top = scores.argmax(-1, keepdim=True)
+    assert kept.gather(1, top).all()  # the most likely token always survives
+
+
+def test_hand_computed_case():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = MinPLogitsProcessor(0.2)(None, probs.log())  # threshold 0.1: drops 0.05 only
+    assert torch.isfinite(out).tolist() == [[True, True, True, False]]
+    out = MinPLogitsProcessor(0.2, temperature=0.5)(None, probs.log())
+    # at T=0.5 the probabilities are proportional to p^2: 0.25, 0.09, 0.0225, 0.0025; threshold 0.05
+    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+
+
+def test_per_row_values_equal_one_processor_per_row():
+    scores = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 3
+    values = torch.tensor([0.0, 0.05, 0.3, 1.0])
+    batched = MinPLogitsProcessor(values)(None, scores)
+    for row, value in enumerate(values.tolist()):
+        assert torch.equal(batched[row], MinPLogitsProcessor(value)(None, scores[row : row + 1])[0])
+
+
+def test_per_request_values_repeat_over_beams():
+    scores = torch.randn(6, 30, generator=torch.Generator().manual_seed(2)) * 3
+    out = MinPLogitsProcessor([0.1, 0.5])(None, scores)
+    expected = MinPLogitsProcessor(torch.tensor([0.1, 0.1, 0.1, 0.5, 0.5, 0.5]))(None, scores)
+    assert torch.equal(out, expected)
+
+
+def test_per_row_length_must_fit_the_batch():
+    with pytest.raises(ValueError, match="min_p has 2 per-row values but the scores have 3 rows"):
+        MinPLogitsProcessor([0.1, 0.2])(None, torch.zeros(3, 10))
+
+
+def test_finite_filter_value_never_raises_a_banned_token():
+    scores = torch.tensor([[0.0, -1.0, -20.0, float("-inf")]])
+    out = MinPLogitsProcessor(0.5, filter_value=-100.0)(None, scores)
+    assert out.tolist() == [[0.0, -100.0, -100.0, float("-inf")]]
+
+
+def test_an_infinite_top_score_keeps_its_row():
+    scores = torch.tensor([[float("inf"), 1.0, 2.0], [float("-inf"), float("-inf"), 0.0]])
+    for min_p in (0.0, 0.5, 1.0):
+        out = MinPLogitsProcessor(min_p)(None, scores)
+        assert not torch.isnan(out).any() and torch.isfinite(out).sum() + torch.isposinf(out).sum() >= 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_p": -0.1}, r"min_p must be in \[0.0, 1.0\]"),
+        ({"min_p": 1.5}, r"min_p must be in \[0.0, 1.0\]"),
+        ({"min_p": float("nan")}, "min_p must be in"),
+        ({"min_p": [0.1, 2.0]}, "min_p must be in"),
+        ({"min_p": torch.zeros(2, 2)}, "min_p as a tensor must be 1-D"),
+        ({"min_p": 0.1, "min_tokens_to_keep": 0}, "min_tokens_to_keep must be an integer >= 1"),
+        ({"min_p": 0.1, "temperature": 0.0}, r"temperature must be in \(0.0, inf\]"),
+        ({"min_p": 0.1, "filter_value": float("nan")}, "filter_value must be a number"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MinPLogitsProcessor(**kwargs)
+
+
+def test_bool_min_p_is_a_type_error():
+    with pytest.raises(TypeError, match="min_p must be a number"):
+        MinPLogitsProcessor(True)
