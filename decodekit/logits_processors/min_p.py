@@ -9,6 +9,9 @@ from transformers import LogitsProcessor
 
 from decodekit.logits_processors._rows import FLOAT32_MIN, RowParameter, RowValues, log_floor
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+SMALLEST_SUBNORMAL = 1.401298464324817e-45  # the smallest positive float32
+
 
 class MinPLogitsProcessor(LogitsProcessor):
     r"""Keep the tokens whose probability is at least ``min_p`` times the most likely token's.
@@ -70,9 +73,12 @@ class MinPLogitsProcessor(LogitsProcessor):
         return (temperature * log_min_p).clamp(min=FLOAT32_MIN)
 
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
-        # Compare in float32 at least, so a bf16/fp16 threshold is not rounded onto the scores' grid.
+        # Judge in float32 at least, so a half-precision threshold is not rounded onto the scores' grid;
+        # clamped to finite values so that an infinite top score cannot produce inf - inf.
         top = scores.amax(dim=-1, keepdim=True).float()
-        threshold = top + self._offset(scores.shape[0], scores.device)
+        threshold = (top + self._offset(scores.shape[0], scores.device)).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+        if self.min_tokens_to_keep == 1 and self.filter_value == -math.inf:
+            return self._filter_without_mask(scores, threshold)
         remove = scores < threshold
         if self.min_tokens_to_keep > 1:
             k = min(self.min_tokens_to_keep, scores.shape[-1])
@@ -80,3 +86,17 @@ class MinPLogitsProcessor(LogitsProcessor):
         if self.filter_value == -math.inf:
             return torch.where(remove, self.filter_value, scores)
         return torch.where(remove, scores.clamp(max=self.filter_value), scores)
+
+    @staticmethod
+    def _filter_without_mask(scores: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        """``scores`` with every entry below ``threshold`` set to -inf, in four float passes.
+
+        A boolean mask costs more than the arithmetic on CPU. The sign of ``scores - threshold``
+        is exact in IEEE arithmetic, so thresholding it at the smallest negative subnormal maps
+        kept entries to a difference >= 0 and removed ones to -inf; clamping at 0 leaves 0 or
+        -inf, and adding that to the scores returns kept entries bit for bit.
+        """
+        offset = scores - threshold
+        torch.nn.functional.threshold_(offset, -SMALLEST_SUBNORMAL, -math.inf)
+        offset.clamp_(max=0.0)
+        return offset.add_(scores).to(scores.dtype)

@@ -1,0 +1,22 @@
+"""The benchmark scripts still run (a short configuration; their figures are not asserted here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_processor_benchmark_runs_and_prints_its_ratios():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "processors.py"), "--rounds", "1", "--generate-rounds", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "min-p speedup over MinPLogitsWarper" in result.stdout
+    assert "staged penalty / RepetitionPenalty" in result.stdout
