@@ -129,7 +129,13 @@ def _quiet_libraries() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    logging.basicConfig(level=logging.INFO, format="decodekit: %(message)s", stream=sys.stderr)
+    logger = logging.getLogger("decodekit")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("decodekit: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def _run_generate(args: argparse.Namespace) -> int:
