@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList
 
+from decodekit._validation import check_int
 from decodekit.strategies import Strategy
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -32,9 +33,7 @@ def check_prompts(prompts: Sequence[str]) -> list[str]:
 
 def check_max_new_tokens(max_new_tokens: int) -> int:
     """Return ``max_new_tokens`` if it is an integer >= 1, else raise ValueError."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
-    return max_new_tokens
+    return check_int("max_new_tokens", max_new_tokens, 1)
 
 
 def uses_chat_template(tokenizer: Any, chat: bool | None) -> bool:
@@ -59,10 +58,10 @@ def encode_prompts(
     a non-empty string (None or "" leaves the template's own default), followed by the
     assistant header.
 
-    Example:
-        >>> batch = encode_prompts(tokenizer, ["Hi", "Tell me a story"])  # doctest: +SKIP
-        >>> batch["input_ids"].shape[0]  # doctest: +SKIP
-        2
+    Example (with a tokenizer from ``load_model``)::
+
+        batch = encode_prompts(tokenizer, ["Hi", "Tell me a story"])
+        output = model.generate(**batch, max_new_tokens=16)
     """
     prompts = check_prompts(prompts)
     if uses_chat_template(tokenizer, chat):

@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers import LogitsProcessorList
 
+from decodekit._validation import check_int
 from decodekit.logits_processors import (
     FrequencyPresencePenaltyLogitsProcessor,
     MinPLogitsProcessor,
@@ -87,10 +88,8 @@ class Strategy:
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
             raise TypeError(f"do_sample must be True, False or None; got {self.do_sample!r}")
         _check_positive_finite("temperature", self.temperature)
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
-        ):
-            raise ValueError(f"top_k must be an integer >= 1; got {self.top_k!r}")
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, 1)
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
         _check_in_range("min_p", self.min_p, 0.0, 1.0)
@@ -99,12 +98,7 @@ class Strategy:
         if self.staged_penalty is not None:
             object.__setattr__(self, "staged_penalty", _canonical_stages(self.staged_penalty))
         if self.penalty_window is not None:
-            if (
-                isinstance(self.penalty_window, bool)
-                or not isinstance(self.penalty_window, int)
-                or self.penalty_window < 1
-            ):
-                raise ValueError(f"penalty_window must be an integer >= 1; got {self.penalty_window!r}")
+            check_int("penalty_window", self.penalty_window, 1)
             if self.staged_penalty is None:
                 raise ValueError("penalty_window applies to staged_penalty: set staged_penalty too")
         if self.do_sample is False and self._sampling_fields():

@@ -158,3 +158,17 @@ def test_parse_stages_round_trip_and_errors():
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StagedRepetitionPenaltyLogitsProcessor(**kwargs)
+
+
+def test_punctuation_token_ids_are_exactly_the_punctuation_tokens(tiny):
+    import string
+
+    from decodekit.logits_processors import punctuation_token_ids
+
+    _, tokenizer = tiny
+    ids = punctuation_token_ids(tokenizer)
+    allowed = set(string.punctuation + string.whitespace)
+    assert all(set(tokenizer.decode([i])) <= allowed for i in ids)
+    assert tokenizer.convert_tokens_to_ids(".") in ids and tokenizer.convert_tokens_to_ids(",") in ids
+    letters = tokenizer.convert_tokens_to_ids("a")
+    assert letters not in ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
+from decodekit._validation import check_int
 from decodekit.logits_processors._rows import RowParameter, RowValues
 
 PENALTY_RANGE = (-2.0, 2.0)
@@ -40,9 +41,7 @@ class FrequencyPresencePenaltyLogitsProcessor(LogitsProcessor):
         low, high = PENALTY_RANGE
         self.frequency_penalty = RowParameter("frequency_penalty", frequency_penalty, low=low, high=high)
         self.presence_penalty = RowParameter("presence_penalty", presence_penalty, low=low, high=high)
-        if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0:
-            raise ValueError(f"prompt_length must be an integer >= 0 (the padded prompt length); got {prompt_length!r}")
-        self.prompt_length = prompt_length
+        self.prompt_length = check_int("prompt_length", prompt_length, 0, " (the padded prompt length)")
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         rows, vocab = scores.shape

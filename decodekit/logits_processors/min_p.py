@@ -7,6 +7,7 @@ import math
 import torch
 from transformers import LogitsProcessor
 
+from decodekit._validation import check_int
 from decodekit.logits_processors._rows import FLOAT32_MIN, RowParameter, RowValues, log_floor
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -51,8 +52,7 @@ class MinPLogitsProcessor(LogitsProcessor):
     ) -> None:
         self.min_p = RowParameter("min_p", min_p, low=0.0, high=1.0)
         self.temperature = RowParameter("temperature", temperature, low=0.0, high=math.inf, low_open=True)
-        if isinstance(min_tokens_to_keep, bool) or not isinstance(min_tokens_to_keep, int) or min_tokens_to_keep < 1:
-            raise ValueError(f"min_tokens_to_keep must be an integer >= 1; got {min_tokens_to_keep!r}")
+        check_int("min_tokens_to_keep", min_tokens_to_keep, 1)
         if not isinstance(filter_value, (int, float)) or math.isnan(filter_value):
             raise ValueError(f"filter_value must be a number (usually -inf); got {filter_value!r}")
         self.min_tokens_to_keep = min_tokens_to_keep

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from decodekit._validation import check_int, is_int_at_least
 from decodekit.logits_processors._rows import expand_rows
 
 StageTable = Mapping[int, float]
@@ -46,7 +47,7 @@ def check_stage_table(table: Any, name: str = "stages") -> list[tuple[int, float
         raise ValueError(f"{name} must be a non-empty mapping from a count (>= 1) to a penalty (> 0); got {table!r}")
     pairs = list(table.items())
     for count, penalty in pairs:
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        if not is_int_at_least(count, 1):
             raise ValueError(f"{name}: every count must be an integer >= 1; got {count!r}")
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
             raise ValueError(f"{name}: every penalty must be a finite number > 0; got {penalty!r} for count {count}")
@@ -62,9 +63,10 @@ def check_stage_table(table: Any, name: str = "stages") -> list[tuple[int, float
 def punctuation_token_ids(tokenizer: Any) -> list[int]:
     """Ids of the tokens that decode to punctuation and whitespace only, to exempt from a penalty.
 
-    Example:
-        >>> ids = punctuation_token_ids(tokenizer)  # doctest: +SKIP
-        >>> processor = StagedRepetitionPenaltyLogitsProcessor({2: 1.3}, exempt_token_ids=ids)  # doctest: +SKIP
+    Example (with a tokenizer from ``load_model``)::
+
+        ids = punctuation_token_ids(tokenizer)
+        processor = StagedRepetitionPenaltyLogitsProcessor({2: 1.3}, exempt_token_ids=ids)
     """
     allowed = set(string.punctuation + string.whitespace)
     ids = []
@@ -122,14 +124,12 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         prompt_length: int | None = None,
     ) -> None:
         tables = self._tables(stages)
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be an integer >= 1 or None (the whole sequence); got {window!r}")
+        if window is not None:
+            check_int("window", window, 1, " or None (the whole sequence)")
         if not isinstance(count_prompt, bool):
             raise TypeError(f"count_prompt must be True or False; got {count_prompt!r}")
-        if prompt_length is not None and (
-            isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 0
-        ):
-            raise ValueError(f"prompt_length must be an integer >= 0; got {prompt_length!r}")
+        if prompt_length is not None:
+            check_int("prompt_length", prompt_length, 0)
         if not count_prompt and prompt_length is None:
             raise ValueError("count_prompt=False needs prompt_length: the length of the padded prompt input_ids")
         self.window = window
@@ -198,6 +198,6 @@ def _token_ids(name: str, values: int | Iterable[int] | None) -> list[int]:
         return []
     items = [values] if isinstance(values, int) and not isinstance(values, bool) else list(values)
     for value in items:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_int_at_least(value, 0):
             raise ValueError(f"{name} must hold token ids (integers >= 0); got {value!r}")
     return items
