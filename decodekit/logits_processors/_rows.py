@@ -6,7 +6,6 @@ expanded each request into several consecutive rows (``num_beams``, ``num_return
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -53,13 +52,6 @@ class RowParameter:
     def __repr__(self) -> str:
         return repr(self.scalar) if self.scalar is not None else f"tensor({self.values.tolist()})"
 
-    def derived(self, values: torch.Tensor) -> RowParameter:
-        """A parameter with the same name and shape whose values were computed from this one's."""
-        twin = RowParameter.__new__(RowParameter)
-        twin.name, twin.values, twin._cache = self.name, values, {}
-        twin.scalar = float(values[0]) if self.scalar is not None else None
-        return twin
-
     @property
     def is_scalar(self) -> bool:
         return self.scalar is not None
@@ -83,8 +75,3 @@ def expand_rows(values: torch.Tensor, rows: int, name: str) -> torch.Tensor:
         f"{name} has {count} per-row values but the scores have {rows} rows: give one value per row, "
         "or one per request when each request spans the same number of rows (beams, return sequences)"
     )
-
-
-def log_floor(value: float) -> float:
-    """``log(value)`` with log(0) mapped to the most negative finite float32 instead of -inf."""
-    return math.log(value) if value > 0 else FLOAT32_MIN

@@ -8,7 +8,7 @@ import torch
 from transformers import LogitsProcessor
 
 from decodekit._validation import check_int
-from decodekit.logits_processors._rows import FLOAT32_MIN, RowParameter, RowValues, log_floor
+from decodekit.logits_processors._rows import FLOAT32_MIN, RowParameter, RowValues, expand_rows
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 SMALLEST_SUBNORMAL = 1.401298464324817e-45  # the smallest positive float32
@@ -57,20 +57,24 @@ class MinPLogitsProcessor(LogitsProcessor):
             raise ValueError(f"filter_value must be a number (usually -inf); got {filter_value!r}")
         self.min_tokens_to_keep = min_tokens_to_keep
         self.filter_value = float(filter_value)
-        self._log_min_p = self.min_p.derived(torch.log(self.min_p.values).clamp(min=FLOAT32_MIN))
+        # temperature * ln(min_p), the threshold's distance below the top logit; ln(0) floored to a finite value.
+        self._log_min_p = torch.log(self.min_p.values).clamp(min=FLOAT32_MIN)
+        self._scalar_offset: float | None = None
         if self.min_p.is_scalar and self.temperature.is_scalar:
-            offset = self.temperature.scalar * log_floor(self.min_p.scalar)
-            self._scalar_offset: float | None = max(offset, FLOAT32_MIN)
-        else:
-            self._scalar_offset = None
+            self._scalar_offset = max(self.temperature.scalar * float(self._log_min_p[0]), FLOAT32_MIN)
+        self._row_offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _offset(self, rows: int, device: torch.device) -> float | torch.Tensor:
-        """``temperature * ln(min_p)`` as a float, or a ``[rows, 1]`` float32 tensor."""
+        """``temperature * ln(min_p)`` as a float, or a ``[rows, 1]`` float32 tensor built once per shape."""
         if self._scalar_offset is not None:
             return self._scalar_offset
-        log_min_p = self._log_min_p.for_rows(rows, device, torch.float32)
-        temperature = self.temperature.for_rows(rows, device, torch.float32)
-        return (temperature * log_min_p).clamp(min=FLOAT32_MIN)
+        key = (rows, device)
+        if key not in self._row_offsets:
+            log_min_p = expand_rows(self._log_min_p, rows, "min_p")
+            temperature = expand_rows(self.temperature.values, rows, "temperature")
+            offset = (temperature * log_min_p).clamp(min=FLOAT32_MIN)
+            self._row_offsets[key] = offset.to(device=device, dtype=torch.float32)[:, None]
+        return self._row_offsets[key]
 
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
         # Judge in float32 at least, so a half-precision threshold is not rounded onto the scores' grid;
