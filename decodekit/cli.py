@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from decodekit.decoders import NORMALIZATIONS
 from decodekit.generation import DEFAULT_SYSTEM_PROMPT, check_prompts
 from decodekit.models import ModelLoadError
 from decodekit.strategies import Strategy
@@ -82,6 +83,30 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _early_stopping(text: str) -> bool | str:
+    choices = {"true": True, "false": False, "never": "never"}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"must be true, false or never; got {text!r}")
+    return choices[text.lower()]
+
+
+def add_beam_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that select decodekit's length-normalized beam search."""
+    group = parser.add_argument_group("beam search (instead of greedy or sampling)")
+    group.add_argument("--num-beams", type=_bounded(int, 1), help="search with this many beams, >= 1")
+    group.add_argument(
+        "--length-normalization",
+        choices=NORMALIZATIONS,
+        help="score of a finished hypothesis: none (sum of log-probs), average (sum / L^alpha, the default) "
+        "or gnmt (sum / ((5 + L) / 6)^alpha)",
+    )
+    group.add_argument("--length-alpha", type=_bounded(float, 0), help="exponent of the normalization, >= 0 (1.0)")
+    group.add_argument("--length-reward", type=_bounded(float, 0), help="reward per generated token, >= 0")
+    group.add_argument(
+        "--early-stopping", type=_early_stopping, help="true, false (heuristic, the default) or never (exhaustive)"
+    )
+
+
 def strategy_from_args(args: argparse.Namespace) -> Strategy:
     """The Strategy that the strategy flags describe."""
     return Strategy(
@@ -94,6 +119,11 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
         penalty_window=args.penalty_window,
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
+        num_beams=getattr(args, "num_beams", None),
+        length_normalization=getattr(args, "length_normalization", None),
+        length_alpha=getattr(args, "length_alpha", None),
+        length_reward=getattr(args, "length_reward", None),
+        early_stopping=getattr(args, "early_stopping", None),
     )
 
 
@@ -119,6 +149,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     generate.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     add_strategy_flags(generate)
+    add_beam_flags(generate)
     generate.set_defaults(handler=_run_generate)
     return parser
 
@@ -149,7 +180,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
     if args.seed is not None:
         set_seed(args.seed)
-    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    # A beam's text can still change until the search ends, so beam search prints at the end.
+    stream = not (args.no_stream or strategy.beam)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     texts = generate_text(
         model,
         tokenizer,
@@ -158,7 +191,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         chat=False if args.raw else None,
         system_prompt=args.system,
-        streamer=streamer,
+        **({"streamer": streamer} if streamer else {}),
     )
     if streamer is None:
         print(texts[0])

@@ -16,6 +16,9 @@ from typing import Any
 from transformers import LogitsProcessorList
 
 from decodekit._validation import check_int
+from decodekit.decoders import beam_search
+from decodekit.decoders.beam_search import EARLY_STOPPING
+from decodekit.decoders.length_normalization import LengthNormalization
 from decodekit.logits_processors import (
     FrequencyPresencePenaltyLogitsProcessor,
     MinPLogitsProcessor,
@@ -26,6 +29,7 @@ from decodekit.logits_processors.frequency import PENALTY_RANGE
 from decodekit.logits_processors.repetition import check_stage_table
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+BEAM_FIELDS = ("length_normalization", "length_alpha", "length_reward", "early_stopping")
 
 
 def _check_positive_finite(name: str, value: float | None) -> None:
@@ -62,6 +66,13 @@ class Strategy:
         penalty_window: how many recent tokens the staged penalty counts; None for all.
         frequency_penalty: OpenAI-style, per occurrence in the generated text; in [-2, 2].
         presence_penalty: OpenAI-style, once a token has been generated; in [-2, 2].
+        num_beams: search with this many beams (decodekit's length-normalized beam search);
+            >= 1. Beam search does not sample.
+        length_normalization: how beam search scores finished hypotheses: "none", "average"
+            (the default) or "gnmt" (see ``decodekit.decoders.LengthNormalization``).
+        length_alpha: the exponent of the length normalization, >= 0 (default 1.0).
+        length_reward: a reward per generated token added to beam scores, >= 0.
+        early_stopping: when beam search stops: True, False (the default heuristic) or "never".
 
     Example:
         >>> from decodekit import Strategy
@@ -71,6 +82,8 @@ class Strategy:
         {'do_sample': True, 'temperature': 0.7, 'top_k': 0, 'top_p': 0.9}
         >>> Strategy(temperature=0.7, top_p=0.9).label
         'sample(temperature=0.7, top_p=0.9)'
+        >>> Strategy(num_beams=4, length_normalization="gnmt", length_alpha=0.6).label
+        'beam(num_beams=4, length_normalization=gnmt, length_alpha=0.6)'
     """
 
     name: str | None = None
@@ -83,6 +96,11 @@ class Strategy:
     penalty_window: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    num_beams: int | None = None
+    length_normalization: str | None = None
+    length_alpha: float | None = None
+    length_reward: float | None = None
+    early_stopping: bool | str | None = None
 
     def __post_init__(self) -> None:
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
@@ -101,9 +119,29 @@ class Strategy:
             check_int("penalty_window", self.penalty_window, 1)
             if self.staged_penalty is None:
                 raise ValueError("penalty_window applies to staged_penalty: set staged_penalty too")
+        self._check_beam_fields()
         if self.do_sample is False and self._sampling_fields():
             names = ", ".join(self._sampling_fields())
             raise ValueError(f"{names} only apply when sampling: leave do_sample unset or set it to True")
+
+    def _check_beam_fields(self) -> None:
+        if self.num_beams is None:
+            named = [name for name in BEAM_FIELDS if getattr(self, name) is not None]
+            if named:
+                raise ValueError(f"{', '.join(named)}: beam search settings, set num_beams too")
+            return
+        check_int("num_beams", self.num_beams, 1)
+        if self.do_sample or self._sampling_fields():
+            raise ValueError(
+                "num_beams selects beam search, which does not sample: drop do_sample and the sampling fields"
+            )
+        LengthNormalization(
+            self.length_normalization or "average",
+            1.0 if self.length_alpha is None else self.length_alpha,
+            self.length_reward or 0.0,
+        )
+        if self.early_stopping is not None and self.early_stopping not in EARLY_STOPPING:
+            raise ValueError(f"early_stopping must be True, False or 'never'; got {self.early_stopping!r}")
 
     def _sampling_fields(self) -> list[str]:
         return [name for name in SAMPLING_FIELDS if getattr(self, name) is not None]
@@ -112,6 +150,11 @@ class Strategy:
     def sampling(self) -> bool:
         """Whether this recipe samples (True) or decodes greedily (False)."""
         return self.do_sample if self.do_sample is not None else bool(self._sampling_fields())
+
+    @property
+    def beam(self) -> bool:
+        """Whether this recipe is a beam search."""
+        return self.num_beams is not None
 
     @property
     def label(self) -> str:
@@ -123,6 +166,10 @@ class Strategy:
             for field in ("staged_penalty", "penalty_window", "frequency_penalty", "presence_penalty")
             if getattr(self, field) is not None
         ]
+        if self.beam:
+            fields_set = [field for field in ("num_beams", *BEAM_FIELDS) if getattr(self, field) is not None]
+            parts = [f"{field}={getattr(self, field)}" for field in fields_set]
+            return f"beam({', '.join(parts + penalties)})"
         if not self.sampling:
             return "greedy" + (f"({', '.join(penalties)})" if penalties else "")
         parts = [f"{field}={getattr(self, field)}" for field in self._sampling_fields()]
@@ -164,6 +211,9 @@ class Strategy:
         ``input_ids.shape[1]``) is needed by recipes that count generated tokens only.
         """
         kwargs: dict[str, Any] = {"do_sample": self.sampling}
+        if self.beam:
+            kwargs.update(custom_generate=beam_search, num_beams=self.num_beams)
+            kwargs.update({name: getattr(self, name) for name in BEAM_FIELDS if getattr(self, name) is not None})
         if self.sampling:
             kwargs["temperature"] = float(self.temperature if self.temperature is not None else 1.0)
             kwargs["top_k"] = self.top_k if self.top_k is not None else 0

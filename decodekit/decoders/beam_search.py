@@ -172,7 +172,8 @@ def beam_search(
 
     Logits processors see log-probabilities (log-softmax of the logits), as in transformers'
     beam search. The output is generate's: token ids, or with ``return_dict_in_generate=True`` a
-    ``GenerateBeamDecoderOnlyOutput`` whose ``sequences_scores`` are the normalized scores.
+    ``GenerateBeamDecoderOnlyOutput`` whose ``sequences_scores`` are the normalized scores (even
+    without ``output_scores=True``, which adds the per-step processed log-probabilities).
 
     Example (with a model and a batch from ``load_model`` and ``encode_prompts``)::
 
@@ -356,7 +357,7 @@ def _outputs(
         return sequences
     return GenerateBeamDecoderOnlyOutput(
         sequences=sequences,
-        sequences_scores=finished_scores[:, :keep].flatten() if config.output_scores else None,
+        sequences_scores=finished_scores[:, :keep].flatten(),  # the built-in needs output_scores=True for these
         scores=step_scores,
         logits=step_logits,
         beam_indices=origin[:, :generated],
