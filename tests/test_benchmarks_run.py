@@ -20,3 +20,16 @@ def test_processor_benchmark_runs_and_prints_its_ratios():
     assert result.returncode == 0, result.stderr
     assert "min-p speedup over MinPLogitsWarper" in result.stdout
     assert "staged penalty / RepetitionPenalty" in result.stdout
+
+
+def test_beam_search_benchmark_runs_and_prints_its_ratio():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "beam_search.py"), "--rounds", "1", "--max-new-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "decodekit / built-in time" in result.stdout
+    assert "outputs identical: True" in result.stdout

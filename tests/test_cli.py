@@ -64,6 +64,19 @@ def test_sampling_flags_with_a_seed_are_repeatable(tiny_model_dir, capsys):
     assert first[0] == 0 and first == second
 
 
+def test_beam_search_flags_print_the_library_result(tiny, tiny_model_dir, capsys):
+    model, tokenizer = tiny
+    strategy = Strategy(num_beams=3, length_normalization="gnmt", length_alpha=0.6, early_stopping="never")
+    expected = generate_text(model, tokenizer, ["Hello there"], strategy, max_new_tokens=8)[0]
+    code, out, _ = _run(
+        capsys,
+        *["generate", "Hello there", "--model", str(tiny_model_dir), "--max-new-tokens", "8", "--num-beams", "3"],
+        *["--length-normalization", "gnmt", "--length-alpha", "0.6", "--early-stopping", "never"],
+    )
+    assert code == 0
+    assert out.rstrip("\n") == expected.rstrip("\n")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -74,6 +87,11 @@ def test_sampling_flags_with_a_seed_are_repeatable(tiny_model_dir, capsys):
         (["generate", "Hi", "--top-p", "1.5"], "--top-p: must be in (0, 1]"),
         (["generate", "Hi", "--temperature", "0"], "--temperature: must be in (0, inf]"),
         (["generate", "Hi", "--model", "./no/such/dir"], "no such model directory"),
+        (["generate", "Hi", "--num-beams", "0"], "--num-beams: must be in [1, inf]"),
+        (["generate", "Hi", "--num-beams", "2", "--top-p", "0.9"], "does not sample"),
+        (["generate", "Hi", "--length-normalization", "log"], "--length-normalization: invalid choice"),
+        (["generate", "Hi", "--length-alpha", "0.6"], "set num_beams too"),
+        (["generate", "Hi", "--early-stopping", "soon"], "--early-stopping: must be true, false or never"),
         (["generate", "Hi", "--model", "nobody-here/no-such-model"], "--model DIR"),
     ],
 )

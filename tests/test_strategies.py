@@ -30,6 +30,12 @@ def test_sampling_names_every_filter_so_model_defaults_cannot_sneak_in():
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"do_sample": False, "temperature": 0.5}, "only apply when sampling"),
+        ({"num_beams": 0}, "num_beams must be an integer >= 1"),
+        ({"num_beams": 2, "temperature": 0.5}, "does not sample"),
+        ({"num_beams": 2, "length_normalization": "log"}, "length_normalization must be one of"),
+        ({"num_beams": 2, "length_alpha": -1.0}, "length_alpha must be"),
+        ({"num_beams": 2, "early_stopping": "soon"}, "early_stopping must be"),
+        ({"length_alpha": 0.6}, "length_alpha: beam search settings, set num_beams too"),
     ],
 )
 def test_bad_fields_are_named(fields, message):
@@ -74,3 +80,19 @@ def test_unset_filters_stay_off_even_when_the_model_config_sets_them(tiny):
     finally:
         model.generation_config.top_k = saved
     assert any(sample != greedy for sample in samples)
+
+
+def test_beam_strategy_names_the_decoder_and_only_the_settings_given():
+    from decodekit.decoders import beam_search
+
+    kwargs = Strategy(num_beams=4, length_normalization="gnmt", length_alpha=0.6).generate_kwargs()
+    assert kwargs == {
+        "do_sample": False,
+        "custom_generate": beam_search,
+        "num_beams": 4,
+        "length_normalization": "gnmt",
+        "length_alpha": 0.6,
+    }
+    strategy = Strategy(num_beams=2, early_stopping="never", staged_penalty="1:1.5")
+    assert strategy.label == "beam(num_beams=2, early_stopping=never, staged_penalty=1:1.5)"
+    assert Strategy.from_dict(strategy.to_dict()) == strategy
