@@ -8,6 +8,7 @@ Example:
 """
 
 from decodekit import logits_processors as processors
+from decodekit.decoders import beam_search
 from decodekit.generation import encode_prompts, generate_text
 from decodekit.logits_processors import (
     FrequencyPresencePenaltyLogitsProcessor,
@@ -23,6 +24,7 @@ __all__ = [
     "ModelLoadError",
     "StagedRepetitionPenaltyLogitsProcessor",
     "Strategy",
+    "beam_search",
     "encode_prompts",
     "generate_text",
     "load_model",

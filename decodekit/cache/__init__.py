@@ -1,0 +1,7 @@
+"""A compressed KV cache that evicts low-attention tokens: ``past_key_values=CompressedCache(model, budget=512)``."""
+
+from decodekit.cache.compressed import CompressedCache
+from decodekit.cache.layer import CompressedLayer, EvictionPolicy
+from decodekit.cache.observer import unbind
+
+__all__ = ["CompressedCache", "CompressedLayer", "EvictionPolicy", "unbind"]

@@ -1,0 +1,133 @@
+"""CompressedCache: a KV cache that keeps a bounded set of tokens chosen by the attention they receive."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import Cache
+
+from decodekit._validation import check_int
+from decodekit.cache.layer import CompressedLayer, EvictionPolicy
+from decodekit.cache.observer import bind
+
+
+class CompressedCache(Cache):
+    """A KV cache for ``model.generate(past_key_values=...)`` that evicts low-attention tokens.
+
+    Per layer and KV head it keeps the first ``sink_tokens`` tokens (attention sinks), the last
+    ``recent_tokens``, and the tokens with the highest importance score, up to a size set by
+    ``budget`` (a token count, held after prefill and throughout decoding) or
+    ``compression_ratio`` (keep ``1 - ratio`` of the tokens seen so far). A token's score is the
+    attention it receives from the last ``observation_window`` queries of each forward pass
+    (averaged over the query heads that share its KV head and smoothed over ``pool_kernel``
+    neighbours), added to its previous score times ``score_decay``. The tokens of one forward
+    pass attend to the kept cache and to all of themselves; eviction follows.
+
+    The cache is bound to ``model``, whose attention modules it observes through hooks that do
+    nothing when another cache (or none) is used. It works with any attention implementation
+    (SDPA by default), fp32/fp16/bf16, grouped-query attention, left-padded batches (padding is
+    held at the front of each row and never scored), beam search, and models split across
+    devices. Positions stay logical: ``get_seq_length()`` is the number of tokens seen.
+
+    Args:
+        model: the (Llama-style) model the cache will serve.
+        budget: tokens kept per layer and KV head, >= sink_tokens + recent_tokens.
+        compression_ratio: fraction of the tokens to evict, in [0, 1).
+        sink_tokens: first tokens always kept, >= 0.
+        recent_tokens: most recent tokens always kept, >= 1.
+        observation_window: last queries of each forward pass that score the tokens, >= 1.
+        score_decay: how much of a token's earlier score carries over to the next forward pass, [0, 1].
+        pool_kernel: width of the smoothing of scores over neighbouring tokens, odd, >= 1.
+
+    Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
+
+        from decodekit.cache import CompressedCache
+        cache = CompressedCache(model, budget=512)
+        output = model.generate(**batch, past_key_values=cache, max_new_tokens=256)
+        print(cache.get_seq_length(), cache.memory_bytes())
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget: int | None = None,
+        *,
+        compression_ratio: float | None = None,
+        sink_tokens: int = 4,
+        recent_tokens: int = 32,
+        observation_window: int = 32,
+        score_decay: float = 0.9,
+        pool_kernel: int = 5,
+    ) -> None:
+        self.policy = _policy(budget, compression_ratio, sink_tokens, recent_tokens, observation_window,
+                              score_decay, pool_kernel)  # fmt: skip
+        modules = bind(model)
+        self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
+        super().__init__(layers=[CompressedLayer(self.policy) for _ in modules])
+
+    def layer_for(self, module: nn.Module) -> CompressedLayer:
+        """The cache layer that serves attention ``module``; ValueError for another model's module."""
+        index = self._layer_of_module.get(id(module))
+        if index is None:
+            raise ValueError(
+                "this CompressedCache was built for another model: create one with CompressedCache(model, ...)"
+            )
+        return self.layers[index]
+
+    def check_padding(self, pads: torch.Tensor) -> None:
+        """Reject a batch whose left padding alone exceeds the budget (padding is never evicted)."""
+        budget = self.policy.budget
+        if budget is not None and int(pads.max()) > budget:
+            raise ValueError(
+                f"budget ({budget}) is smaller than this batch's left padding ({int(pads.max())} tokens), "
+                "which the cache must keep: raise the budget or batch prompts of similar length"
+            )
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Queries follow the kept entries physically (the attention mask is built on stored entries)."""
+        return self.layers[layer_idx].kept
+
+    def memory_bytes(self) -> int:
+        """Bytes the cache holds now: keys, values and scores of every layer."""
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    @property
+    def kept_tokens(self) -> int:
+        """Entries stored per layer, row and KV head (the same for all of them)."""
+        return self.layers[0].kept if self.layers else 0
+
+
+def _policy(
+    budget: int | None,
+    compression_ratio: float | None,
+    sink_tokens: int,
+    recent_tokens: int,
+    observation_window: int,
+    score_decay: float,
+    pool_kernel: int,
+) -> EvictionPolicy:
+    check_int("sink_tokens", sink_tokens, 0)
+    check_int("recent_tokens", recent_tokens, 1)
+    check_int("observation_window", observation_window, 1)
+    check_int("pool_kernel", pool_kernel, 1)
+    if pool_kernel % 2 == 0:
+        raise ValueError(f"pool_kernel must be odd; got {pool_kernel}")
+    if isinstance(score_decay, bool) or not isinstance(score_decay, (int, float)) or not 0 <= score_decay <= 1:
+        raise ValueError(f"score_decay must be in [0, 1]; got {score_decay!r}")
+    if (budget is None) == (compression_ratio is None):
+        raise ValueError("give exactly one of budget (tokens kept) and compression_ratio (fraction evicted)")
+    if budget is not None:
+        minimum = sink_tokens + recent_tokens
+        check_int("budget", budget, minimum, f" (sink_tokens + recent_tokens = {sink_tokens} + {recent_tokens})")
+    elif (
+        isinstance(compression_ratio, bool)
+        or not isinstance(compression_ratio, (int, float))
+        or not math.isfinite(compression_ratio)
+        or not 0 <= compression_ratio < 1
+    ):
+        raise ValueError(f"compression_ratio must be in [0, 1); got {compression_ratio!r}")
+    return EvictionPolicy(
+        budget, compression_ratio, sink_tokens, recent_tokens, observation_window, float(score_decay), pool_kernel
+    )
