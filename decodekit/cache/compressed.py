@@ -58,11 +58,12 @@ class CompressedCache(Cache):
         sink_tokens: int = 4,
         recent_tokens: int = 32,
         observation_window: int = 32,
+        observation_stride: int = 0,
         score_decay: float = 0.9,
         pool_kernel: int = 5,
     ) -> None:
         self.policy = _policy(budget, compression_ratio, sink_tokens, recent_tokens, observation_window,
-                              score_decay, pool_kernel)  # fmt: skip
+                              observation_stride, score_decay, pool_kernel)  # fmt: skip
         modules = bind(model)
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
         super().__init__(layers=[CompressedLayer(self.policy) for _ in modules])
@@ -105,12 +106,14 @@ def _policy(
     sink_tokens: int,
     recent_tokens: int,
     observation_window: int,
+    observation_stride: int,
     score_decay: float,
     pool_kernel: int,
 ) -> EvictionPolicy:
     check_int("sink_tokens", sink_tokens, 0)
     check_int("recent_tokens", recent_tokens, 1)
     check_int("observation_window", observation_window, 1)
+    check_int("observation_stride", observation_stride, 0)
     check_int("pool_kernel", pool_kernel, 1)
     if pool_kernel % 2 == 0:
         raise ValueError(f"pool_kernel must be odd; got {pool_kernel}")
@@ -129,5 +132,12 @@ def _policy(
     ):
         raise ValueError(f"compression_ratio must be in [0, 1); got {compression_ratio!r}")
     return EvictionPolicy(
-        budget, compression_ratio, sink_tokens, recent_tokens, observation_window, float(score_decay), pool_kernel
+        budget,
+        compression_ratio,
+        sink_tokens,
+        recent_tokens,
+        observation_window,
+        observation_stride,
+        float(score_decay),
+        pool_kernel,
     )

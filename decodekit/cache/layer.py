@@ -32,8 +32,19 @@ class EvictionPolicy:
     sink_tokens: int
     recent_tokens: int
     observation_window: int
+    observation_stride: int
     score_decay: float
     pool_kernel: int
+
+    def observed_queries(self, new_tokens: int, device: torch.device) -> torch.Tensor:
+        """Which of a forward pass's new tokens score the cache: the last ``observation_window``,
+        and every ``observation_stride``-th one before them (0: none)."""
+        start = max(new_tokens - self.observation_window, 0)
+        recent = torch.arange(start, new_tokens, device=device)
+        if not self.observation_stride or start == 0:
+            return recent
+        earlier = torch.arange(start - 1, -1, -self.observation_stride, device=device).flip(0)
+        return torch.cat([earlier, recent])
 
     def target(self, seen: int) -> int:
         """How many entries a layer that has seen ``seen`` tokens keeps."""
@@ -70,12 +81,17 @@ class CompressedLayer(DynamicLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kept + query_length, 0
 
-    def observe(self, queries: torch.Tensor, scaling: float, pads: torch.Tensor | None) -> None:
-        """Receive the (rotated) queries of the coming forward's last tokens, before ``update``."""
+    def observe(
+        self, queries: torch.Tensor, query_index: torch.Tensor, scaling: float, pads: torch.Tensor | None
+    ) -> None:
+        """Receive rotated queries of the coming forward pass before ``update``.
+
+        ``query_index`` gives each query's position among that pass's new tokens.
+        """
         if self.pads is None:
             self.pads = pads if pads is not None else torch.zeros(queries.shape[0], dtype=torch.long)
             self.pads = self.pads.to(queries.device)
-        self._queries = (queries, scaling)
+        self._queries = (queries, query_index, scaling)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self._queries is None:
@@ -91,26 +107,28 @@ class CompressedLayer(DynamicLayer):
         new_scores = self.scores.new_zeros((*key_states.shape[:2], key_states.shape[-2]))
         self.scores = torch.cat([self.scores * self.policy.score_decay, new_scores], dim=-1)
         self.seen += key_states.shape[-2]
-        queries, scaling = self._queries
+        queries, query_index, scaling = self._queries
         self._queries = None
-        self.scores += self._attention_received(queries, scaling)
+        query_index = query_index.to(self.keys.device) + self.kept - key_states.shape[-2]
+        self.scores += self._attention_received(queries, query_index, scaling)
         return self.keys, self.values
 
     # -- scoring and eviction -------------------------------------------------------------------------
 
-    def _attention_received(self, queries: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Mean attention each entry gets from the observed queries (the last tokens), per KV head."""
+    def _attention_received(self, queries: torch.Tensor, query_index: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Mean attention each entry gets from the observed queries that can see it, per KV head."""
         batch, kv_heads, length, head_dim = self.keys.shape
         window = queries.shape[2]
         grouped = queries.float().reshape(batch, kv_heads, -1, window, head_dim)
         logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped, self.keys.float()) * scaling
         key_index = torch.arange(length, device=logits.device)
-        query_index = key_index[length - window :]
         visible = (key_index[None, None, :] <= query_index[None, :, None]) & (
             key_index[None, None, :] >= self.pads.to(logits.device)[:, None, None]
         )
         logits = logits.masked_fill(~visible[:, None, None], float("-inf"))
-        received = logits.softmax(dim=-1).mean(dim=(2, 3))
+        # Average over the queries that can see each key (keys near the end are seen by fewer).
+        seen_by = visible.sum(dim=1).clamp(min=1) * grouped.shape[2]  # [batch, length]
+        received = logits.softmax(dim=-1).sum(dim=(2, 3)) / seen_by[:, None, :]
         kernel = self.policy.pool_kernel
         if kernel > 1:
             flat = received.reshape(batch * kv_heads, 1, length)
