@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 from kvpress import KnormPress, ObservedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress
@@ -40,10 +41,9 @@ def continuation_perplexity(model, press, context: torch.Tensor, continuation: t
 
 def main() -> None:
     model_dir, tokens_path, *ratios = sys.argv[1:]
-    tokens = json.loads(open(tokens_path).read())
+    tokens = json.loads(Path(tokens_path).read_text())
     context = torch.tensor([tokens["context"]])
     continuation = torch.tensor([tokens["continuation"]])
-    torch.set_num_threads(torch.get_num_threads())
     results = {}
     for name, press_class in PRESSES.items():
         implementation = "eager" if name == "ObservedAttention" else "sdpa"

@@ -17,13 +17,13 @@ class CompressedCache(Cache):
     """A KV cache for ``model.generate(past_key_values=...)`` that evicts low-attention tokens.
 
     Per layer and KV head it keeps the first ``sink_tokens`` tokens (attention sinks), the last
-    ``recent_tokens``, and the tokens with the highest importance score, up to a size set by
-    ``budget`` (a token count, held after prefill and throughout decoding) or
-    ``compression_ratio`` (keep ``1 - ratio`` of the tokens seen so far). A token's score is the
-    attention it receives from the last ``observation_window`` queries of each forward pass
-    (averaged over the query heads that share its KV head and smoothed over ``pool_kernel``
-    neighbours), added to its previous score times ``score_decay``. The tokens of one forward
-    pass attend to the kept cache and to all of themselves; eviction follows.
+    ``recent_tokens``, and the tokens with the highest importance, up to a size set by ``budget``
+    (a token count, held after prefill and throughout decoding) or ``compression_ratio`` (keep
+    ``1 - ratio`` of the tokens seen so far). A token's importance is the attention it receives,
+    averaged over the queries that can see it (all queries of each forward pass, or the last
+    ``observation_window``) and over the query heads sharing its KV head, plus its earlier score
+    times ``score_decay``; eviction ranks it times the norm of its value vector. The tokens of one
+    forward pass attend to the kept cache and to all of themselves; eviction follows.
 
     The cache is bound to ``model``, whose attention modules it observes through hooks that do
     nothing when another cache (or none) is used. It works with any attention implementation
@@ -31,22 +31,28 @@ class CompressedCache(Cache):
     held at the front of each row and never scored), beam search, and models split across
     devices. Positions stay logical: ``get_seq_length()`` is the number of tokens seen.
 
+    Scoring with every query of a long prompt costs about as much as the prompt's own attention
+    (prefill takes up to twice as long on a CPU); ``observation_window=64`` scores with the last
+    64 queries only (SnapKV-style), cheaper and somewhat less accurate.
+
     Args:
         model: the (Llama-style) model the cache will serve.
         budget: tokens kept per layer and KV head, >= sink_tokens + recent_tokens.
         compression_ratio: fraction of the tokens to evict, in [0, 1).
         sink_tokens: first tokens always kept, >= 0.
         recent_tokens: most recent tokens always kept, >= 1.
-        observation_window: last queries of each forward pass that score the tokens, >= 1.
+        observation_window: how many of each forward pass's last queries score the tokens, >= 1;
+            None (the default) for all of them.
         score_decay: how much of a token's earlier score carries over to the next forward pass, [0, 1].
-        pool_kernel: width of the smoothing of scores over neighbouring tokens, odd, >= 1.
+        pool_kernel: width of a smoothing of scores over neighbouring tokens, odd, >= 1 (1: none).
+        value_norm: rank tokens by score times the norm of their value vector.
 
     Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
 
         from decodekit.cache import CompressedCache
         cache = CompressedCache(model, budget=512)
         output = model.generate(**batch, past_key_values=cache, max_new_tokens=256)
-        print(cache.get_seq_length(), cache.memory_bytes())
+        print(cache.get_seq_length(), cache.kept_tokens, cache.memory_bytes())
     """
 
     def __init__(
@@ -57,13 +63,13 @@ class CompressedCache(Cache):
         compression_ratio: float | None = None,
         sink_tokens: int = 4,
         recent_tokens: int = 32,
-        observation_window: int = 32,
-        observation_stride: int = 0,
+        observation_window: int | None = None,
         score_decay: float = 0.9,
-        pool_kernel: int = 5,
+        pool_kernel: int = 1,
+        value_norm: bool = True,
     ) -> None:
         self.policy = _policy(budget, compression_ratio, sink_tokens, recent_tokens, observation_window,
-                              observation_stride, score_decay, pool_kernel)  # fmt: skip
+                              score_decay, pool_kernel, value_norm)  # fmt: skip
         modules = bind(model)
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
         super().__init__(layers=[CompressedLayer(self.policy) for _ in modules])
@@ -105,15 +111,15 @@ def _policy(
     compression_ratio: float | None,
     sink_tokens: int,
     recent_tokens: int,
-    observation_window: int,
-    observation_stride: int,
+    observation_window: int | None,
     score_decay: float,
     pool_kernel: int,
+    value_norm: bool,
 ) -> EvictionPolicy:
     check_int("sink_tokens", sink_tokens, 0)
     check_int("recent_tokens", recent_tokens, 1)
-    check_int("observation_window", observation_window, 1)
-    check_int("observation_stride", observation_stride, 0)
+    if observation_window is not None:
+        check_int("observation_window", observation_window, 1, " or None (every query)")
     check_int("pool_kernel", pool_kernel, 1)
     if pool_kernel % 2 == 0:
         raise ValueError(f"pool_kernel must be odd; got {pool_kernel}")
@@ -137,7 +143,7 @@ def _policy(
         sink_tokens,
         recent_tokens,
         observation_window,
-        observation_stride,
         float(score_decay),
         pool_kernel,
+        bool(value_norm),
     )

@@ -16,7 +16,10 @@ import torch
 from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
-PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
+PROTECTED = 1.0e30
+QUERY_BLOCK = (
+    256  # observed queries scored at once  # the priority of sink and recent tokens: above any attention score
+)
 
 
 @dataclass(frozen=True)
@@ -31,20 +34,10 @@ class EvictionPolicy:
     compression_ratio: float | None
     sink_tokens: int
     recent_tokens: int
-    observation_window: int
-    observation_stride: int
+    observation_window: int | None
     score_decay: float
     pool_kernel: int
-
-    def observed_queries(self, new_tokens: int, device: torch.device) -> torch.Tensor:
-        """Which of a forward pass's new tokens score the cache: the last ``observation_window``,
-        and every ``observation_stride``-th one before them (0: none)."""
-        start = max(new_tokens - self.observation_window, 0)
-        recent = torch.arange(start, new_tokens, device=device)
-        if not self.observation_stride or start == 0:
-            return recent
-        earlier = torch.arange(start - 1, -1, -self.observation_stride, device=device).flip(0)
-        return torch.cat([earlier, recent])
+    value_norm: bool = True
 
     def target(self, seen: int) -> int:
         """How many entries a layer that has seen ``seen`` tokens keeps."""
@@ -81,17 +74,12 @@ class CompressedLayer(DynamicLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.kept + query_length, 0
 
-    def observe(
-        self, queries: torch.Tensor, query_index: torch.Tensor, scaling: float, pads: torch.Tensor | None
-    ) -> None:
-        """Receive rotated queries of the coming forward pass before ``update``.
-
-        ``query_index`` gives each query's position among that pass's new tokens.
-        """
+    def observe(self, queries: torch.Tensor, scaling: float, pads: torch.Tensor | None) -> None:
+        """Receive the rotated queries of the coming forward pass's last tokens, before ``update``."""
         if self.pads is None:
             self.pads = pads if pads is not None else torch.zeros(queries.shape[0], dtype=torch.long)
             self.pads = self.pads.to(queries.device)
-        self._queries = (queries, query_index, scaling)
+        self._queries = (queries, scaling)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self._queries is None:
@@ -107,28 +95,38 @@ class CompressedLayer(DynamicLayer):
         new_scores = self.scores.new_zeros((*key_states.shape[:2], key_states.shape[-2]))
         self.scores = torch.cat([self.scores * self.policy.score_decay, new_scores], dim=-1)
         self.seen += key_states.shape[-2]
-        queries, query_index, scaling = self._queries
+        queries, scaling = self._queries
         self._queries = None
-        query_index = query_index.to(self.keys.device) + self.kept - key_states.shape[-2]
-        self.scores += self._attention_received(queries, query_index, scaling)
+        self.scores += self._attention_received(queries, scaling)
         return self.keys, self.values
 
     # -- scoring and eviction -------------------------------------------------------------------------
 
-    def _attention_received(self, queries: torch.Tensor, query_index: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Mean attention each entry gets from the observed queries that can see it, per KV head."""
+    def _attention_received(self, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Mean attention each entry gets from the observed queries (the last ones) that can see it.
+
+        Computed per KV head (averaged over the query heads that share it) in blocks of queries, each
+        against only the keys it can see, so memory stays at ``QUERY_BLOCK x kept`` per head.
+        """
         batch, kv_heads, length, head_dim = self.keys.shape
         window = queries.shape[2]
         grouped = queries.float().reshape(batch, kv_heads, -1, window, head_dim)
-        logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped, self.keys.float()) * scaling
-        key_index = torch.arange(length, device=logits.device)
-        visible = (key_index[None, None, :] <= query_index[None, :, None]) & (
-            key_index[None, None, :] >= self.pads.to(logits.device)[:, None, None]
-        )
-        logits = logits.masked_fill(~visible[:, None, None], float("-inf"))
-        # Average over the queries that can see each key (keys near the end are seen by fewer).
-        seen_by = visible.sum(dim=1).clamp(min=1) * grouped.shape[2]  # [batch, length]
-        received = logits.softmax(dim=-1).sum(dim=(2, 3)) / seen_by[:, None, :]
+        keys = self.keys.float()
+        pads = self.pads.to(keys.device)[:, None, None, None, None]
+        first = length - window  # the physical index of the first observed query
+        received = keys.new_zeros((batch, kv_heads, length))
+        for start in range(0, window, QUERY_BLOCK):
+            stop = min(start + QUERY_BLOCK, window)
+            visible_keys = first + stop
+            logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped[:, :, :, start:stop], keys[:, :, :visible_keys])
+            key_index = torch.arange(visible_keys, device=keys.device)
+            query_index = torch.arange(first + start, first + stop, device=keys.device)
+            hidden = (key_index > query_index[:, None]) | (key_index < pads)
+            probs = (logits * scaling).masked_fill(hidden, float("-inf")).softmax(dim=-1)
+            received[..., :visible_keys] += probs.sum(dim=(2, 3))
+        key_index = torch.arange(length, device=keys.device)
+        seen_by = (length - key_index).clamp(max=window) * grouped.shape[2]  # how many observed queries see a key
+        received = received / seen_by
         kernel = self.policy.pool_kernel
         if kernel > 1:
             flat = received.reshape(batch * kv_heads, 1, length)
@@ -147,7 +145,8 @@ class CompressedLayer(DynamicLayer):
         is_pad = position[None, :] < pads
         is_sink = ~is_pad & (position[None, :] < pads + self.policy.sink_tokens)
         is_recent = position[None, :] >= length - self.policy.recent_tokens
-        priority = torch.where((is_sink | is_recent)[:, None, :], PROTECTED, self.scores)
+        priority = self.scores * self.values.float().norm(dim=-1) if self.policy.value_norm else self.scores
+        priority = torch.where((is_sink | is_recent)[:, None, :], PROTECTED, priority)
         priority = torch.where(is_pad[:, None, :], float("inf"), priority)
         keep = priority.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
         expanded = keep[..., None].expand(-1, -1, -1, self.keys.shape[-1])

@@ -86,20 +86,22 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     if position_embeddings is None:
         raise ValueError("CompressedCache needs rotary position embeddings passed to the attention modules")
     layer = cache.layer_for(module)
-    query_index = cache.policy.observed_queries(hidden_states.shape[1], hidden_states.device)
-    observed = hidden_states[:, query_index]
-    batch, window = observed.shape[:2]
+    window = hidden_states.shape[1]
+    if cache.policy.observation_window is not None:
+        window = min(window, cache.policy.observation_window)
+    observed = hidden_states[:, -window:]
+    batch = observed.shape[0]
     queries = module.q_proj(observed).view(batch, window, -1, module.head_dim)
     if isinstance(getattr(module, "q_norm", None), nn.Module):
         queries = module.q_norm(queries)
     queries = queries.transpose(1, 2)
-    cos, sin = (embedding[:, query_index].unsqueeze(1) for embedding in position_embeddings)
+    cos, sin = (embedding[:, -window:].unsqueeze(1) for embedding in position_embeddings)
     queries = queries * cos + _rotate_half(queries) * sin
     pads = None
     if layer.pads is None:
         pads = _left_padding(kwargs.get("attention_mask"), batch, queries.device)
         cache.check_padding(pads)
-    layer.observe(queries, query_index, module.scaling, pads)
+    layer.observe(queries, module.scaling, pads)
 
 
 def _after_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
