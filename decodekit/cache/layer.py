@@ -1,10 +1,12 @@
 """One layer of the compressed cache: keys, values, and a running importance score per entry.
 
-Entries are ``[batch, kv_heads, kept, head_dim]`` like transformers' ``DynamicLayer``; every KV
+Entries are ``[batch, kv_heads, slots, head_dim]`` like transformers' ``DynamicLayer``; every KV
 head keeps its own set of tokens (the same count for all heads and rows, so tensors stay
-rectangular and every layer presents the same length to the attention mask). A batch row's left
-padding stays at the front of that row, where the attention mask generate builds expects it,
-and is never scored or evicted.
+rectangular and every layer presents the same length to the attention mask). Each entry records
+its logical position, so entries need not stay in order: when one token arrives and one must go,
+the newcomer takes the evicted entry's slot and nothing is copied. A batch row's left padding
+stays at the front of that row, where the attention mask generate builds expects it, and is
+never scored or evicted.
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ import torch
 from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
-PROTECTED = 1.0e30
-QUERY_BLOCK = (
-    256  # observed queries scored at once  # the priority of sink and recent tokens: above any attention score
-)
+PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
+QUERY_BLOCK = 256  # observed queries scored at once
 
 
 @dataclass(frozen=True)
@@ -55,17 +55,23 @@ class CompressedLayer(DynamicLayer):
     def __init__(self, policy: EvictionPolicy) -> None:
         super().__init__()
         self.policy = policy
-        self.scores: torch.Tensor | None = None  # [batch, kv_heads, kept], float32
-        self.pads: torch.Tensor | None = None  # [batch], left-padding entries at the front of each row
         self.seen = 0  # tokens given to this layer: the logical length
+        self.pads: torch.Tensor | None = None  # [batch], left-padding entries at the front of each row
+        # Per entry, [batch, kv_heads, slots]: score, value norm, logical position.
+        self.scores: torch.Tensor | None = None
+        self.value_norms: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.free: torch.Tensor | None = None  # [batch, kv_heads]: the slot evicted last, for the next token
         self._queries: tuple[torch.Tensor, float] | None = None
 
     # -- what the model sees ------------------------------------------------------------------------
 
     @property
     def kept(self) -> int:
-        """The number of entries stored per row and KV head."""
-        return self.keys.shape[-2] if self.is_initialized else 0
+        """The number of tokens stored per row and KV head (a free slot does not count)."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.shape[-2] - (self.free is not None)
 
     def get_seq_length(self) -> int:
         """The logical length (all tokens seen), from which models derive positions."""
@@ -87,103 +93,146 @@ class CompressedLayer(DynamicLayer):
                 "this CompressedCache was not built for the model it is used with: "
                 "create it with CompressedCache(model, ...) for that model"
             )
+        batch, kv_heads, new, _ = key_states.shape
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.scores = key_states.new_zeros((*key_states.shape[:2], 0), dtype=torch.float32)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        new_scores = self.scores.new_zeros((*key_states.shape[:2], key_states.shape[-2]))
-        self.scores = torch.cat([self.scores * self.policy.score_decay, new_scores], dim=-1)
-        self.seen += key_states.shape[-2]
+            empty = key_states.new_zeros((batch, kv_heads, 0), dtype=torch.float32)
+            self.scores, self.value_norms = empty, empty.clone()
+            self.positions = empty.to(torch.int32)
+        positions = torch.arange(self.seen, self.seen + new, device=key_states.device, dtype=torch.int32)
+        positions = positions.expand(batch, kv_heads, new)
+        value_norms = value_states.float().norm(dim=-1)
+        self.scores = self.scores * self.policy.score_decay
+        if self.free is not None and new == 1:
+            self._fill_free_slot(key_states, value_states, value_norms, positions)
+        else:
+            if self.free is not None:
+                self._drop_free_slot()
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.scores = torch.cat([self.scores, self.scores.new_zeros((batch, kv_heads, new))], dim=-1)
+            self.value_norms = torch.cat([self.value_norms, value_norms], dim=-1)
+            self.positions = torch.cat([self.positions, positions], dim=-1)
+        self.seen += new
         queries, scaling = self._queries
         self._queries = None
         self.scores += self._attention_received(queries, scaling)
         return self.keys, self.values
+
+    def _fill_free_slot(self, key_states, value_states, value_norms, positions) -> None:
+        slot = self.free[..., None]
+        expanded = slot[..., None].expand(-1, -1, -1, key_states.shape[-1])
+        self.keys.scatter_(2, expanded, key_states)
+        self.values.scatter_(2, expanded, value_states)
+        self.scores.scatter_(2, slot, 0.0)
+        self.value_norms.scatter_(2, slot, value_norms)
+        self.positions.scatter_(2, slot, positions)
+        self.free = None
+
+    def _drop_free_slot(self) -> None:
+        slots = self.keys.shape[-2]
+        index = torch.arange(slots - 1, device=self.keys.device).expand(*self.free.shape, slots - 1)
+        self._keep(index + (index >= self.free[..., None]))
+        self.free = None
+
+    def _keep(self, index: torch.Tensor) -> None:
+        """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order."""
+        expanded = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, expanded)
+        self.values = self.values.gather(2, expanded)
+        self.scores = self.scores.gather(2, index)
+        self.value_norms = self.value_norms.gather(2, index)
+        self.positions = self.positions.gather(2, index)
 
     # -- scoring and eviction -------------------------------------------------------------------------
 
     def _attention_received(self, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Mean attention each entry gets from the observed queries (the last ones) that can see it.
 
-        Computed per KV head (averaged over the query heads that share it) in blocks of queries, each
-        against only the keys it can see, so memory stays at ``QUERY_BLOCK x kept`` per head.
+        Computed per KV head (averaged over the query heads that share it) in blocks of queries.
+        The new tokens sit after every older entry, so a block needs only the slots before its
+        last query; visibility within them follows logical positions.
         """
-        batch, kv_heads, length, head_dim = self.keys.shape
+        batch, kv_heads, slots, head_dim = self.keys.shape
         window = queries.shape[2]
         grouped = queries.float().reshape(batch, kv_heads, -1, window, head_dim)
         keys = self.keys.float()
+        positions = self.positions[:, :, None, None, :]
         pads = self.pads.to(keys.device)[:, None, None, None, None]
-        first = length - window  # the physical index of the first observed query
-        received = keys.new_zeros((batch, kv_heads, length))
+        first_slot, first_position = slots - window, self.seen - window
+        received = keys.new_zeros((batch, kv_heads, slots))
         for start in range(0, window, QUERY_BLOCK):
             stop = min(start + QUERY_BLOCK, window)
-            visible_keys = first + stop
-            logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped[:, :, :, start:stop], keys[:, :, :visible_keys])
-            key_index = torch.arange(visible_keys, device=keys.device)
-            query_index = torch.arange(first + start, first + stop, device=keys.device)
-            hidden = (key_index > query_index[:, None]) | (key_index < pads)
+            visible_slots = first_slot + stop if window > 1 else slots
+            logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped[:, :, :, start:stop], keys[:, :, :visible_slots])
+            query_position = torch.arange(first_position + start, first_position + stop, device=keys.device)
+            entry_position = positions[..., :visible_slots]
+            hidden = (entry_position > query_position[:, None]) | (entry_position < pads)
             probs = (logits * scaling).masked_fill(hidden, float("-inf")).softmax(dim=-1)
-            received[..., :visible_keys] += probs.sum(dim=(2, 3))
-        key_index = torch.arange(length, device=keys.device)
-        seen_by = (length - key_index).clamp(max=window) * grouped.shape[2]  # how many observed queries see a key
+            received[..., :visible_slots] += probs.sum(dim=(2, 3))
+        # How many observed queries see each entry: entries among the new tokens are seen by fewer.
+        seen_by = (self.seen - self.positions).clamp(min=1, max=window) * grouped.shape[2]
         received = received / seen_by
         kernel = self.policy.pool_kernel
         if kernel > 1:
-            flat = received.reshape(batch * kv_heads, 1, length)
+            flat = received.reshape(batch * kv_heads, 1, slots)
             received = functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-            received = received.reshape(batch, kv_heads, length)
+            received = received.reshape(batch, kv_heads, slots)
         return received
 
     def compress(self) -> None:
-        """Evict down to the policy's target: pads, sinks and recent tokens first, then the best scored."""
-        length = self.kept
+        """Evict down to the policy's target: pads, sinks and recent tokens first, then the best ranked."""
+        slots = self.keys.shape[-2]
         target = self.policy.target(self.seen)
-        if length <= target:
+        if slots <= target:
             return
-        position = torch.arange(length, device=self.keys.device)
-        pads = self.pads.to(self.keys.device)[:, None]
-        is_pad = position[None, :] < pads
-        is_sink = ~is_pad & (position[None, :] < pads + self.policy.sink_tokens)
-        is_recent = position[None, :] >= length - self.policy.recent_tokens
-        priority = self.scores * self.values.float().norm(dim=-1) if self.policy.value_norm else self.scores
-        priority = torch.where((is_sink | is_recent)[:, None, :], PROTECTED, priority)
-        priority = torch.where(is_pad[:, None, :], float("inf"), priority)
-        keep = priority.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
-        expanded = keep[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, expanded)
-        self.values = self.values.gather(2, expanded)
-        self.scores = self.scores.gather(2, keep)
+        pads = self.pads.to(self.keys.device)[:, None, None]
+        is_pad = self.positions < pads
+        protected = (self.positions < pads + self.policy.sink_tokens) | (
+            self.positions >= self.seen - self.policy.recent_tokens
+        )
+        priority = self.scores * self.value_norms if self.policy.value_norm else self.scores
+        priority = torch.where(protected, PROTECTED, priority)
+        priority = torch.where(is_pad, float("inf"), priority)
+        if slots - target == 1:
+            self.free = priority.argmin(dim=-1)  # the next token takes this slot; nothing is copied
+        else:
+            self._keep(priority.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values)
 
     # -- batch bookkeeping (beam search) ------------------------------------------------------------
 
+    def _per_row(self) -> tuple[str, ...]:
+        return ("keys", "values", "scores", "value_norms", "positions", "pads", "free")
+
+    def _apply_to_rows(self, operation) -> None:
+        for name in self._per_row():
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, operation(tensor))
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            super().reorder_cache(beam_idx)
-            self.scores = self.scores.index_select(0, beam_idx.to(self.scores.device))
-            self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
+            self._apply_to_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            super().batch_repeat_interleave(repeats)
-            self.scores = self.scores.repeat_interleave(repeats, dim=0)
-            self.pads = self.pads.repeat_interleave(repeats, dim=0)
+            self._apply_to_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            super().batch_select_indices(indices)
-            self.scores = self.scores[indices]
-            self.pads = self.pads[indices]
+            self._apply_to_rows(lambda tensor: tensor[indices.to(tensor.device)])
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("a CompressedCache cannot be cropped: its entries are no longer a contiguous prefix")
+        raise ValueError("a CompressedCache cannot be cropped: it no longer holds a contiguous prefix")
 
     def reset(self) -> None:
         super().reset()
-        self.scores = self.pads = self._queries = None
+        self.scores = self.value_norms = self.positions = self.pads = self.free = self._queries = None
         self.seen = 0
 
     def memory_bytes(self) -> int:
-        """Bytes held by this layer's tensors (keys, values and scores)."""
+        """Bytes held by this layer's tensors (keys, values and the per-entry bookkeeping)."""
         if not self.is_initialized:
             return 0
-        return sum(tensor.numel() * tensor.element_size() for tensor in (self.keys, self.values, self.scores))
+        tensors = (self.keys, self.values, self.scores, self.value_norms, self.positions)
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
