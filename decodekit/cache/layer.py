@@ -144,6 +144,15 @@ class CompressedLayer(DynamicLayer):
         self.value_norms = self.value_norms.gather(2, index)
         self.positions = self.positions.gather(2, index)
 
+    def kept_positions(self) -> torch.Tensor:
+        """The logical positions of the stored tokens, ``[batch, kv_heads, kept]``, in increasing order."""
+        positions = self.positions
+        if self.free is not None:
+            slot = torch.arange(positions.shape[-1], device=positions.device)
+            positions = positions.masked_fill(slot == self.free[..., None], torch.iinfo(positions.dtype).max)
+            positions = positions.sort(dim=-1).values[..., :-1]
+        return positions.sort(dim=-1).values
+
     # -- scoring and eviction -------------------------------------------------------------------------
 
     def _attention_received(self, queries: torch.Tensor, scaling: float) -> torch.Tensor:

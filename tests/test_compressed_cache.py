@@ -1,0 +1,215 @@
+"""CompressedCache against DynamicCache, eager attention weights and masked full forward passes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, LogitsProcessor
+
+from decodekit.cache import CompressedCache, unbind
+from decodekit.decoders import beam_search
+from tests.tiny import build_model
+
+PROMPTS = ["def foo(bar):\n    return bar", "The class statement creates a new class object", "x = 1"]
+
+
+@pytest.fixture
+def fresh(tiny):
+    """A fresh copy of the tiny model, so that hooks bound in one test never reach another."""
+    _, tokenizer = tiny
+    return build_model(tokenizer), tokenizer
+
+
+def _batch(tokenizer, prompts=PROMPTS):
+    return tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+
+
+def _greedy(model, tokenizer, batch, cache=None, **kwargs):
+    kwargs.setdefault("max_new_tokens", 24)
+    if cache is not None:
+        kwargs["past_key_values"] = cache
+    return model.generate(**batch, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one of budget"),
+        ({"budget": 64, "compression_ratio": 0.5}, "exactly one of budget"),
+        ({"budget": 30}, r"budget must be an integer >= 36 \(sink_tokens \+ recent_tokens = 4 \+ 32\)"),
+        ({"budget": 64.0}, "budget must be an integer"),
+        ({"compression_ratio": 1.0}, r"compression_ratio must be in \[0, 1\)"),
+        ({"compression_ratio": -0.1}, r"compression_ratio must be in \[0, 1\)"),
+        ({"compression_ratio": float("nan")}, "compression_ratio must be"),
+        ({"budget": 64, "recent_tokens": 0}, "recent_tokens must be an integer >= 1"),
+        ({"budget": 64, "sink_tokens": -1}, "sink_tokens must be an integer >= 0"),
+        ({"budget": 64, "observation_window": 0}, "observation_window must be an integer >= 1"),
+        ({"budget": 64, "pool_kernel": 4}, "pool_kernel must be odd"),
+        ({"budget": 64, "score_decay": 1.5}, r"score_decay must be in \[0, 1\]"),
+    ],
+)
+def test_bad_settings_are_named(fresh, kwargs, message):
+    model, _ = fresh
+    with pytest.raises(ValueError, match=message):
+        CompressedCache(model, **kwargs)
+
+
+def test_a_model_without_llama_style_attention_is_refused():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="Llama-style attention modules"):
+        CompressedCache(model, budget=64)
+
+
+def test_a_cache_built_for_another_model_is_refused(fresh, tiny):
+    model, tokenizer = fresh
+    other = build_model(tokenizer, seed=1)
+    CompressedCache(other, budget=64)  # binds the other model too
+    with pytest.raises(ValueError, match="not built for the model"):
+        _greedy(model, tokenizer, _batch(tokenizer), CompressedCache(other, budget=64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_budget_above_the_length_gives_the_same_tokens_as_dynamic_cache(fresh, dtype):
+    model, tokenizer = fresh
+    model = model.to(dtype)
+    batch = _batch(tokenizer)
+    full = _greedy(model, tokenizer, batch)
+    cache = CompressedCache(model, budget=256)
+    assert torch.equal(_greedy(model, tokenizer, batch, cache), full)
+    assert cache.get_seq_length() == full.shape[1] - 1  # logical: the last token is never fed back
+
+
+class _RecordCache(LogitsProcessor):
+    def __init__(self, cache):
+        self.cache = cache
+        self.kept, self.slots, self.seen = [], [], []
+
+    def __call__(self, input_ids, scores):
+        self.seen.append(self.cache.get_seq_length())
+        self.kept.append([layer.kept for layer in self.cache.layers])
+        self.slots.append([layer.keys.shape[-2] for layer in self.cache.layers])
+        return scores
+
+
+def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh):
+    model, tokenizer = fresh
+    budget = 40
+    cache = CompressedCache(model, budget=budget, recent_tokens=8)
+    recorder = _RecordCache(cache)
+    batch = _batch(tokenizer)
+    output = _greedy(model, tokenizer, batch, cache, max_new_tokens=80, logits_processor=[recorder])
+    assert output.shape[1] == batch["input_ids"].shape[1] + 80
+    assert recorder.seen[-1] > budget
+    for seen, kept in zip(recorder.seen, recorder.kept, strict=True):
+        assert kept == [min(budget, seen)] * len(cache.layers)
+    assert all(max(slots) <= budget + 1 for slots in recorder.slots)  # + the slot the next token takes
+    assert cache.get_seq_length() == batch["input_ids"].shape[1] + 79
+    stored = sum(
+        tensor.numel() * tensor.element_size()
+        for layer in cache.layers
+        for tensor in (layer.keys, layer.values, layer.scores, layer.value_norms, layer.positions)
+    )
+    assert cache.memory_bytes() == stored
+
+
+def test_a_ratio_keeps_that_share_of_the_tokens_seen(fresh):
+    model, tokenizer = fresh
+    ids = _batch(tokenizer, [" ".join(PROMPTS * 6)])["input_ids"]
+    length = ids.shape[1]
+    cache = CompressedCache(model, compression_ratio=0.5, sink_tokens=2, recent_tokens=8)
+    model(ids, past_key_values=cache)
+    assert cache.get_seq_length() == length
+    assert cache.kept_tokens == math.ceil(0.5 * length)
+    for step in range(10):
+        position = torch.tensor([[length + step]])
+        model(ids[:, -1:], past_key_values=cache, position_ids=position)
+    assert cache.kept_tokens == math.ceil(0.5 * (length + 10))
+
+
+def test_scores_equal_the_eager_attention_each_token_receives(tiny, tiny_model_dir):
+    _, tokenizer = tiny
+    eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    ids = _batch(tokenizer, [PROMPTS[1] + " " + PROMPTS[0]])["input_ids"]
+    length = ids.shape[1]
+    with torch.no_grad():
+        attentions = eager(ids, output_attentions=True).attentions
+        cache = CompressedCache(eager, compression_ratio=0.0, recent_tokens=1, sink_tokens=0)
+        eager(ids, past_key_values=cache)
+    seen_by = torch.arange(length, 0, -1, dtype=torch.float32)  # key k is seen by length - k queries
+    kv_heads = eager.config.num_key_value_heads
+    for layer, weights in zip(cache.layers, attentions, strict=True):
+        per_query_head = weights[0].sum(dim=1) / seen_by  # [heads, keys]
+        expected = per_query_head.view(kv_heads, -1, length).mean(dim=1)
+        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("new_tokens", [1, 2])
+def test_after_eviction_new_tokens_see_exactly_the_kept_tokens_and_each_other(fresh, new_tokens):
+    """Oracle: a full forward pass whose 4D mask hides the evicted tokens from the new queries."""
+    model, tokenizer = fresh
+    ids = _batch(tokenizer, [" ".join(PROMPTS * 3)])["input_ids"]
+    ids = torch.cat([ids, ids.flip(0)])[:, :60]  # two rows, no padding
+    sinks, recent = 3, 9
+    cache = CompressedCache(model, budget=sinks + recent, sink_tokens=sinks, recent_tokens=recent)
+    following = torch.tensor([[17, 5], [42, 9]])[:, :new_tokens]
+    positions = torch.arange(60, 60 + new_tokens).expand(2, -1)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        cached = model(following, past_key_values=cache, position_ids=positions).logits
+        total = 60 + new_tokens
+        mask = torch.tril(torch.ones(total, total, dtype=torch.bool))
+        mask[60:, sinks : 60 - recent] = False  # what the cache evicted after the prompt
+        full = torch.cat([ids, following], dim=1)
+        reference = model(full, attention_mask=mask.expand(2, 1, total, total)).logits[:, 60:]
+    torch.testing.assert_close(cached, reference, atol=1e-5, rtol=1e-4)
+    kept = {tuple(heads) for layer in cache.layers for row in layer.kept_positions().tolist() for heads in row}
+    assert kept == {(*range(sinks), *range(total - recent, total))}
+
+
+def test_left_padding_stays_at_the_front_and_is_never_evicted(fresh):
+    model, tokenizer = fresh
+    batch = _batch(tokenizer, [PROMPTS[0] * 3, PROMPTS[2]])
+    pads = (batch["attention_mask"] == 0).sum(dim=1)
+    assert int(pads[1]) > 0
+    cache = CompressedCache(model, budget=int(pads.max()) + 12, sink_tokens=2, recent_tokens=6)
+    _greedy(model, tokenizer, batch, cache, max_new_tokens=20)
+    for layer in cache.layers:
+        for row, row_pads in enumerate(pads.tolist()):
+            positions = layer.kept_positions()[row]
+            assert torch.equal(positions[:, :row_pads], torch.arange(row_pads).expand(positions.shape[0], -1))
+            assert bool((positions[:, row_pads:] >= row_pads).all())
+    with pytest.raises(ValueError, match="smaller than this batch's left padding"):
+        _greedy(model, tokenizer, batch, CompressedCache(model, budget=8, sink_tokens=0, recent_tokens=4))
+
+
+def test_hooks_leave_other_caches_bit_identical(fresh):
+    model, tokenizer = fresh
+    ids = _batch(tokenizer)["input_ids"]
+    with torch.no_grad():
+        before = [model(ids).logits, model(ids, past_key_values=DynamicCache()).logits]
+        CompressedCache(model, budget=64)
+        after = [model(ids).logits, model(ids, past_key_values=DynamicCache()).logits]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    cache = CompressedCache(model, budget=64)
+    unbind(model)
+    with pytest.raises(ValueError, match="not built for the model"):
+        model(ids, past_key_values=cache)
+
+
+@pytest.mark.parametrize("decoder", ["built-in", "decodekit"])
+def test_beam_search_reorders_the_scores_with_the_cache(fresh, decoder):
+    model, tokenizer = fresh
+    batch = _batch(tokenizer)
+    kwargs = {"num_beams": 3, "max_new_tokens": 30}
+    if decoder == "decodekit":
+        kwargs["custom_generate"] = beam_search
+    full = _greedy(model, tokenizer, batch, **kwargs)
+    assert torch.equal(_greedy(model, tokenizer, batch, CompressedCache(model, budget=256), **kwargs), full)
+    small = [_greedy(model, tokenizer, batch, CompressedCache(model, budget=24, recent_tokens=8), **kwargs)]
+    small.append(
+        _greedy(model, tokenizer, batch, CompressedCache(model, budget=24, recent_tokens=8), num_beams=3,
+                max_new_tokens=30)
+    )  # fmt: skip
+    assert torch.equal(small[0], small[1]), "decodekit's and the built-in beam search agree on a compressed cache"
