@@ -107,6 +107,16 @@ def add_beam_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags that decode with decodekit's compressed KV cache."""
+    group = parser.add_argument_group("compressed KV cache (evicts low-attention tokens)")
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--kv-budget", type=_bounded(int, 1), help="keep this many tokens per layer and KV head (>= 36)"
+    )
+    choice.add_argument("--kv-ratio", type=_bounded(float, 0, 1), help="evict this fraction of the tokens, [0, 1)")
+
+
 def strategy_from_args(args: argparse.Namespace) -> Strategy:
     """The Strategy that the strategy flags describe."""
     return Strategy(
@@ -124,6 +134,8 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
         length_alpha=getattr(args, "length_alpha", None),
         length_reward=getattr(args, "length_reward", None),
         early_stopping=getattr(args, "early_stopping", None),
+        kv_budget=getattr(args, "kv_budget", None),
+        kv_compression_ratio=getattr(args, "kv_ratio", None),
     )
 
 
@@ -150,6 +162,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     add_strategy_flags(generate)
     add_beam_flags(generate)
+    add_cache_flags(generate)
     generate.set_defaults(handler=_run_generate)
     return parser
 

@@ -16,6 +16,7 @@ from typing import Any
 from transformers import LogitsProcessorList
 
 from decodekit._validation import check_int
+from decodekit.cache.compressed import CompressedCache, eviction_policy
 from decodekit.decoders import beam_search
 from decodekit.decoders.beam_search import EARLY_STOPPING
 from decodekit.decoders.length_normalization import LengthNormalization
@@ -73,6 +74,10 @@ class Strategy:
         length_alpha: the exponent of the length normalization, >= 0 (default 1.0).
         length_reward: a reward per generated token added to beam scores, >= 0.
         early_stopping: when beam search stops: True, False (the default heuristic) or "never".
+        kv_budget: decode with a ``CompressedCache`` that keeps this many tokens per layer and
+            KV head (>= 36 with its default sinks and recent window).
+        kv_compression_ratio: decode with a ``CompressedCache`` that evicts this fraction of the
+            tokens seen, in [0, 1).
 
     Example:
         >>> from decodekit import Strategy
@@ -101,6 +106,8 @@ class Strategy:
     length_alpha: float | None = None
     length_reward: float | None = None
     early_stopping: bool | str | None = None
+    kv_budget: int | None = None
+    kv_compression_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
@@ -120,6 +127,12 @@ class Strategy:
             if self.staged_penalty is None:
                 raise ValueError("penalty_window applies to staged_penalty: set staged_penalty too")
         self._check_beam_fields()
+        if self.kv_budget is not None or self.kv_compression_ratio is not None:
+            try:
+                eviction_policy(self.kv_budget, self.kv_compression_ratio)
+            except ValueError as error:
+                message = str(error).replace("budget", "kv_budget").replace("compression_ratio", "kv_compression_ratio")
+                raise ValueError(message) from None
         if self.do_sample is False and self._sampling_fields():
             names = ", ".join(self._sampling_fields())
             raise ValueError(f"{names} only apply when sampling: leave do_sample unset or set it to True")
@@ -163,7 +176,14 @@ class Strategy:
             return self.name
         penalties = [
             f"{field}={getattr(self, field)}"
-            for field in ("staged_penalty", "penalty_window", "frequency_penalty", "presence_penalty")
+            for field in (
+                "staged_penalty",
+                "penalty_window",
+                "frequency_penalty",
+                "presence_penalty",
+                "kv_budget",
+                "kv_compression_ratio",
+            )
             if getattr(self, field) is not None
         ]
         if self.beam:
@@ -221,7 +241,18 @@ class Strategy:
         processors = self.logits_processors(prompt_length)
         if processors:
             kwargs["logits_processor"] = processors
+        if self.compresses_cache:
+            if model is None:
+                raise ValueError("kv_budget and kv_compression_ratio need the model: call generate_kwargs(model)")
+            kwargs["past_key_values"] = CompressedCache(
+                model, self.kv_budget, compression_ratio=self.kv_compression_ratio
+            )
         return kwargs
+
+    @property
+    def compresses_cache(self) -> bool:
+        """Whether this recipe decodes with a ``CompressedCache`` (a fresh one per generate call)."""
+        return self.kv_budget is not None or self.kv_compression_ratio is not None
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that are set, for reports; ``Strategy(**s.to_dict())`` rebuilds it."""

@@ -64,6 +64,15 @@ def test_sampling_flags_with_a_seed_are_repeatable(tiny_model_dir, capsys):
     assert first[0] == 0 and first == second
 
 
+def test_kv_budget_flag_prints_the_library_result(tiny, tiny_model_dir, capsys):
+    model, tokenizer = tiny
+    expected = generate_text(model, tokenizer, ["Hello there"], Strategy(kv_budget=40), max_new_tokens=12)[0]
+    argv = ["generate", "Hello there", "--model", str(tiny_model_dir), "--max-new-tokens", "12", "--kv-budget", "40"]
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0
+    assert out.rstrip("\n") == expected.rstrip("\n")
+
+
 def test_beam_search_flags_print_the_library_result(tiny, tiny_model_dir, capsys):
     model, tokenizer = tiny
     strategy = Strategy(num_beams=3, length_normalization="gnmt", length_alpha=0.6, early_stopping="never")
@@ -92,6 +101,9 @@ def test_beam_search_flags_print_the_library_result(tiny, tiny_model_dir, capsys
         (["generate", "Hi", "--length-normalization", "log"], "--length-normalization: invalid choice"),
         (["generate", "Hi", "--length-alpha", "0.6"], "set num_beams too"),
         (["generate", "Hi", "--early-stopping", "soon"], "--early-stopping: must be true, false or never"),
+        (["generate", "Hi", "--kv-budget", "8"], "kv_budget must be an integer >= 36"),
+        (["generate", "Hi", "--kv-ratio", "1"], "kv_compression_ratio must be in [0, 1)"),
+        (["generate", "Hi", "--kv-ratio", "0.5", "--kv-budget", "64"], "not allowed with argument"),
         (["generate", "Hi", "--model", "nobody-here/no-such-model"], "--model DIR"),
     ],
 )

@@ -36,6 +36,9 @@ def test_sampling_names_every_filter_so_model_defaults_cannot_sneak_in():
         ({"num_beams": 2, "length_alpha": -1.0}, "length_alpha must be"),
         ({"num_beams": 2, "early_stopping": "soon"}, "early_stopping must be"),
         ({"length_alpha": 0.6}, "length_alpha: beam search settings, set num_beams too"),
+        ({"kv_budget": 8}, "kv_budget must be an integer >= 36"),
+        ({"kv_compression_ratio": 1.0}, r"kv_compression_ratio must be in \[0, 1\)"),
+        ({"kv_budget": 64, "kv_compression_ratio": 0.5}, "exactly one of kv_budget"),
     ],
 )
 def test_bad_fields_are_named(fields, message):
@@ -96,3 +99,16 @@ def test_beam_strategy_names_the_decoder_and_only_the_settings_given():
     strategy = Strategy(num_beams=2, early_stopping="never", staged_penalty="1:1.5")
     assert strategy.label == "beam(num_beams=2, early_stopping=never, staged_penalty=1:1.5)"
     assert Strategy.from_dict(strategy.to_dict()) == strategy
+
+
+def test_a_cache_strategy_builds_a_fresh_compressed_cache_per_call(tiny):
+    from decodekit.cache import CompressedCache
+
+    model, _ = tiny
+    strategy = Strategy(kv_budget=64)
+    first, second = strategy.generate_kwargs(model), strategy.generate_kwargs(model)
+    assert isinstance(first["past_key_values"], CompressedCache)
+    assert first["past_key_values"] is not second["past_key_values"]
+    assert first["past_key_values"].policy.budget == 64
+    with pytest.raises(ValueError, match="need the model"):
+        strategy.generate_kwargs()

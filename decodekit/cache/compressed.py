@@ -68,7 +68,7 @@ class CompressedCache(Cache):
         pool_kernel: int = 1,
         value_norm: bool = True,
     ) -> None:
-        self.policy = _policy(budget, compression_ratio, sink_tokens, recent_tokens, observation_window,
+        self.policy = eviction_policy(budget, compression_ratio, sink_tokens, recent_tokens, observation_window,
                               score_decay, pool_kernel, value_norm)  # fmt: skip
         modules = bind(model)
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
@@ -106,16 +106,17 @@ class CompressedCache(Cache):
         return self.layers[0].kept if self.layers else 0
 
 
-def _policy(
-    budget: int | None,
-    compression_ratio: float | None,
-    sink_tokens: int,
-    recent_tokens: int,
-    observation_window: int | None,
-    score_decay: float,
-    pool_kernel: int,
-    value_norm: bool,
+def eviction_policy(
+    budget: int | None = None,
+    compression_ratio: float | None = None,
+    sink_tokens: int = 4,
+    recent_tokens: int = 32,
+    observation_window: int | None = None,
+    score_decay: float = 0.9,
+    pool_kernel: int = 1,
+    value_norm: bool = True,
 ) -> EvictionPolicy:
+    """Check the settings of a CompressedCache and return them as an EvictionPolicy."""
     check_int("sink_tokens", sink_tokens, 0)
     check_int("recent_tokens", recent_tokens, 1)
     if observation_window is not None:
