@@ -33,3 +33,18 @@ def test_beam_search_benchmark_runs_and_prints_its_ratio():
     assert result.returncode == 0, result.stderr
     assert "decodekit / built-in time" in result.stdout
     assert "outputs identical: True" in result.stdout
+
+
+def test_kv_cache_benchmark_runs_and_prints_its_ratios():
+    short = ["--context-tokens", "256", "--continuation-tokens", "32", "--speed-prompt", "256", "--speed-tokens", "4"]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "kv_cache.py"), *short, "--long-tokens", "8", "--skip-kvpress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "decodekit CompressedCache" in result.stdout
+    assert "CompressedCache / DynamicCache tokens/s" in result.stdout
+    assert "most tokens held at any step" in result.stdout
