@@ -8,6 +8,7 @@ Example:
 """
 
 from decodekit import logits_processors as processors
+from decodekit.cache import CompressedCache
 from decodekit.decoders import beam_search
 from decodekit.generation import encode_prompts, generate_text
 from decodekit.logits_processors import (
@@ -19,6 +20,7 @@ from decodekit.models import ModelLoadError, load_model
 from decodekit.strategies import Strategy
 
 __all__ = [
+    "CompressedCache",
     "FrequencyPresencePenaltyLogitsProcessor",
     "MinPLogitsProcessor",
     "ModelLoadError",
