@@ -95,3 +95,31 @@ def test_empty_strings_give_documented_zeros_not_nan():
     ]
     assert all(not math.isnan(value) for value in values)
     assert values[:5] == [0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("name", "settings"),
+    [
+        ("distinct_n", {"n": 2}),
+        ("self_bleu", {"max_n": 2}),
+        ("seq_rep_n", {"n": 2}),
+        ("rep_window", {"window": 3}),
+        ("ngram_entropy", {"n": 1}),
+        ("compression_ratio", {}),
+    ],
+)
+def test_each_metric_loads_offline_as_an_evaluate_module_with_the_same_value(name, settings):
+    import evaluate
+
+    from decodekit import eval as decodekit_eval
+
+    module = evaluate.load(decodekit_eval.metric_path(name))
+    result = module.compute(predictions=CORPUS, **settings)
+    assert result == {name: getattr(decodekit_eval, name)(CORPUS, **settings)}
+
+
+def test_an_unknown_metric_name_is_refused():
+    from decodekit.eval import metric_path
+
+    with pytest.raises(ValueError, match="unknown metric 'perplexity'"):
+        metric_path("perplexity")

@@ -1,4 +1,14 @@
-"""Evaluation of decoding strategies: diversity and repetition metrics of generated texts."""
+"""Evaluation of decoding strategies: diversity and repetition metrics of generated texts.
+
+Each metric is a plain function here and a local ``evaluate`` module that loads offline:
+
+    >>> import evaluate
+    >>> distinct = evaluate.load(metric_path("distinct_n"))
+    >>> distinct.compute(predictions=["a b a b"], n=2)
+    {'distinct_n': 0.6666666666666666}
+"""
+
+from pathlib import Path
 
 from decodekit.eval.diversity import (
     compression_ratio,
@@ -10,4 +20,24 @@ from decodekit.eval.diversity import (
     words,
 )
 
-__all__ = ["compression_ratio", "distinct_n", "ngram_entropy", "rep_window", "self_bleu", "seq_rep_n", "words"]
+METRICS = ("distinct_n", "self_bleu", "seq_rep_n", "rep_window", "ngram_entropy", "compression_ratio")
+
+
+def metric_path(name: str) -> str:
+    """The folder of decodekit's local evaluate module ``name``, for ``evaluate.load``."""
+    if name not in METRICS:
+        raise ValueError(f"unknown metric {name!r}; decodekit has {', '.join(METRICS)}")
+    return str(Path(__file__).parent / "metrics" / name)
+
+
+__all__ = [
+    "METRICS",
+    "compression_ratio",
+    "distinct_n",
+    "metric_path",
+    "ngram_entropy",
+    "rep_window",
+    "self_bleu",
+    "seq_rep_n",
+    "words",
+]
