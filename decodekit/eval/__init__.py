@@ -1,4 +1,4 @@
-"""Evaluation of decoding strategies: diversity and repetition metrics of generated texts.
+"""Evaluation of decoding strategies: diversity, repetition and perplexity of generated texts.
 
 Each metric is a plain function here and a local ``evaluate`` module that loads offline:
 
@@ -19,6 +19,7 @@ from decodekit.eval.diversity import (
     seq_rep_n,
     words,
 )
+from decodekit.eval.perplexity import PerplexityResult, perplexity
 
 METRICS = ("distinct_n", "self_bleu", "seq_rep_n", "rep_window", "ngram_entropy", "compression_ratio")
 
@@ -32,10 +33,12 @@ def metric_path(name: str) -> str:
 
 __all__ = [
     "METRICS",
+    "PerplexityResult",
     "compression_ratio",
     "distinct_n",
     "metric_path",
     "ngram_entropy",
+    "perplexity",
     "rep_window",
     "self_bleu",
     "seq_rep_n",

@@ -1,0 +1,135 @@
+"""Perplexity of texts under a causal language model, with a sliding window for long texts.
+
+The method is transformers' "Perplexity of fixed-length models": a text longer than
+``max_length`` tokens is scored in windows of ``max_length`` tokens that advance by ``stride``;
+each window scores only the tokens the previous windows did not, with the tokens before them as
+context. Windows of all texts are batched together (right-padded) for throughput.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional
+
+from decodekit._validation import check_int
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """Per-text perplexities and the corpus perplexity exp(total NLL / total scored tokens).
+
+    The corpus value weighs texts by their length; ``mean_perplexity`` is the plain mean of the
+    per-text values (what evaluate's canonical metric reports), given for comparison.
+    """
+
+    perplexities: list[float]
+    corpus_perplexity: float
+    mean_perplexity: float
+    total_nll: float
+    scored_tokens: int
+
+
+def _windows(ids: list[int], max_length: int, stride: int) -> list[tuple[list[int], int]]:
+    """(window token ids, how many of its last tokens it scores) for one text."""
+    windows, scored_until = [], 1  # the first token has no context: never scored
+    for begin in range(0, len(ids), stride):
+        end = min(begin + max_length, len(ids))
+        if end > scored_until:
+            # A window's first token has no context in it; with stride == max_length it goes unscored.
+            windows.append((ids[begin:end], min(end - scored_until, end - begin - 1)))
+            scored_until = end
+        if end == len(ids):
+            break
+    return windows
+
+
+def perplexity(
+    texts: Sequence[str],
+    model: Any,
+    tokenizer: Any = None,
+    *,
+    max_length: int | None = None,
+    stride: int | None = None,
+    add_bos: bool = True,
+    batch_size: int = 8,
+) -> PerplexityResult:
+    """Perplexity of each text and of the corpus under ``model``.
+
+    Args:
+        texts: the texts to score (non-empty strings).
+        model: a causal LM, or a name/path that ``decodekit.load_model`` accepts.
+        tokenizer: the model's tokenizer (needed when ``model`` is a model object).
+        max_length: tokens per window; default the model's context length (at most 1024).
+        stride: how far a window advances, 1..max_length; default ``max_length // 2``.
+        add_bos: put the tokenizer's BOS token first (when it has one and does not add it
+            itself), so that the text's first token is scored too; otherwise the first token is
+            only context.
+        batch_size: windows per forward pass.
+
+    Example (with ``model`` and ``tokenizer`` from ``load_model``)::
+
+        result = perplexity(["The sea is calm tonight."], model, tokenizer)
+        print(result.perplexities[0], result.corpus_perplexity)
+    """
+    if isinstance(model, (str, type(None))):
+        from decodekit.models import load_model
+
+        model, tokenizer = load_model(model)
+    if tokenizer is None:
+        raise ValueError("tokenizer is required when model is a model object")
+    if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
+        raise ValueError("texts must be a non-empty list of strings")
+    context = min(getattr(model.config, "max_position_embeddings", 1024) or 1024, 1024)
+    max_length = check_int("max_length", max_length if max_length is not None else context, 2)
+    stride = check_int("stride", stride if stride is not None else max(1, max_length // 2), 1)
+    if stride > max_length:
+        raise ValueError(f"stride must be <= max_length ({max_length}); got {stride}")
+    check_int("batch_size", batch_size, 1)
+
+    bos = tokenizer.bos_token_id if add_bos else None
+    jobs = []  # (text index, window ids, scored count)
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{index}] must be a string; got {type(text).__name__}")
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        if len(ids) < 2:
+            raise ValueError(f"texts[{index}] has no token to score: it needs at least one token after the first")
+        jobs.extend((index, window, scored) for window, scored in _windows(ids, max_length, stride))
+
+    nll = [0.0] * len(texts)
+    counts = [0] * len(texts)
+    device = next(model.parameters()).device
+    jobs.sort(key=lambda job: len(job[1]))
+    with torch.inference_mode():
+        for start in range(0, len(jobs), batch_size):
+            batch = jobs[start : start + batch_size]
+            width = max(len(window) for _, window, _ in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            labels = torch.full((len(batch), width), -100, dtype=torch.long)
+            for row, (_, window, scored) in enumerate(batch):
+                ids[row, : len(window)] = torch.tensor(window)
+                mask[row, : len(window)] = 1
+                labels[row, len(window) - scored : len(window)] = torch.tensor(window[len(window) - scored :])
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+            token_nll = functional.cross_entropy(
+                logits[:, :-1].transpose(1, 2), labels[:, 1:].to(device), ignore_index=-100, reduction="none"
+            )
+            for row, (index, _, scored) in enumerate(batch):
+                nll[index] += float(token_nll[row].sum())
+                counts[index] += scored
+    perplexities = [math.exp(total / count) for total, count in zip(nll, counts, strict=True)]
+    return PerplexityResult(
+        perplexities=perplexities,
+        corpus_perplexity=math.exp(sum(nll) / sum(counts)),
+        mean_perplexity=sum(perplexities) / len(perplexities),
+        total_nll=sum(nll),
+        scored_tokens=sum(counts),
+    )
