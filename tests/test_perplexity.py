@@ -72,3 +72,16 @@ def test_bad_input_is_named(tiny, texts, kwargs, message):
     model, tokenizer = tiny
     with pytest.raises(ValueError, match=message):
         perplexity(texts, model, tokenizer, **kwargs)
+
+
+def test_the_evaluate_module_gives_the_same_values(tiny):
+    import evaluate
+
+    from decodekit.eval import metric_path
+
+    model, tokenizer = tiny
+    module = evaluate.load(metric_path("perplexity"))
+    result = module.compute(predictions=TEXTS, model=model, tokenizer=tokenizer, max_length=32, stride=16)
+    direct = perplexity(TEXTS, model, tokenizer, max_length=32, stride=16)
+    assert result["perplexities"] == direct.perplexities
+    assert result["corpus_perplexity"] == direct.corpus_perplexity

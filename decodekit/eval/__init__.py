@@ -21,7 +21,15 @@ from decodekit.eval.diversity import (
 )
 from decodekit.eval.perplexity import PerplexityResult, perplexity
 
-METRICS = ("distinct_n", "self_bleu", "seq_rep_n", "rep_window", "ngram_entropy", "compression_ratio")
+METRICS = (
+    "distinct_n",
+    "self_bleu",
+    "seq_rep_n",
+    "rep_window",
+    "ngram_entropy",
+    "compression_ratio",
+    "perplexity",
+)
 
 
 def metric_path(name: str) -> str:
