@@ -35,3 +35,9 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios():
     assert "decodekit CompressedCache" in out
     assert "CompressedCache / DynamicCache tokens/s" in out
     assert "most tokens held at any step" in out
+
+
+def test_eval_benchmark_runs_and_prints_its_ratio():
+    out = _run("eval.py", "--rounds", "1", "--texts", "6", "--batch-size", "3")
+    assert "decodekit / canonical tokens/s" in out
+    assert "largest relative difference" in out
