@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from decodekit import encode_prompts, load_model
 from decodekit.cache import CompressedCache
+from decodekit.eval.perplexity import continuation_perplexity
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIOS = (0.5, 0.75)
@@ -50,16 +50,6 @@ def long_text_ids(tokenizer, count: int) -> list[int]:
     if len(ids) < count:
         raise ValueError(f"the reference text has {len(ids)} tokens; {count} were asked for")
     return ids[:count]
-
-
-def continuation_perplexity(model, cache, context: torch.Tensor, continuation: torch.Tensor) -> float:
-    """Prefill ``context`` through ``cache``, then score all of ``continuation`` in one forward pass."""
-    with torch.no_grad():
-        prefill = model(context, past_key_values=cache)
-        positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1]).unsqueeze(0)
-        logits = model(continuation, past_key_values=cache, position_ids=positions).logits
-    logits = torch.cat([prefill.logits[:, -1:], logits[:, :-1]], dim=1).float()
-    return math.exp(torch.nn.functional.cross_entropy(logits[0], continuation[0]).item())
 
 
 def cache_bytes(cache) -> int:

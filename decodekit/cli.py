@@ -164,7 +164,56 @@ def _build_parser() -> argparse.ArgumentParser:
     add_beam_flags(generate)
     add_cache_flags(generate)
     generate.set_defaults(handler=_run_generate)
+    _add_eval_command(commands)
     return parser
+
+
+def _add_eval_command(commands: Any) -> None:
+    evaluation = commands.add_parser(
+        "eval",
+        help="compare decoding strategies: diversity, perplexity, reports and plots",
+        description="Generate with a grid of strategies, score the generations and write JSON/CSV reports and "
+        "PNG plots. Runs on several processes under accelerate launch or torchrun.",
+    )
+    add_model_flags(evaluation)
+    evaluation.add_argument("--prompts", help="json/jsonl/csv/txt file of prompts (default: decodekit's own set)")
+    evaluation.add_argument("--column", help='the prompts column (default "prompt", or "text")')
+    evaluation.add_argument("--reference", help="text file scored under KV-cache compression (default: pydoc text)")
+    evaluation.add_argument("--limit", type=_bounded(int, 1), help="use only the first N prompts")
+    evaluation.add_argument("--max-new-tokens", type=_bounded(int, 1), default=64, help="per generation (64)")
+    evaluation.add_argument("--batch-size", type=_bounded(int, 1), default=8, help="prompts per batch (8)")
+    evaluation.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    evaluation.add_argument("--context-tokens", type=_bounded(int, 1), default=1024, help="reference context (1024)")
+    evaluation.add_argument(
+        "--continuation-tokens", type=_bounded(int, 1), default=256, help="reference tokens scored (256)"
+    )
+    evaluation.add_argument("--out", default="reports", help="folder for the reports (default: reports/)")
+    evaluation.set_defaults(handler=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from accelerate import PartialState
+
+    from decodekit.eval.data_sources import load_prompts, load_reference
+    from decodekit.eval.reports import write_reports
+    from decodekit.eval.runner import evaluate_strategies
+    from decodekit.models import load_model
+
+    prompts = load_prompts(args.prompts, args.column)[: args.limit]
+    reference = load_reference(args.reference)
+    model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
+    report = evaluate_strategies(
+        model, tokenizer, prompts, reference=reference, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, seed=args.seed, context_tokens=args.context_tokens,
+        continuation_tokens=args.continuation_tokens,
+    )  # fmt: skip
+    if PartialState().is_main_process:
+        paths = write_reports(report, args.out)
+        for row in report.strategies:
+            perplexity = "n/a" if row["perplexity"] is None else f"{row['perplexity']:.2f}"
+            print(f"{row['strategy']:32s} distinct-2 {row['distinct_2']:.3f}  perplexity {perplexity}")
+        print("reports: " + ", ".join(str(path) for path in paths.values()))
+    return 0
 
 
 def _quiet_libraries() -> None:

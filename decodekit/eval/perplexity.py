@@ -133,3 +133,17 @@ def perplexity(
         total_nll=sum(nll),
         scored_tokens=sum(counts),
     )
+
+
+def continuation_perplexity(model: Any, cache: Any, context: torch.Tensor, continuation: torch.Tensor) -> float:
+    """Perplexity of ``continuation`` ([1, n] ids) after ``context`` ([1, m] ids) prefilled through ``cache``.
+
+    The continuation is scored in one forward pass with explicit positions, so it attends to what
+    the cache kept of the context and to itself; its first token is predicted by the prefill.
+    """
+    with torch.inference_mode():
+        prefill = model(context, past_key_values=cache)
+        positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1], device=context.device)
+        logits = model(continuation, past_key_values=cache, position_ids=positions.unsqueeze(0)).logits
+    logits = torch.cat([prefill.logits[:, -1:], logits[:, :-1]], dim=1).float()
+    return math.exp(functional.cross_entropy(logits[0], continuation[0]).item())

@@ -1,0 +1,162 @@
+"""The evaluation runner: generate with each strategy, then score diversity and perplexity.
+
+Prompts are cut into fixed batches, and each batch is seeded from the run's seed, the strategy and
+the batch number. Under ``accelerate launch`` or ``torchrun`` the batches are dealt out to the
+processes and gathered again, so a run on N processes reports what a run on one does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache, set_seed
+
+from decodekit.cache import CompressedCache
+from decodekit.eval import diversity
+from decodekit.eval.perplexity import continuation_perplexity, perplexity
+from decodekit.generation import generate_text
+from decodekit.strategies import Strategy
+
+COMPRESSION_RATIOS = (0.0, 0.25, 0.5, 0.75)
+
+
+def default_strategies() -> list[Strategy]:
+    """The grid a plain ``decodekit eval`` compares: greedy, top-p and min-p across temperatures,
+    the staged penalty, beam search with each normalization, and the compressed cache."""
+    grid = [Strategy(name="greedy")]
+    for temperature in (0.7, 1.0, 1.3):
+        grid.append(Strategy(name=f"top-p 0.9, T={temperature}", temperature=temperature, top_p=0.9))
+        grid.append(Strategy(name=f"min-p 0.1, T={temperature}", temperature=temperature, min_p=0.1))
+    grid.append(Strategy(name="greedy, staged penalty", staged_penalty="1:1.2,3:1.5,6:2.0", penalty_window=64))
+    for normalization in ("none", "average", "gnmt"):
+        alpha = None if normalization == "none" else (1.0 if normalization == "average" else 0.6)
+        grid.append(
+            Strategy(
+                name=f"beam 4, {normalization}", num_beams=4, length_normalization=normalization, length_alpha=alpha
+            )
+        )
+    grid.append(Strategy(name="greedy, kv budget 64", kv_budget=64))
+    return grid
+
+
+@dataclass
+class EvaluationReport:
+    """Per-strategy metrics, the reference text's perplexity per compression ratio, and the settings."""
+
+    strategies: list[dict[str, Any]] = field(default_factory=list)
+    compression: list[dict[str, float]] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+    generations: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _diversity(texts: list[str]) -> dict[str, float]:
+    return {
+        "distinct_1": diversity.distinct_n(texts, 1),
+        "distinct_2": diversity.distinct_n(texts, 2),
+        "distinct_2_per_token": diversity.distinct_n(texts, 2, per="tokens"),
+        "self_bleu": diversity.self_bleu(texts) if len(texts) > 1 else 0.0,
+        "seq_rep_4": diversity.seq_rep_n(texts, 4),
+        "rep_16": diversity.rep_window(texts, 16),
+        "entropy_2": diversity.ngram_entropy(texts, 2),
+        "compression_ratio": diversity.compression_ratio(texts),
+    }
+
+
+def _generation_perplexity(model: Any, tokenizer: Any, texts: list[str]) -> dict[str, float | None]:
+    """Corpus and mean perplexity of the generations that hold a token (None when none does)."""
+    scorable = [text for text in texts if tokenizer(text, add_special_tokens=False)["input_ids"]]
+    if not scorable:
+        return {"perplexity": None, "mean_perplexity": None, "scored_texts": 0}
+    result = perplexity(scorable, model, tokenizer)
+    return {
+        "perplexity": result.corpus_perplexity,
+        "mean_perplexity": result.mean_perplexity,
+        "scored_texts": len(scorable),
+    }
+
+
+def _generate_all(model, tokenizer, prompts, strategies, *, max_new_tokens, batch_size, seed, state, progress):
+    from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
+
+    batches = [prompts[start : start + batch_size] for start in range(0, len(prompts), batch_size)]
+    mine = [index for index in range(len(batches)) if index % state.num_processes == state.process_index]
+    jobs = [(s, b) for s in range(len(strategies)) for b in mine]
+    produced = []
+    for strategy_index, batch_index in tqdm(jobs, desc="generating", disable=not (progress and state.is_main_process)):
+        set_seed(seed + 100_003 * strategy_index + batch_index)
+        texts = generate_text(
+            model, tokenizer, batches[batch_index], strategies[strategy_index], max_new_tokens=max_new_tokens
+        )
+        produced.append((strategy_index, batch_index, texts))
+    everything = sorted(gather_object(produced) if state.num_processes > 1 else produced)
+    return {
+        strategy.label: [text for s, _, texts in everything if s == index for text in texts]
+        for index, strategy in enumerate(strategies)
+    }
+
+
+def evaluate_strategies(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    strategies: Sequence[Strategy] | None = None,
+    *,
+    reference: str | None = None,
+    max_new_tokens: int = 64,
+    batch_size: int = 8,
+    seed: int = 0,
+    context_tokens: int = 1024,
+    continuation_tokens: int = 256,
+    compression_ratios: Sequence[float] = COMPRESSION_RATIOS,
+    progress: bool = True,
+) -> EvaluationReport:
+    """Generate a continuation of every prompt with every strategy and score the results.
+
+    For each strategy: the diversity metrics of its generations and their perplexity under the
+    model. For the reference text (``load_reference()`` by default): the perplexity of
+    ``continuation_tokens`` tokens after ``context_tokens`` tokens kept in a CompressedCache at
+    each of ``compression_ratios`` (0 is the full cache).
+
+    Example (with ``model`` and ``tokenizer`` from ``load_model``)::
+
+        report = evaluate_strategies(model, tokenizer, load_prompts(), max_new_tokens=32)
+        write_reports(report, "reports/")
+    """
+    from accelerate import PartialState
+
+    from decodekit.eval.data_sources import load_reference
+
+    strategies = list(strategies) if strategies is not None else default_strategies()
+    labels = [strategy.label for strategy in strategies]
+    if len(set(labels)) != len(labels):
+        raise ValueError("strategies must have distinct labels: give each a name")
+    state = PartialState(cpu=not torch.cuda.is_available())
+    generations = _generate_all(
+        model, tokenizer, list(prompts), strategies, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        seed=seed, state=state, progress=progress,
+    )  # fmt: skip
+    report = EvaluationReport(generations=generations)
+    report.settings = {
+        "prompts": len(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed,
+        "context_tokens": context_tokens, "continuation_tokens": continuation_tokens, "processes": state.num_processes,
+    }  # fmt: skip
+    for strategy in strategies:
+        texts = generations[strategy.label]
+        row = {"strategy": strategy.label, **strategy.to_dict(), "generated_texts": len(texts)}
+        row.update(_diversity(texts))
+        row.update(_generation_perplexity(model, tokenizer, texts))
+        report.strategies.append(row)
+    ids = tokenizer(reference if reference is not None else load_reference(), add_special_tokens=False)["input_ids"]
+    if len(ids) < context_tokens + continuation_tokens:
+        raise ValueError(f"the reference text has {len(ids)} tokens; it needs context_tokens + continuation_tokens")
+    context = torch.tensor([ids[:context_tokens]], device=model.device)
+    continuation = torch.tensor([ids[context_tokens : context_tokens + continuation_tokens]], device=model.device)
+    for ratio in compression_ratios:
+        cache = DynamicCache() if ratio == 0 else CompressedCache(model, compression_ratio=ratio)
+        value = continuation_perplexity(model, cache, context, continuation)
+        report.compression.append({"compression_ratio": ratio, "perplexity": value})
+    return report

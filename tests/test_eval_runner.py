@@ -1,0 +1,109 @@
+"""The evaluation runner, its data sources, its reports, the CLI, and two processes against one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache, set_seed
+
+from decodekit import Strategy, generate_text
+from decodekit.cli import main
+from decodekit.eval import distinct_n, self_bleu
+from decodekit.eval.data_sources import load_prompts, load_reference
+from decodekit.eval.perplexity import continuation_perplexity, perplexity
+from decodekit.eval.reports import write_reports
+from decodekit.eval.runner import evaluate_strategies
+
+SHORT = {"max_new_tokens": 8, "batch_size": 2, "context_tokens": 96, "continuation_tokens": 24, "progress": False}
+
+
+def test_prompts_load_from_json_csv_and_text_files(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    (tmp_path / "p.csv").write_text("question,id\nwhat?,1\nwhy?,2\n")
+    (tmp_path / "p.txt").write_text("first line\n\nsecond line\n")
+    assert load_prompts(tmp_path / "p.jsonl") == ["a", "b"]
+    assert load_prompts(tmp_path / "p.csv", "question") == ["what?", "why?"]
+    assert load_prompts(tmp_path / "p.txt") == ["first line", "second line"]
+    with pytest.raises(ValueError, match="no column 'prompt'; its columns: question, id"):
+        load_prompts(tmp_path / "p.csv")
+    with pytest.raises(ValueError, match="prompts file not found"):
+        load_prompts(tmp_path / "missing.jsonl")
+    (tmp_path / "p.bak").write_text("x")
+    with pytest.raises(ValueError, match="must end in"):
+        load_prompts(tmp_path / "p.bak")
+    assert load_prompts()[0].startswith("Write a short story")
+    assert "__init__" in load_reference()
+
+
+def test_the_report_holds_what_the_pieces_compute_on_their_own(tiny):
+    model, tokenizer = tiny
+    prompts = load_prompts()[:4]
+    strategies = [Strategy(name="greedy"), Strategy(name="hot", temperature=1.3)]
+    report = evaluate_strategies(model, tokenizer, prompts, strategies, seed=7, compression_ratios=(0.0, 0.5), **SHORT)
+    # Oracle: the same generations batch by batch with the documented seeds.
+    for index, strategy in enumerate(strategies):
+        expected = []
+        for batch in range(2):
+            set_seed(7 + 100_003 * index + batch)
+            expected += generate_text(model, tokenizer, prompts[2 * batch : 2 * batch + 2], strategy, max_new_tokens=8)
+        assert report.generations[strategy.label] == expected
+        row = report.strategies[index]
+        assert row["distinct_2"] == distinct_n(expected, 2)
+        assert row["self_bleu"] == self_bleu(expected)
+        scorable = [text for text in expected if tokenizer(text, add_special_tokens=False)["input_ids"]]
+        assert row["perplexity"] == pytest.approx(perplexity(scorable, model, tokenizer).corpus_perplexity)
+    ids = tokenizer(load_reference(), add_special_tokens=False)["input_ids"][:120]
+    full = continuation_perplexity(model, DynamicCache(), torch.tensor([ids[:96]]), torch.tensor([ids[96:]]))
+    assert report.compression[0] == {"compression_ratio": 0.0, "perplexity": pytest.approx(full)}
+
+
+def test_reports_are_written_as_json_csv_and_png(tiny, tmp_path):
+    model, tokenizer = tiny
+    strategies = [Strategy(name="greedy"), Strategy(temperature=0.7, top_p=0.9), Strategy(temperature=0.7, min_p=0.1)]
+    report = evaluate_strategies(
+        model, tokenizer, load_prompts()[:2], strategies, compression_ratios=(0.0, 0.5), **SHORT
+    )
+    paths = write_reports(report, tmp_path / "out")
+    data = json.loads(paths["report.json"].read_text())
+    assert [row["strategy"] for row in data["strategies"]] == [s.label for s in strategies]
+    assert paths["report.csv"].read_text().splitlines()[0].startswith("strategy,")
+    for name in ("frontier.png", "compression.png"):
+        assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_cli_runs_on_two_processes_as_on_one(tiny_model_dir, tmp_path):
+    flags = ["--model", str(tiny_model_dir), "--limit", "4", "--batch-size", "1", "--max-new-tokens", "6"]
+    flags += ["--context-tokens", "64", "--continuation-tokens", "16"]
+    runs = {
+        "one": [sys.executable, "-m", "decodekit.eval"],
+        "two": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "decodekit.eval"],
+    }
+    reports = {}
+    for name, command in runs.items():
+        result = subprocess.run(
+            [*command, *flags, "--out", str(tmp_path / name)], capture_output=True, text=True, timeout=300, check=False
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())
+    assert (reports["one"]["settings"].pop("processes"), reports["two"]["settings"].pop("processes")) == (1, 2)
+    assert reports["one"] == reports["two"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["eval", "--prompts", "no/such/file.jsonl"], "prompts file not found"),
+        (["eval", "--limit", "0"], "--limit: must be in [1, inf]"),
+    ],
+)
+def test_bad_eval_input_gets_one_line(capsys, argv, message):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and "Traceback" not in err
