@@ -56,6 +56,7 @@ def test_the_report_holds_what_the_pieces_compute_on_their_own(tiny):
         assert row["self_bleu"] == self_bleu(expected)
         scorable = [text for text in expected if tokenizer(text, add_special_tokens=False)["input_ids"]]
         assert row["perplexity"] == pytest.approx(perplexity(scorable, model, tokenizer).corpus_perplexity)
+        assert 0.0 < row["mauve"] <= 1.0
     ids = tokenizer(load_reference(), add_special_tokens=False)["input_ids"][:120]
     full = continuation_perplexity(model, DynamicCache(), torch.tensor([ids[:96]]), torch.tensor([ids[96:]]))
     assert report.compression[0] == {"compression_ratio": 0.0, "perplexity": pytest.approx(full)}

@@ -19,6 +19,7 @@ from decodekit.eval.diversity import (
     seq_rep_n,
     words,
 )
+from decodekit.eval.mauve import mauve
 from decodekit.eval.perplexity import PerplexityResult, perplexity
 
 METRICS = (
@@ -29,6 +30,7 @@ METRICS = (
     "ngram_entropy",
     "compression_ratio",
     "perplexity",
+    "mauve",
 )
 
 
@@ -44,6 +46,7 @@ __all__ = [
     "PerplexityResult",
     "compression_ratio",
     "distinct_n",
+    "mauve",
     "metric_path",
     "ngram_entropy",
     "perplexity",

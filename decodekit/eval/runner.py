@@ -16,6 +16,7 @@ from transformers import DynamicCache, set_seed
 
 from decodekit.cache import CompressedCache
 from decodekit.eval import diversity
+from decodekit.eval.mauve import mauve, text_features
 from decodekit.eval.perplexity import continuation_perplexity, perplexity
 from decodekit.generation import generate_text
 from decodekit.strategies import Strategy
@@ -78,6 +79,12 @@ def _generation_perplexity(model: Any, tokenizer: Any, texts: list[str]) -> dict
     }
 
 
+def _reference_passages(reference: str, count: int) -> list[str]:
+    """Up to ``count`` prose passages of the reference text: the human side of MAUVE."""
+    passages = [" ".join(part.split()) for part in reference.split("\n\n")]
+    return [passage for passage in passages if len(passage) >= 80][:count]
+
+
 def _generate_all(model, tokenizer, prompts, strategies, *, max_new_tokens, batch_size, seed, state, progress):
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
@@ -116,8 +123,9 @@ def evaluate_strategies(
 ) -> EvaluationReport:
     """Generate a continuation of every prompt with every strategy and score the results.
 
-    For each strategy: the diversity metrics of its generations and their perplexity under the
-    model. For the reference text (``load_reference()`` by default): the perplexity of
+    For each strategy: the diversity metrics of its generations, their perplexity under the
+    model, and their MAUVE against as many prose passages of the reference text (None when fewer
+    than two texts are available). For the reference text (``load_reference()`` by default): the perplexity of
     ``continuation_tokens`` tokens after ``context_tokens`` tokens kept in a CompressedCache at
     each of ``compression_ratios`` (0 is the full cache).
 
@@ -144,13 +152,22 @@ def evaluate_strategies(
         "prompts": len(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed,
         "context_tokens": context_tokens, "continuation_tokens": continuation_tokens, "processes": state.num_processes,
     }  # fmt: skip
+    reference = reference if reference is not None else load_reference()
+    human = _reference_passages(reference, len(prompts))
+    human_features = text_features(human, model, tokenizer) if len(human) >= 2 else None
     for strategy in strategies:
         texts = generations[strategy.label]
         row = {"strategy": strategy.label, **strategy.to_dict(), "generated_texts": len(texts)}
         row.update(_diversity(texts))
         row.update(_generation_perplexity(model, tokenizer, texts))
+        scorable = [text for text in texts if tokenizer(text, add_special_tokens=False)["input_ids"]]
+        row["mauve"] = (
+            mauve(text_features(scorable, model, tokenizer), human_features)
+            if human_features is not None and len(scorable) >= 2
+            else None
+        )
         report.strategies.append(row)
-    ids = tokenizer(reference if reference is not None else load_reference(), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(reference, add_special_tokens=False)["input_ids"]
     if len(ids) < context_tokens + continuation_tokens:
         raise ValueError(f"the reference text has {len(ids)} tokens; it needs context_tokens + continuation_tokens")
     context = torch.tensor([ids[:context_tokens]], device=model.device)
