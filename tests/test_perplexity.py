@@ -85,3 +85,11 @@ def test_the_evaluate_module_gives_the_same_values(tiny):
     direct = perplexity(TEXTS, model, tokenizer, max_length=32, stride=16)
     assert result["perplexities"] == direct.perplexities
     assert result["corpus_perplexity"] == direct.corpus_perplexity
+
+
+def test_a_model_path_is_loaded_with_its_tokenizer(tiny, tiny_model_dir):
+    model, tokenizer = tiny
+    by_path = perplexity(TEXTS, str(tiny_model_dir), max_length=32, stride=16)
+    assert by_path.perplexities == pytest.approx(
+        perplexity(TEXTS, model, tokenizer, max_length=32, stride=16).perplexities
+    )
