@@ -165,7 +165,23 @@ def _build_parser() -> argparse.ArgumentParser:
     add_cache_flags(generate)
     generate.set_defaults(handler=_run_generate)
     _add_eval_command(commands)
+    demo = commands.add_parser(
+        "demo", help="start the Gradio demo (strategies side by side)", description="Start the Gradio demo."
+    )
+    demo.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    demo.add_argument("--port", type=_bounded(int, 1, 65535), default=7860, help="port (default 7860)")
+    add_model_flags(demo)
+    demo.set_defaults(handler=_run_demo)
     return parser
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from decodekit.demo.app import launch
+    from decodekit.models import load_model
+
+    model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
+    launch(model, tokenizer, host=args.host, port=args.port)
+    return 0
 
 
 def _add_eval_command(commands: Any) -> None:

@@ -1,0 +1,1 @@
+"""The Gradio demo: strategies side by side (``decodekit demo``)."""
