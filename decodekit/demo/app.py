@@ -6,6 +6,7 @@ decodekit demo [--port 7860] [--host 127.0.0.1] [--model ID_OR_DIR]
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any
 
@@ -62,8 +63,25 @@ class DemoSession:
         with self._lock:
             return self._stops.setdefault(session, threading.Event())
 
-    def run(self, prompt: str, max_new_tokens: int, preset: str, *values: Any, request: gr.Request = None):
+    def run(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        preset: str,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        min_p: float,
+        staged_penalty: str,
+        num_beams: int,
+        length_normalization: str,
+        length_alpha: float,
+        kv_budget: int,
+        request: gr.Request,
+    ):
         """Stream one panel: highlighted tokens, stats, and the per-step candidates."""
+        values = (temperature, top_k, top_p, min_p, staged_penalty, num_beams, length_normalization, length_alpha,
+                  kv_budget)  # fmt: skip
         if not isinstance(prompt, str) or not prompt.strip():
             raise gr.Error("Type a prompt first.")
         if len(self.tokenizer(prompt)["input_ids"]) > MAX_PROMPT_TOKENS:
@@ -72,7 +90,10 @@ class DemoSession:
         stop = self.stop_event(request.session_hash if request is not None else "local")
         stop.clear()
         try:
-            for update in stream(self.model, self.tokenizer, prompt, strategy, max_new_tokens=int(max_new_tokens)):
+            updates = stream(
+                self.model, self.tokenizer, prompt, strategy, max_new_tokens=int(max_new_tokens), stop=stop
+            )
+            for update in updates:
                 if stop.is_set():
                     break
                 shaded = update.tokens or [(update.text, None)]
@@ -82,7 +103,7 @@ class DemoSession:
         except (TypeError, ValueError) as error:
             raise gr.Error(str(error)) from None
 
-    def stop(self, request: gr.Request = None) -> None:
+    def stop(self, request: gr.Request) -> None:
         self.stop_event(request.session_hash if request is not None else "local").set()
 
 
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python demo/app.py [flags]``: the same as ``decodekit demo [flags]``."""
     from decodekit.cli import main as cli_main
 
-    return cli_main(["demo", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return cli_main(["demo", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from decodekit.generation import encode_prompts
 from decodekit.strategies import Strategy
 
 TOP_CANDIDATES = 8
+GENERATION_THREAD = "decodekit-generate"
 
 
 @dataclass
@@ -130,31 +131,43 @@ def stream(
             if beam_progress is not None:
                 beam_progress.end()
 
-    worker = threading.Thread(target=run, daemon=True)
+    worker = threading.Thread(target=run, name=GENERATION_THREAD, daemon=True)
     worker.start()
-    update = Update()
     if beam_progress is not None:
         for progress in beam_progress:
-            update.text = progress.texts[0]
-            update.stats = {"step": progress.step, "best score": round(progress.scores[0], 4)}
-            yield update
+            yield Update(
+                text=progress.texts[0], stats={"step": progress.step, "best score": round(progress.scores[0], 4)}
+            )
     else:
         while worker.is_alive():
             worker.join(interval)
-            update.tokens = _shade(tokenizer, tokens.ids, recorder.steps)
-            update.text = "".join(text for text, _ in update.tokens)
-            update.stats = _stats(model, kwargs, started, tokens.first_at, len(tokens.ids), prompt_length)
-            yield update
+            shaded = _shade(tokenizer, list(tokens.ids), recorder.steps)
+            stats = _stats(model, kwargs, started, tokens.first_at, len(shaded), prompt_length)
+            yield Update(tokens=shaded, text="".join(text for text, _ in shaded), stats=stats)
     worker.join()
     if "error" in result:
         raise result["error"]
     yield _final(model, tokenizer, batch, kwargs, result["output"], started, tokens.first_at, strategy, recorder)
 
 
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's share of the decoded text, so that the pieces join into exactly that text
+    (a token holding part of a multi-byte character gets "" and the next one the character)."""
+    texts, previous = [], ""
+    for end in range(1, len(ids) + 1):
+        decoded = tokenizer.decode(ids[:end], skip_special_tokens=True)
+        if decoded.endswith("\ufffd") and end < len(ids):  # an incomplete character: wait for its other bytes
+            texts.append("")
+            continue
+        texts.append(decoded[len(previous) :])
+        previous = decoded
+    return texts
+
+
 def _shade(tokenizer, ids: list[int], steps: list[torch.Tensor]) -> list[tuple[str, float]]:
     return [
-        (tokenizer.decode([token]), float(steps[index][token]) if index < len(steps) else 0.0)
-        for index, token in enumerate(ids)
+        (text, float(steps[index][token]) if index < len(steps) else 0.0)
+        for index, (token, text) in enumerate(zip(ids, token_texts(tokenizer, ids), strict=True))
     ]
 
 
@@ -182,7 +195,8 @@ def _final(model, tokenizer, batch, kwargs, output, started, first_at, strategy,
         with torch.inference_mode():
             logits = model(output.sequences[:1, : prompt_length + len(new_ids)]).logits[0, prompt_length - 1 : -1]
         probabilities = torch.softmax(logits.float(), dim=-1)
-        update.tokens = [(tokenizer.decode([t]), float(probabilities[i, t])) for i, t in enumerate(new_ids)]
+        texts = token_texts(tokenizer, new_ids)
+        update.tokens = [(texts[i], float(probabilities[i, t])) for i, t in enumerate(new_ids)]
     else:
         update.tokens = _shade(tokenizer, new_ids, recorder.steps)
     update.text = tokenizer.decode(new_ids, skip_special_tokens=True)
