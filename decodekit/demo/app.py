@@ -30,6 +30,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 CONTROLS = ("temperature", "top_k", "top_p", "min_p", "staged_penalty", "num_beams", "length_normalization",
             "length_alpha", "kv_budget")  # fmt: skip
 MAX_PROMPT_TOKENS = 2048
+# System fonts only: the default theme would fetch web fonts from a CDN.
+LOCAL_THEME = gr.themes.Default(
+    font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"]
+)
 
 
 def strategy_from_controls(preset: str, overrides: dict[str, Any]) -> Strategy:
@@ -112,12 +116,10 @@ def candidates_plot(candidates: list[dict[str, Any]], step: int) -> pd.DataFrame
     if not candidates:
         return pd.DataFrame({"token": [], "probability": [], "stage": []})
     entry = candidates[min(max(int(step), 1), len(candidates)) - 1]
-    rows = [
-        (repr(token), value, "before processors") for token, value in zip(entry["tokens"], entry["before"], strict=True)
-    ]
-    rows += [
-        (repr(token), value, "after processors") for token, value in zip(entry["tokens"], entry["after"], strict=True)
-    ]
+    rows = []
+    for rank, token in enumerate(entry["tokens"]):  # one bar per token and stage, side by side
+        rows.append((f"{rank + 1}a {token!r}", entry["before"][rank], "before processors"))
+        rows.append((f"{rank + 1}b {token!r}", entry["after"][rank], "after processors"))
     return pd.DataFrame(rows, columns=["token", "probability", "stage"])
 
 
@@ -141,7 +143,10 @@ def _panel(title: str, preset: str) -> dict[str, Any]:
         parts["stats"] = gr.JSON(label="Stats")
         parts["candidates"] = gr.State([])
         parts["step"] = gr.Slider(1, 2, value=1, step=1, label="Step for the top candidates")
-        parts["plot"] = gr.BarPlot(x="token", y="probability", color="stage", label="Top candidates at that step")
+        parts["plot"] = gr.BarPlot(
+            x="token", y="probability", color="stage", x_label_angle=-45, label="Top candidates at that step",
+            x_title="candidate (a: before, b: after the processors)",
+        )  # fmt: skip
     return parts
 
 
@@ -171,7 +176,10 @@ def build_app(model: Any, tokenizer: Any) -> gr.Blocks:
 def launch(model: Any, tokenizer: Any, *, host: str = "127.0.0.1", port: int = 7860, block: bool = True) -> gr.Blocks:
     """Serve the demo on ``host:port`` (no share link, no analytics)."""
     app = build_app(model, tokenizer).queue(default_concurrency_limit=4)
-    app.launch(server_name=host, server_port=port, share=False, show_error=False, prevent_thread_lock=not block)
+    app.launch(
+        server_name=host, server_port=port, share=False, show_error=False, prevent_thread_lock=not block,
+        theme=LOCAL_THEME,
+    )  # fmt: skip
     return app
 
 
