@@ -66,9 +66,8 @@ def _diversity(texts: list[str]) -> dict[str, float]:
     }
 
 
-def _generation_perplexity(model: Any, tokenizer: Any, texts: list[str]) -> dict[str, float | None]:
+def _generation_perplexity(model: Any, tokenizer: Any, scorable: list[str]) -> dict[str, float | None]:
     """Corpus and mean perplexity of the generations that hold a token (None when none does)."""
-    scorable = [text for text in texts if tokenizer(text, add_special_tokens=False)["input_ids"]]
     if not scorable:
         return {"perplexity": None, "mean_perplexity": None, "scored_texts": 0}
     result = perplexity(scorable, model, tokenizer)
@@ -159,8 +158,8 @@ def evaluate_strategies(
         texts = generations[strategy.label]
         row = {"strategy": strategy.label, **strategy.to_dict(), "generated_texts": len(texts)}
         row.update(_diversity(texts))
-        row.update(_generation_perplexity(model, tokenizer, texts))
         scorable = [text for text in texts if tokenizer(text, add_special_tokens=False)["input_ids"]]
+        row.update(_generation_perplexity(model, tokenizer, scorable))
         row["mauve"] = (
             mauve(text_features(scorable, model, tokenizer), human_features)
             if human_features is not None and len(scorable) >= 2
