@@ -16,7 +16,8 @@ from typing import Any
 from transformers import LogitsProcessorList
 
 from decodekit._validation import check_int
-from decodekit.cache.compressed import CompressedCache, eviction_policy
+from decodekit.cache.compressed import CompressedCache
+from decodekit.cache.layer import EvictionPolicy
 from decodekit.decoders import beam_search
 from decodekit.decoders.beam_search import EARLY_STOPPING
 from decodekit.decoders.length_normalization import LengthNormalization
@@ -129,7 +130,7 @@ class Strategy:
         self._check_beam_fields()
         if self.kv_budget is not None or self.kv_compression_ratio is not None:
             try:
-                eviction_policy(self.kv_budget, self.kv_compression_ratio)
+                EvictionPolicy(self.kv_budget, self.kv_compression_ratio)
             except ValueError as error:
                 message = str(error).replace("budget", "kv_budget").replace("compression_ratio", "kv_compression_ratio")
                 raise ValueError(message) from None

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from transformers import Cache
 
-from decodekit._validation import check_int
 from decodekit.cache.layer import CompressedLayer, EvictionPolicy
 from decodekit.cache.observer import bind
 
@@ -68,8 +65,10 @@ class CompressedCache(Cache):
         pool_kernel: int = 1,
         value_norm: bool = True,
     ) -> None:
-        self.policy = eviction_policy(budget, compression_ratio, sink_tokens, recent_tokens, observation_window,
-                              score_decay, pool_kernel, value_norm)  # fmt: skip
+        self.policy = EvictionPolicy(
+            budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
+            value_norm,
+        )  # fmt: skip
         modules = bind(model)
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
         super().__init__(layers=[CompressedLayer(self.policy) for _ in modules])
@@ -97,54 +96,10 @@ class CompressedCache(Cache):
         return self.layers[layer_idx].kept
 
     def memory_bytes(self) -> int:
-        """Bytes the cache holds now: keys, values and scores of every layer."""
+        """Bytes the cache holds now: keys, values and per-entry bookkeeping (scores, value norms, positions)."""
         return sum(layer.memory_bytes() for layer in self.layers)
 
     @property
     def kept_tokens(self) -> int:
         """Entries stored per layer, row and KV head (the same for all of them)."""
         return self.layers[0].kept if self.layers else 0
-
-
-def eviction_policy(
-    budget: int | None = None,
-    compression_ratio: float | None = None,
-    sink_tokens: int = 4,
-    recent_tokens: int = 32,
-    observation_window: int | None = None,
-    score_decay: float = 0.9,
-    pool_kernel: int = 1,
-    value_norm: bool = True,
-) -> EvictionPolicy:
-    """Check the settings of a CompressedCache and return them as an EvictionPolicy."""
-    check_int("sink_tokens", sink_tokens, 0)
-    check_int("recent_tokens", recent_tokens, 1)
-    if observation_window is not None:
-        check_int("observation_window", observation_window, 1, " or None (every query)")
-    check_int("pool_kernel", pool_kernel, 1)
-    if pool_kernel % 2 == 0:
-        raise ValueError(f"pool_kernel must be odd; got {pool_kernel}")
-    if isinstance(score_decay, bool) or not isinstance(score_decay, (int, float)) or not 0 <= score_decay <= 1:
-        raise ValueError(f"score_decay must be in [0, 1]; got {score_decay!r}")
-    if (budget is None) == (compression_ratio is None):
-        raise ValueError("give exactly one of budget (tokens kept) and compression_ratio (fraction evicted)")
-    if budget is not None:
-        minimum = sink_tokens + recent_tokens
-        check_int("budget", budget, minimum, f" (sink_tokens + recent_tokens = {sink_tokens} + {recent_tokens})")
-    elif (
-        isinstance(compression_ratio, bool)
-        or not isinstance(compression_ratio, (int, float))
-        or not math.isfinite(compression_ratio)
-        or not 0 <= compression_ratio < 1
-    ):
-        raise ValueError(f"compression_ratio must be in [0, 1); got {compression_ratio!r}")
-    return EvictionPolicy(
-        budget,
-        compression_ratio,
-        sink_tokens,
-        recent_tokens,
-        observation_window,
-        float(score_decay),
-        pool_kernel,
-        bool(value_norm),
-    )

@@ -18,6 +18,13 @@ import torch
 from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
+from decodekit._validation import check_int
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
 QUERY_BLOCK = 256  # observed queries scored at once
 
@@ -27,17 +34,44 @@ class EvictionPolicy:
     """What a layer keeps: sinks, a recent window, and the best-scored tokens up to a budget.
 
     ``budget`` (a token count) or ``compression_ratio`` (keep ``1 - ratio`` of the tokens seen)
-    sets the size; see :class:`~decodekit.cache.CompressedCache` for the other fields.
+    sets the size; see :class:`~decodekit.cache.CompressedCache` for the other fields. Every
+    field is checked on construction, with a ValueError that names it.
+
+    Example:
+        >>> EvictionPolicy(budget=64).target(seen=1000)
+        64
+        >>> EvictionPolicy(budget=8)
+        Traceback (most recent call last):
+        ...
+        ValueError: budget must be an integer >= 36 (sink_tokens + recent_tokens = 4 + 32); got 8
     """
 
-    budget: int | None
-    compression_ratio: float | None
-    sink_tokens: int
-    recent_tokens: int
-    observation_window: int | None
-    score_decay: float
-    pool_kernel: int
+    budget: int | None = None
+    compression_ratio: float | None = None
+    sink_tokens: int = 4
+    recent_tokens: int = 32
+    observation_window: int | None = None
+    score_decay: float = 0.9
+    pool_kernel: int = 1
     value_norm: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("recent_tokens", self.recent_tokens, 1)
+        if self.observation_window is not None:
+            check_int("observation_window", self.observation_window, 1, " or None (every query)")
+        check_int("pool_kernel", self.pool_kernel, 1)
+        if self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel must be odd; got {self.pool_kernel}")
+        if not _is_number(self.score_decay) or not 0 <= self.score_decay <= 1:
+            raise ValueError(f"score_decay must be in [0, 1]; got {self.score_decay!r}")
+        if (self.budget is None) == (self.compression_ratio is None):
+            raise ValueError("give exactly one of budget (tokens kept) and compression_ratio (fraction evicted)")
+        if self.budget is not None:
+            protected = f" (sink_tokens + recent_tokens = {self.sink_tokens} + {self.recent_tokens})"
+            check_int("budget", self.budget, self.sink_tokens + self.recent_tokens, protected)
+        elif not _is_number(self.compression_ratio) or not 0 <= self.compression_ratio < 1:
+            raise ValueError(f"compression_ratio must be in [0, 1); got {self.compression_ratio!r}")
 
     def target(self, seen: int) -> int:
         """How many entries a layer that has seen ``seen`` tokens keeps."""
