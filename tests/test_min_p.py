@@ -27,10 +27,24 @@ def _away_from_threshold(scores: torch.Tensor, min_p: float, temperature: float 
     return bool((gap.abs() > 1e-3).all())
 
 
+def _kept_tokens_have_probability(scores: torch.Tensor, keep: int) -> bool:
+    """True when the ``keep`` highest scores of every row have a non-zero float32 probability.
+
+    Otherwise MinPLogitsWarper's ``min_tokens_to_keep`` ranks a finite token whose probability
+    underflowed to 0 level with the -inf ones, and which of them it keeps is a tie-break; the
+    case is pinned down by ``test_min_tokens_to_keep_counts_finite_scores_even_when_their_probability_underflows``.
+    """
+    probabilities = torch.softmax(scores, dim=-1)
+    top = scores.topk(min(keep, scores.shape[-1]), dim=-1).indices
+    kept = probabilities.gather(-1, top)
+    return bool(((kept > 0) | ~torch.isfinite(scores.gather(-1, top))).all())
+
+
 @settings(max_examples=200, deadline=None)
 @given(scores=score_batches(dtypes=[torch.float32]), min_p=min_ps, keep=st.integers(1, 4))
 def test_equals_transformers_min_p_at_temperature_one(scores, min_p, keep):
     assume(_away_from_threshold(scores, min_p))
+    assume(_kept_tokens_have_probability(scores, keep))
     ours = MinPLogitsProcessor(min_p, min_tokens_to_keep=keep)(None, scores)
     theirs = MinPLogitsWarper(min_p, min_tokens_to_keep=keep)(None, scores)
     assert torch.equal(ours, theirs)
@@ -123,3 +137,10 @@ def test_bad_arguments_are_named(kwargs, message):
 def test_bool_min_p_is_a_type_error():
     with pytest.raises(TypeError, match="min_p must be a number"):
         MinPLogitsProcessor(True)
+
+
+def test_min_tokens_to_keep_counts_finite_scores_even_when_their_probability_underflows():
+    # exp(-71 - 35.7) underflows to 0 in float32; it is still the third-best token, so keep=3 keeps it.
+    scores = torch.tensor([[-32.5967, 35.6912, -71.0187, float("-inf"), float("-inf")]])
+    kept = MinPLogitsProcessor(0.5, min_tokens_to_keep=3)(None, scores)
+    assert torch.equal(torch.isfinite(kept), torch.tensor([[True, True, True, False, False]]))
