@@ -83,6 +83,35 @@ def test_hand_computed_case():
     assert torch.isfinite(out).tolist() == [[True, True, False, False]]
 
 
+def test_min_p_one_keeps_every_token_tied_with_the_top():
+    scores = torch.tensor([[2.0, 2.0, 1.999, float("-inf")]])
+    out = MinPLogitsProcessor(1.0)(None, scores)
+    assert out.tolist() == [[2.0, 2.0, float("-inf"), float("-inf")]]
+
+
+def test_a_score_equal_to_a_zero_threshold_is_kept_whatever_the_sign_of_its_zero():
+    # The threshold is top + ln(min_p) in float32; pick top so that it is exactly 0.
+    min_p = 0.5
+    top = -float(torch.tensor(math.log(min_p), dtype=torch.float32))
+    scores = torch.tensor([[top, -0.0, 0.0, 1e-30, -1e-30, -1e-45]])
+    out = MinPLogitsProcessor(min_p)(None, scores)
+    expected_kept = [True, True, True, True, False, False]  # a naive comparison: score >= 0
+    assert torch.isfinite(out)[0].tolist() == expected_kept
+    assert torch.equal(out[0, :4], scores[0, :4]) and torch.signbit(out[0, 1]) and not torch.signbit(out[0, 2])
+
+
+def test_kept_scores_come_back_bit_for_bit_in_every_float_dtype():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        scores = (torch.randn(3, 200, generator=torch.Generator().manual_seed(5)) * 5).to(dtype)
+        out = MinPLogitsProcessor(0.05, min_tokens_to_keep=3, filter_value=-50.0)(None, scores)
+        threshold = scores.float().amax(-1, keepdim=True) + math.log(0.05)
+        kept = scores.float() >= threshold
+        kept.scatter_(-1, scores.topk(3, dim=-1).indices, True)
+        assert out.dtype == dtype
+        assert torch.equal(out[kept], scores[kept])
+        assert torch.equal(out[~kept], scores[~kept].clamp(max=-50.0))
+
+
 def test_per_row_values_equal_one_processor_per_row():
     scores = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 3
     values = torch.tensor([0.0, 0.05, 0.3, 1.0])

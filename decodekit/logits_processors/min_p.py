@@ -11,7 +11,6 @@ from decodekit._validation import check_int
 from decodekit.logits_processors._rows import FLOAT32_MIN, RowParameter, RowValues, expand_rows
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-SMALLEST_SUBNORMAL = 1.401298464324817e-45  # the smallest positive float32
 
 
 class MinPLogitsProcessor(LogitsProcessor):
@@ -81,26 +80,17 @@ class MinPLogitsProcessor(LogitsProcessor):
         # clamped to finite values so that an infinite top score cannot produce inf - inf.
         top = scores.amax(dim=-1, keepdim=True).float()
         threshold = (top + self._offset(scores.shape[0], scores.device)).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-        if self.min_tokens_to_keep == 1 and self.filter_value == -math.inf:
-            return self._filter_without_mask(scores, threshold)
-        remove = scores < threshold
+        # Float arithmetic instead of a boolean mask, which costs more on CPU. IEEE subtraction gives
+        # +0 for equal operands, so the sign bit of ``scores - threshold`` is set exactly where a
+        # score is below the threshold, once a +0 threshold is made -0 (else a -0 score equal to it
+        # would give -0). Copying that sign onto infinity gives +inf to keep and -inf to remove.
+        threshold = torch.where(threshold == 0, -0.0, threshold)
+        bound = scores - threshold
+        torch.copysign(torch.full((), math.inf, device=bound.device), bound, out=bound)
         if self.min_tokens_to_keep > 1:
             k = min(self.min_tokens_to_keep, scores.shape[-1])
-            remove.scatter_(-1, torch.topk(scores, k, dim=-1).indices, False)
-        if self.filter_value == -math.inf:
-            return torch.where(remove, self.filter_value, scores)
-        return torch.where(remove, scores.clamp(max=self.filter_value), scores)
-
-    @staticmethod
-    def _filter_without_mask(scores: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-        """``scores`` with every entry below ``threshold`` set to -inf, in four float passes.
-
-        A boolean mask costs more than the arithmetic on CPU. The sign of ``scores - threshold``
-        is exact in IEEE arithmetic, so thresholding it at the smallest negative subnormal maps
-        kept entries to a difference >= 0 and removed ones to -inf; clamping at 0 leaves 0 or
-        -inf, and adding that to the scores returns kept entries bit for bit.
-        """
-        offset = scores - threshold
-        torch.nn.functional.threshold_(offset, -SMALLEST_SUBNORMAL, -math.inf)
-        offset.clamp_(max=0.0)
-        return offset.add_(scores).to(scores.dtype)
+            bound.scatter_(-1, torch.topk(scores, k, dim=-1).indices, math.inf)
+        if self.filter_value != -math.inf:
+            bound.clamp_(min=self.filter_value)
+        # The element-wise minimum returns kept scores bit for bit and lowers removed ones to the bound.
+        return torch.minimum(scores, bound, out=bound).to(scores.dtype)
