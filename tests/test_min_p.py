@@ -173,3 +173,9 @@ def test_min_tokens_to_keep_counts_finite_scores_even_when_their_probability_und
     scores = torch.tensor([[-32.5967, 35.6912, -71.0187, float("-inf"), float("-inf")]])
     kept = MinPLogitsProcessor(0.5, min_tokens_to_keep=3)(None, scores)
     assert torch.equal(torch.isfinite(kept), torch.tensor([[True, True, True, False, False]]))
+
+
+def test_continuous_batching_support_follows_whether_values_are_per_row():
+    assert MinPLogitsProcessor(0.1, temperature=0.7).supports_continuous_batching is True
+    assert MinPLogitsProcessor([0.1, 0.2]).supports_continuous_batching is False
+    assert MinPLogitsProcessor(0.1, temperature=[0.5, 1.0]).supports_continuous_batching is False

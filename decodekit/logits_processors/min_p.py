@@ -40,6 +40,7 @@ class MinPLogitsProcessor(LogitsProcessor):
         >>> # model.generate(**inputs, do_sample=True, temperature=0.7, logits_processor=processors)
     """
 
+    # Row-independent with one min_p and one temperature; per-row values follow the batch's rows.
     supports_continuous_batching = False
 
     def __init__(
@@ -61,6 +62,7 @@ class MinPLogitsProcessor(LogitsProcessor):
         self._scalar_offset: float | None = None
         if self.min_p.is_scalar and self.temperature.is_scalar:
             self._scalar_offset = max(self.temperature.scalar * float(self._log_min_p[0]), FLOAT32_MIN)
+            self.supports_continuous_batching = True
         self._row_offsets: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _offset(self, rows: int, device: torch.device) -> float | torch.Tensor:
