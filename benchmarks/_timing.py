@@ -10,6 +10,11 @@ import statistics
 import time
 from collections.abc import Callable
 
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
+
 
 def interleaved_medians(
     candidates: dict[str, Callable[[], object]], *, rounds: int, calls: int = 1, warmup: int = 1
@@ -29,6 +34,21 @@ def interleaved_medians(
                 function()
             samples[name].append((time.perf_counter() - start) / calls)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def page_faults_per_call(function: Callable[[], object], calls: int = 10) -> float | None:
+    """Minor page faults per call: memory the allocator handed back to the system and takes again.
+
+    A candidate that faults on every call pays for fresh pages each time; the count explains a
+    time that changes from one run to the next with the allocator's state. None where the
+    platform cannot tell.
+    """
+    if resource is None:
+        return None
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        function()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
 
 
 def verdict(ok: bool) -> str:

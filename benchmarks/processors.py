@@ -2,7 +2,11 @@
 
     python benchmarks/processors.py [--rounds 15] [--generate-rounds 5]
 
-Prints ratios measured side by side in one run:
+Prints ratios measured side by side in one run, and each candidate's page faults per call: a
+candidate whose buffers the allocator hands back to the system pays for fresh pages on every
+call, and its time then varies from run to run with the allocator's state.
+
+Ratios:
   1. min-p vs MinPLogitsWarper on scores [32, 49152]            (target: ours >= 5x faster)
   2. staged penalty (512-token window) vs RepetitionPenalty      (target: ours <= 2x its time)
   3. generate on the default model, batch 8, 64 new tokens, sampling with and without our
@@ -14,7 +18,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import interleaved_medians, verdict  # benchmarks/ is on sys.path when a script in it runs
+from _timing import (  # benchmarks/ is on sys.path when a script in it runs
+    interleaved_medians,
+    page_faults_per_call,
+    verdict,
+)
 from transformers import LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from decodekit import (
@@ -51,20 +59,18 @@ def per_call(rounds: int) -> None:
     # would make the first candidates measured look slower than they are inside generate.
     for _ in range(20):
         repetition(input_ids, scores)
-    times = interleaved_medians(
-        {
-            "min-p (decodekit)": lambda: ours_min_p(input_ids, scores),
-            "MinPLogitsWarper": lambda: theirs_min_p(input_ids, scores),
-            "staged penalty (decodekit)": lambda: staged(input_ids, scores),
-            "RepetitionPenaltyLogitsProcessor": lambda: repetition(input_ids, scores),
-        },
-        rounds=rounds,
-        calls=20,
-        warmup=5,
-    )
+    candidates = {
+        "min-p (decodekit)": lambda: ours_min_p(input_ids, scores),
+        "MinPLogitsWarper": lambda: theirs_min_p(input_ids, scores),
+        "staged penalty (decodekit)": lambda: staged(input_ids, scores),
+        "RepetitionPenaltyLogitsProcessor": lambda: repetition(input_ids, scores),
+    }
+    times = interleaved_medians(candidates, rounds=rounds, calls=20, warmup=5)
+    faults = {name: page_faults_per_call(function) for name, function in candidates.items()}
     print(f"Per call on scores [{BATCH}, {VOCAB}], {torch.get_num_threads()} threads, median of {rounds} rounds:")
     for name, seconds in times.items():
-        print(f"  {name:<34} {seconds * 1e3:8.3f} ms")
+        fault_note = "" if faults[name] is None else f"   {faults[name]:6.0f} page faults/call"
+        print(f"  {name:<34} {seconds * 1e3:8.3f} ms{fault_note}")
     speedup = times["MinPLogitsWarper"] / times["min-p (decodekit)"]
     print(f"  min-p speedup over MinPLogitsWarper: {speedup:.2f}x  (target >= 5x: {verdict(speedup >= 5)})")
     ratio = times["staged penalty (decodekit)"] / times["RepetitionPenaltyLogitsProcessor"]
