@@ -6,6 +6,8 @@ ratios mean something even where absolute times drift.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +36,22 @@ def interleaved_medians(
                 function()
             samples[name].append((time.perf_counter() - start) / calls)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep large freed blocks for reuse instead of handing them back to the system.
+
+    By default glibc returns big temporaries to the system and takes fresh pages for the next
+    call, depending on a threshold it adjusts as it goes; a candidate's time then changes from one
+    run to the next. Pinned, every candidate reuses its memory, as in a long-running process.
+    Returns False where the C library has no ``mallopt`` (not glibc).
+    """
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim_threshold, mmap_threshold = -1, -3  # glibc's M_TRIM_THRESHOLD and M_MMAP_THRESHOLD
+    return bool(mallopt(mmap_threshold, 32 * 2**20)) and bool(mallopt(trim_threshold, 2**31 - 1))
 
 
 def page_faults_per_call(function: Callable[[], object], calls: int = 10) -> float | None:
