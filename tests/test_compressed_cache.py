@@ -66,7 +66,7 @@ def test_a_cache_built_for_another_model_is_refused(fresh, tiny):
     model, tokenizer = fresh
     other = build_model(tokenizer, seed=1)
     CompressedCache(other, budget=64)  # binds the other model too
-    with pytest.raises(ValueError, match="not built for the model"):
+    with pytest.raises(ValueError, match="only inside a forward pass of the model it was built with"):
         _greedy(model, tokenizer, _batch(tokenizer), CompressedCache(other, budget=64))
 
 
@@ -109,7 +109,7 @@ def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh):
     stored = sum(
         tensor.numel() * tensor.element_size()
         for layer in cache.layers
-        for tensor in (layer.keys, layer.values, layer.scores, layer.value_norms, layer.positions)
+        for tensor in (layer.keys, layer.values, layer.scores, layer.value_norms, layer.positions, layer.live)
     )
     assert cache.memory_bytes() == stored
 
@@ -168,20 +168,126 @@ def test_after_eviction_new_tokens_see_exactly_the_kept_tokens_and_each_other(fr
     assert kept == {(*range(sinks), *range(total - recent, total))}
 
 
-def test_left_padding_stays_at_the_front_and_is_never_evicted(fresh):
+LONG = "The class statement creates a new class object " * 12
+
+
+def _alone_and_batched(model, tokenizer, prompts, make_cache, **kwargs):
+    """Per prompt: (new tokens alone, new tokens in the left-padded batch), plus the two caches' kept positions."""
+    batch = _batch(tokenizer, prompts)
+    width = batch["input_ids"].shape[1]
+    batched_cache = make_cache()
+    batched = _greedy(model, tokenizer, batch, batched_cache, **kwargs)[:, width:]
+    results = []
+    for row, prompt in enumerate(prompts):
+        single = _batch(tokenizer, [prompt])
+        cache = make_cache()
+        alone = _greedy(model, tokenizer, single, cache, **kwargs)[0, single["input_ids"].shape[1] :]
+        pads = width - single["input_ids"].shape[1]
+        results.append((alone, batched[row], cache, pads))
+    return results, batched_cache
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"compression_ratio": 0.5}, {"budget": 40, "recent_tokens": 8}, {"budget": 48, "sink_tokens": 2}],
+    ids=["ratio", "budget", "budget-default-recent"],
+)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_each_row_of_a_padded_batch_decodes_what_it_decodes_alone(fresh, settings, attention):
+    """Padding is not content: a row keeps, scores and attends to what it would alone."""
     model, tokenizer = fresh
-    batch = _batch(tokenizer, [PROMPTS[0] * 3, PROMPTS[2]])
-    pads = (batch["attention_mask"] == 0).sum(dim=1)
-    assert int(pads[1]) > 0
-    cache = CompressedCache(model, budget=int(pads.max()) + 12, sink_tokens=2, recent_tokens=6)
-    _greedy(model, tokenizer, batch, cache, max_new_tokens=20)
-    for layer in cache.layers:
-        for row, row_pads in enumerate(pads.tolist()):
-            positions = layer.kept_positions()[row]
-            assert torch.equal(positions[:, :row_pads], torch.arange(row_pads).expand(positions.shape[0], -1))
-            assert bool((positions[:, row_pads:] >= row_pads).all())
-    with pytest.raises(ValueError, match="smaller than this batch's left padding"):
-        _greedy(model, tokenizer, batch, CompressedCache(model, budget=8, sink_tokens=0, recent_tokens=4))
+    model.set_attn_implementation(attention)
+    prompts = ["def foo", LONG, PROMPTS[1]]
+    results, batched_cache = _alone_and_batched(
+        model, tokenizer, prompts, lambda: CompressedCache(model, **settings), max_new_tokens=16
+    )
+    for alone, batched, cache, pads in results:
+        assert torch.equal(batched, alone)
+        for batched_layer, alone_layer in zip(batched_cache.layers, cache.layers, strict=True):
+            assert not batched_layer.scores.isnan().any()
+    # The kept positions of each row, shifted by its padding, are those it keeps alone.
+    for row, (_, _, cache, pads) in enumerate(results):
+        for batched_layer, alone_layer in zip(batched_cache.layers, cache.layers, strict=True):
+            alone_positions = alone_layer.kept_positions()[0]
+            kept = batched_layer.kept_positions()[row]
+            kept = kept[:, kept.shape[-1] - alone_positions.shape[-1] :]
+            assert torch.equal(kept - pads, alone_positions)
+            assert bool((batched_layer.kept_positions()[row][:, : kept.shape[-1] - alone_positions.shape[-1]] == -1).all())
+
+
+def test_a_budget_below_the_padding_plus_protected_tokens_keeps_the_real_tokens(fresh):
+    """A budget between a row's padding and padding + sinks + recent once decoded garbage for that row."""
+    model, tokenizer = fresh
+    prompts = [PROMPTS[2], LONG]
+    pads = _batch(tokenizer, prompts)["input_ids"].shape[1] - _batch(tokenizer, [PROMPTS[2]])["input_ids"].shape[1]
+    budget = 36  # the default sinks + recent window, far below this batch's padding
+    assert pads > budget
+    results, batched_cache = _alone_and_batched(
+        model, tokenizer, prompts, lambda: CompressedCache(model, budget=budget), max_new_tokens=16
+    )
+    for alone, batched, _, _ in results:
+        assert torch.equal(batched, alone)
+    for layer in batched_cache.layers:
+        assert layer.slots <= budget + 1  # padding takes no room beyond the budget's one free slot
+        assert int(layer.live.sum(dim=-1).max()) <= budget
+
+
+@pytest.mark.parametrize("decoder", ["built-in", "decodekit"])
+def test_beam_search_on_a_padded_batch_gives_each_row_its_result_alone(fresh, decoder):
+    model, tokenizer = fresh
+    kwargs = {"num_beams": 3, "max_new_tokens": 12}
+    if decoder == "decodekit":
+        kwargs["custom_generate"] = beam_search
+    results, _ = _alone_and_batched(
+        model, tokenizer, ["x = 1", LONG], lambda: CompressedCache(model, budget=40, recent_tokens=8), **kwargs
+    )
+    for alone, batched, _, _ in results:
+        assert torch.equal(batched, alone)
+
+
+def test_direct_update_says_what_is_required(fresh):
+    model, _ = fresh
+    cache = CompressedCache(model, budget=64)
+    keys = torch.zeros(1, 2, 3, 16)
+    with pytest.raises(ValueError, match=r"only inside a forward pass of the model it was built with.*cache.update"):
+        cache.update(keys, keys, 0)
+
+
+@pytest.mark.parametrize("assistance", ["prompt_lookup", "assistant_model"])
+def test_assisted_generation_equals_dynamic_cache_above_the_length(fresh, assistance):
+    model, tokenizer = fresh
+    batch = _batch(tokenizer, [PROMPTS[0] * 4])
+    if assistance == "prompt_lookup":
+        kwargs = {"prompt_lookup_num_tokens": 3}
+    else:
+        kwargs = {"assistant_model": build_model(tokenizer, seed=3, num_layers=1)}
+    reference = _greedy(model, tokenizer, batch, max_new_tokens=30)
+    cache = CompressedCache(model, budget=512)
+    assert torch.equal(_greedy(model, tokenizer, batch, cache, max_new_tokens=30, **kwargs), reference)
+    assert cache.get_seq_length() == reference.shape[1] - 1
+
+
+def test_after_a_crop_the_next_token_sees_what_a_masked_full_forward_shows_it(fresh):
+    """Oracle: a full forward pass whose 4D mask shows each query exactly what the cache held for it."""
+    model, tokenizer = fresh
+    ids = _batch(tokenizer, [" ".join(PROMPTS * 3)])["input_ids"][:, :60]
+    sinks, recent = 3, 9
+    cache = CompressedCache(model, budget=sinks + recent, sink_tokens=sinks, recent_tokens=recent)
+    extra, following = torch.tensor([[7, 8, 9]]), torch.tensor([[11]])
+    with torch.no_grad():
+        model(ids, past_key_values=cache)  # keeps the sinks and positions 51..59
+        model(extra, past_key_values=cache, position_ids=torch.arange(60, 63)[None])  # keeps 54..62
+        cache.crop(-2)  # forget positions 61 and 62, as assisted generation does with rejected candidates
+        assert cache.get_seq_length() == 61
+        cached = model(following, past_key_values=cache, position_ids=torch.tensor([[61]])).logits[:, -1]
+        mask = torch.tril(torch.ones(62, 62, dtype=torch.bool))
+        mask[60, sinks : 60 - recent] = False  # token 60 was in the pass after the prompt's eviction
+        mask[61, sinks : 63 - recent] = False  # token 61 comes after the extra pass's eviction
+        full = torch.cat([ids, extra[:, :1], following], dim=1)
+        reference = model(full, attention_mask=mask.expand(1, 1, 62, 62)).logits[:, -1]
+    torch.testing.assert_close(cached, reference, atol=1e-5, rtol=1e-4)
+    kept = {tuple(heads) for layer in cache.layers for heads in layer.kept_positions()[0].tolist()}
+    assert kept == {(*range(sinks), *range(63 - recent, 62))}
 
 
 def test_hooks_leave_other_caches_bit_identical(fresh):
@@ -194,7 +300,7 @@ def test_hooks_leave_other_caches_bit_identical(fresh):
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     cache = CompressedCache(model, budget=64)
     unbind(model)
-    with pytest.raises(ValueError, match="not built for the model"):
+    with pytest.raises(ValueError, match="only inside a forward pass of the model it was built with"):
         model(ids, past_key_values=cache)
 
 

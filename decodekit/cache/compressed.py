@@ -82,18 +82,9 @@ class CompressedCache(Cache):
             )
         return self.layers[index]
 
-    def check_padding(self, pads: torch.Tensor) -> None:
-        """Reject a batch whose left padding alone exceeds the budget (padding is never evicted)."""
-        budget = self.policy.budget
-        if budget is not None and int(pads.max()) > budget:
-            raise ValueError(
-                f"budget ({budget}) is smaller than this batch's left padding ({int(pads.max())} tokens), "
-                "which the cache must keep: raise the budget or batch prompts of similar length"
-            )
-
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        """Queries follow the kept entries physically (the attention mask is built on stored entries)."""
-        return self.layers[layer_idx].kept
+        """Queries follow the stored entries physically (the attention mask is built on stored entries)."""
+        return self.layers[layer_idx].slots
 
     def memory_bytes(self) -> int:
         """Bytes the cache holds now: keys, values and per-entry bookkeeping (scores, value norms, positions)."""
@@ -101,5 +92,5 @@ class CompressedCache(Cache):
 
     @property
     def kept_tokens(self) -> int:
-        """Entries stored per layer, row and KV head (the same for all of them)."""
+        """The most tokens any row keeps per layer and KV head (padding never counts)."""
         return self.layers[0].kept if self.layers else 0

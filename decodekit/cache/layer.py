@@ -1,12 +1,16 @@
 """One layer of the compressed cache: keys, values, and a running importance score per entry.
 
-Entries are ``[batch, kv_heads, slots, head_dim]`` like transformers' ``DynamicLayer``; every KV
-head keeps its own set of tokens (the same count for all heads and rows, so tensors stay
-rectangular and every layer presents the same length to the attention mask). Each entry records
-its logical position, so entries need not stay in order: when one token arrives and one must go,
-the newcomer takes the evicted entry's slot and nothing is copied. A batch row's left padding
-stays at the front of that row, where the attention mask generate builds expects it, and is
-never scored or evicted.
+Entries are ``[batch, kv_heads, slots, head_dim]`` like transformers' ``DynamicLayer``. Every row
+and KV head keeps its own set of tokens; each entry records its logical position and whether it is
+live. A slot that is not live (a row's left padding, a token evicted in place, a token removed by
+``crop``) is never attended to, never scored and is the first to go or to be reused.
+
+Padding is not content: a row's budget or ratio counts that row's real tokens only, so each row
+keeps what it would keep alone. Rows may then keep different numbers of tokens; the tensors stay
+rectangular (as wide as the row that keeps the most, plus at most one free slot), and the cache
+supplies the attention mask that hides each row's dead slots (see ``pass_mask``).
+
+When one token arrives and a row has a dead slot, the newcomer takes it and nothing is copied.
 """
 
 from __future__ import annotations
@@ -31,15 +35,18 @@ QUERY_BLOCK = 256  # observed queries scored at once
 
 @dataclass(frozen=True)
 class EvictionPolicy:
-    """What a layer keeps: sinks, a recent window, and the best-scored tokens up to a budget.
+    """What a layer keeps per row: sinks, a recent window, and the best-scored tokens up to a budget.
 
     ``budget`` (a token count) or ``compression_ratio`` (keep ``1 - ratio`` of the tokens seen)
-    sets the size; see :class:`~decodekit.cache.CompressedCache` for the other fields. Every
-    field is checked on construction, with a ValueError that names it.
+    sets the size; both count a row's real tokens, never its padding. See
+    :class:`~decodekit.cache.CompressedCache` for the other fields. Every field is checked on
+    construction, with a ValueError that names it.
 
     Example:
         >>> EvictionPolicy(budget=64).target(seen=1000)
         64
+        >>> EvictionPolicy(compression_ratio=0.75).target(seen=1000)
+        250
         >>> EvictionPolicy(budget=8)
         Traceback (most recent call last):
         ...
@@ -73,119 +80,181 @@ class EvictionPolicy:
         elif not _is_number(self.compression_ratio) or not 0 <= self.compression_ratio < 1:
             raise ValueError(f"compression_ratio must be in [0, 1); got {self.compression_ratio!r}")
 
+    @property
+    def floor(self) -> int:
+        """The fewest tokens a ratio keeps: the sinks and the recent window."""
+        return self.sink_tokens + self.recent_tokens
+
     def target(self, seen: int) -> int:
-        """How many entries a layer that has seen ``seen`` tokens keeps."""
+        """How many tokens a row that has seen ``seen`` real tokens keeps (at most; fewer if it has fewer)."""
         if self.budget is not None:
             return self.budget
-        kept = math.ceil((1.0 - self.compression_ratio) * seen)
-        return max(kept, self.sink_tokens + self.recent_tokens)
+        return max(math.ceil((1.0 - self.compression_ratio) * seen), self.floor)
+
+    def targets(self, seen: torch.Tensor) -> torch.Tensor:
+        """``target`` for a tensor of per-row real-token counts (the same float64 arithmetic as ``target``)."""
+        if self.budget is not None:
+            return torch.full_like(seen, self.budget)
+        kept = torch.ceil((1.0 - self.compression_ratio) * seen.to(torch.float64)).to(seen.dtype)
+        return kept.clamp(min=self.floor)
+
+    def kept(self, live: int, seen: int) -> int:
+        """How many of ``live`` stored tokens a row that has seen ``seen`` real tokens keeps."""
+        return min(live, self.target(seen))
 
 
 class CompressedLayer(DynamicLayer):
     """A ``DynamicLayer`` that scores its entries by the attention they receive and evicts the least useful."""
 
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, policy: EvictionPolicy) -> None:
         super().__init__()
         self.policy = policy
-        self.seen = 0  # tokens given to this layer: the logical length
-        self.pads: torch.Tensor | None = None  # [batch], left-padding entries at the front of each row
-        # Per entry, [batch, kv_heads, slots]: score, value norm, logical position.
+        self.seen = 0  # tokens given to this layer, padding included: the logical length
+        self.pads: torch.Tensor | None = None  # [batch]: each row's left padding (its first pads positions)
+        # Per entry, [batch, kv_heads, slots]: score, value norm, logical position, live.
         self.scores: torch.Tensor | None = None
         self.value_norms: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
-        self.free: torch.Tensor | None = None  # [batch, kv_heads]: the slot evicted last, for the next token
-        self._queries: tuple[torch.Tensor, float] | None = None
+        self.live: torch.Tensor | None = None
+        # Host-side bookkeeping, so that no decision needs a device read: the least and most
+        # padding of any row, and how many live entries the rows with the most and the least
+        # padding hold (a row's count depends only on its padding; beams share their request's).
+        self.pad_range = (0, 0)
+        self.live_range = (0, 0)
+        self._pass: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
 
     # -- what the model sees ------------------------------------------------------------------------
 
     @property
+    def slots(self) -> int:
+        """Stored entries per row and KV head, live or not."""
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    @property
     def kept(self) -> int:
-        """The number of tokens stored per row and KV head (a free slot does not count)."""
-        if not self.is_initialized:
-            return 0
-        return self.keys.shape[-2] - (self.free is not None)
+        """The most tokens any row keeps (rows with more padding may keep fewer)."""
+        return self.live_range[1]
 
     def get_seq_length(self) -> int:
         """The logical length (all tokens seen), from which models derive positions."""
         return self.seen
 
+    def _fills_free_slot(self, query_length: int) -> bool:
+        """Whether a pass of ``query_length`` tokens goes into a dead slot of every row instead of a new column."""
+        return query_length == 1 and self.slots > self.live_range[1]
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.kept + query_length, 0
+        return self.slots + (0 if self._fills_free_slot(query_length) else query_length), 0
 
     def observe(self, queries: torch.Tensor, scaling: float, pads: torch.Tensor | None) -> None:
-        """Receive the rotated queries of the coming forward pass's last tokens, before ``update``."""
-        if self.pads is None:
-            self.pads = pads if pads is not None else torch.zeros(queries.shape[0], dtype=torch.long)
-            self.pads = self.pads.to(queries.device)
-        self._queries = (queries, scaling)
+        """Receive the rotated queries of the coming forward pass's last tokens, before ``update``.
+
+        ``pads`` (per row, on the first pass only) is each row's left padding.
+        """
+        if not self.is_initialized:
+            pads = pads if pads is not None else torch.zeros(queries.shape[0], dtype=torch.long)
+            self.pads = pads.to(device=queries.device, dtype=torch.long)
+            low, high = (int(value) for value in torch.stack([self.pads.min(), self.pads.max()]).tolist())
+            self.pad_range = (low, high)
+        free = None
+        if self._fills_free_slot(queries.shape[2]):
+            free = (~self.live).to(torch.uint8).argmax(dim=-1)  # [batch, kv_heads]: a dead slot per row and head
+        self._pass = (queries, scaling, free)
+
+    def pass_mask(self, query_length: int) -> torch.Tensor | None:
+        """``[batch, kv_heads, query_length, slots]``, True where a query of the coming pass may attend.
+
+        None when the model's own mask is right: on the first pass, and later when no row has a
+        dead slot and none was padded (the stored layout is then the plain causal one). Call after
+        ``observe``. Queries after the first pass are real tokens; they see every live entry and
+        the new tokens up to themselves.
+        """
+        if not self.is_initialized or self._pass is None:
+            return None
+        free = self._pass[2]
+        least_live = self.live_range[0] + query_length
+        stored = self.slots + (0 if free is not None else query_length)
+        if self.pad_range[1] == 0 and least_live >= stored:
+            return None
+        if free is not None:
+            live = self.live.scatter(2, free[..., None], True)
+            return live[:, :, None, :]
+        batch, kv_heads, slots = self.live.shape
+        older = self.live[:, :, None, :].expand(batch, kv_heads, query_length, slots)
+        causal = torch.ones(query_length, query_length, dtype=torch.bool, device=self.live.device).tril()
+        return torch.cat([older, causal.expand(batch, kv_heads, -1, -1)], dim=-1)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self._queries is None:
+        if self._pass is None:
             raise ValueError(
-                "this CompressedCache was not built for the model it is used with: "
-                "create it with CompressedCache(model, ...) for that model"
+                "this CompressedCache received keys without the queries of their forward pass: it works only "
+                "inside a forward pass of the model it was built with, whose attention modules it hooks. Pass it "
+                "as past_key_values to that model's forward or generate, not to another model and not to "
+                "cache.update() directly; after unbind(model), build a new CompressedCache(model, ...)"
             )
+        queries, scaling, free = self._pass
+        self._pass = None
         batch, kv_heads, new, _ = key_states.shape
-        if not self.is_initialized:
+        first_pass = not self.is_initialized
+        if first_pass:
             self.lazy_initialization(key_states, value_states)
             empty = key_states.new_zeros((batch, kv_heads, 0), dtype=torch.float32)
             self.scores, self.value_norms = empty, empty.clone()
             self.positions = empty.to(torch.int32)
+            self.live = empty.to(torch.bool)
         positions = torch.arange(self.seen, self.seen + new, device=key_states.device, dtype=torch.int32)
         positions = positions.expand(batch, kv_heads, new)
         value_norms = value_states.float().norm(dim=-1)
         self.scores = self.scores * self.policy.score_decay
-        if self.free is not None and new == 1:
-            self._fill_free_slot(key_states, value_states, value_norms, positions)
+        if free is not None:
+            self._fill(free, key_states, value_states, value_norms, positions)
         else:
-            if self.free is not None:
-                self._drop_free_slot()
+            live = positions >= self.pads[:, None, None] if first_pass else positions.new_ones((), dtype=torch.bool)
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.scores = torch.cat([self.scores, self.scores.new_zeros((batch, kv_heads, new))], dim=-1)
             self.value_norms = torch.cat([self.value_norms, value_norms], dim=-1)
             self.positions = torch.cat([self.positions, positions], dim=-1)
+            self.live = torch.cat([self.live, live.expand(batch, kv_heads, new)], dim=-1)
+        if first_pass:
+            low, high = self.pad_range
+            self.live_range = (max(new - high, 0), max(new - low, 0))
+        else:
+            self.live_range = (self.live_range[0] + new, self.live_range[1] + new)
         self.seen += new
-        queries, scaling = self._queries
-        self._queries = None
         self.scores += self._attention_received(queries, scaling)
         return self.keys, self.values
 
-    def _fill_free_slot(self, key_states, value_states, value_norms, positions) -> None:
-        slot = self.free[..., None]
+    def _fill(self, free, key_states, value_states, value_norms, positions) -> None:
+        slot = free[..., None]
         expanded = slot[..., None].expand(-1, -1, -1, key_states.shape[-1])
         self.keys.scatter_(2, expanded, key_states)
         self.values.scatter_(2, expanded, value_states)
         self.scores.scatter_(2, slot, 0.0)
         self.value_norms.scatter_(2, slot, value_norms)
         self.positions.scatter_(2, slot, positions)
-        self.free = None
-
-    def _drop_free_slot(self) -> None:
-        slots = self.keys.shape[-2]
-        index = torch.arange(slots - 1, device=self.keys.device).expand(*self.free.shape, slots - 1)
-        self._keep(index + (index >= self.free[..., None]))
-        self.free = None
+        self.live.scatter_(2, slot, True)
 
     def _keep(self, index: torch.Tensor) -> None:
         """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order."""
         expanded = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, expanded)
         self.values = self.values.gather(2, expanded)
-        self.scores = self.scores.gather(2, index)
-        self.value_norms = self.value_norms.gather(2, index)
-        self.positions = self.positions.gather(2, index)
+        for name in ("scores", "value_norms", "positions", "live"):
+            setattr(self, name, getattr(self, name).gather(2, index))
 
     def kept_positions(self) -> torch.Tensor:
-        """The logical positions of the stored tokens, ``[batch, kv_heads, kept]``, in increasing order."""
-        positions = self.positions
-        if self.free is not None:
-            slot = torch.arange(positions.shape[-1], device=positions.device)
-            positions = positions.masked_fill(slot == self.free[..., None], torch.iinfo(positions.dtype).max)
-            positions = positions.sort(dim=-1).values[..., :-1]
-        return positions.sort(dim=-1).values
+        """The logical positions of the live tokens, ``[batch, kv_heads, kept]``, increasing.
+
+        A row that keeps fewer tokens than ``kept`` (more padding, a smaller ratio target) is
+        filled with -1 at the front, as a left-padded batch is.
+        """
+        if not self.is_initialized:
+            return torch.zeros(0, 0, 0, dtype=torch.int32)
+        positions = self.positions.masked_fill(~self.live, -1).sort(dim=-1).values
+        return positions[..., positions.shape[-1] - self.kept :]
 
     # -- scoring and eviction -------------------------------------------------------------------------
 
@@ -193,26 +262,29 @@ class CompressedLayer(DynamicLayer):
         """Mean attention each entry gets from the observed queries (the last ones) that can see it.
 
         Computed per KV head (averaged over the query heads that share it) in blocks of queries.
-        The new tokens sit after every older entry, so a block needs only the slots before its
-        last query; visibility within them follows logical positions.
+        When the new tokens were appended, a block needs only the slots before its last query;
+        visibility within them follows logical positions and liveness. Left-padding queries (first
+        pass only) see padding only, so they give real entries nothing.
         """
         batch, kv_heads, slots, head_dim = self.keys.shape
         window = queries.shape[2]
         grouped = queries.float().reshape(batch, kv_heads, -1, window, head_dim)
         keys = self.keys.float()
         positions = self.positions[:, :, None, None, :]
-        pads = self.pads.to(keys.device)[:, None, None, None, None]
+        dead = ~self.live[:, :, None, None, :]
+        pads = self.pads[:, None, None, None, None]
+        appended = window > 1  # a pass of several tokens is appended; one token may fill a free slot
         first_slot, first_position = slots - window, self.seen - window
         received = keys.new_zeros((batch, kv_heads, slots))
         for start in range(0, window, QUERY_BLOCK):
             stop = min(start + QUERY_BLOCK, window)
-            visible_slots = first_slot + stop if window > 1 else slots
-            logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped[:, :, :, start:stop], keys[:, :, :visible_slots])
+            visible = first_slot + stop if appended else slots
+            logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped[:, :, :, start:stop], keys[:, :, :visible])
             query_position = torch.arange(first_position + start, first_position + stop, device=keys.device)
-            entry_position = positions[..., :visible_slots]
-            hidden = (entry_position > query_position[:, None]) | (entry_position < pads)
+            query_position = query_position[:, None]
+            hidden = (positions[..., :visible] > query_position) | (dead[..., :visible] & (query_position >= pads))
             probs = (logits * scaling).masked_fill(hidden, float("-inf")).softmax(dim=-1)
-            received[..., :visible_slots] += probs.sum(dim=(2, 3))
+            received[..., :visible] += probs.sum(dim=(2, 3))
         # How many observed queries see each entry: entries among the new tokens are seen by fewer.
         seen_by = (self.seen - self.positions).clamp(min=1, max=window) * grouped.shape[2]
         received = received / seen_by
@@ -223,29 +295,55 @@ class CompressedLayer(DynamicLayer):
             received = received.reshape(batch, kv_heads, slots)
         return received
 
-    def compress(self) -> None:
-        """Evict down to the policy's target: pads, sinks and recent tokens first, then the best ranked."""
-        slots = self.keys.shape[-2]
-        target = self.policy.target(self.seen)
-        if slots <= target:
-            return
-        pads = self.pads.to(self.keys.device)[:, None, None]
-        is_pad = self.positions < pads
+    def _priority(self) -> torch.Tensor:
+        """Sinks and recent tokens above every score, then score (times value norm)."""
+        pads = self.pads[:, None, None]
         protected = (self.positions < pads + self.policy.sink_tokens) | (
             self.positions >= self.seen - self.policy.recent_tokens
         )
         priority = self.scores * self.value_norms if self.policy.value_norm else self.scores
-        priority = torch.where(protected, PROTECTED, priority)
-        priority = torch.where(is_pad, float("inf"), priority)
-        if slots - target == 1:
-            self.free = priority.argmin(dim=-1)  # the next token takes this slot; nothing is copied
-        else:
-            self._keep(priority.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values)
+        return torch.where(protected, PROTECTED, priority)
 
-    # -- batch bookkeeping (beam search) ------------------------------------------------------------
+    def compress(self, new: int) -> None:
+        """Evict each row down to its target, after a pass of ``new`` tokens; reuse slots where possible.
+
+        A row keeps ``min(live, target(real tokens seen))`` entries: its sinks and recent tokens
+        first, then the best ranked. When at most one spare slot per row remains, evicted entries
+        are only marked dead (the next token takes the slot); otherwise the storage shrinks to the
+        row that keeps the most.
+        """
+        low_pads, high_pads = self.pad_range
+        least, most = self.live_range
+        keep_most = self.policy.kept(most, self.seen - low_pads)
+        keep_least = self.policy.kept(least, self.seen - high_pads)
+        # An upper bound on any row's excess: a row's excess grows with its real tokens, except
+        # that under a ratio a later pass of n tokens may leave any row up to n over.
+        bound = most - keep_most
+        if self.policy.compression_ratio is not None and new < self.seen - low_pads:
+            bound = max(bound, min(new, most))
+        self.live_range = (keep_least, keep_most)
+        if bound == 0 and self.slots - keep_most <= 1:
+            return
+        live_count = self.live[:, :1].sum(dim=-1, keepdim=True)  # [batch, 1, 1]: the same for every head
+        keep = torch.minimum(live_count, self.policy.targets(self.seen - self.pads)[:, None, None])
+        priority = self._priority()
+        if self.slots - keep_most <= 1:
+            # Mark the lowest-ranked live entries dead, in place.
+            lowest = torch.where(self.live, priority, math.inf).topk(bound, dim=-1, largest=False)
+            rank = torch.arange(bound, device=priority.device)
+            stays = self.live.gather(2, lowest.indices) & (rank < (live_count - keep)).logical_not()
+            self.live.scatter_(2, lowest.indices, stays)
+            return
+        ranked = torch.where(self.live, priority, -math.inf).topk(keep_most, dim=-1).indices
+        stays = torch.arange(keep_most, device=priority.device) < keep
+        index, order = ranked.sort(dim=-1)
+        self._keep(index)
+        self.live &= stays.expand_as(order).gather(2, order)
+
+    # -- batch bookkeeping (beam search, assisted generation) -------------------------------------
 
     def _per_row(self) -> tuple[str, ...]:
-        return ("keys", "values", "scores", "value_norms", "positions", "pads", "free")
+        return ("keys", "values", "scores", "value_norms", "positions", "live", "pads")
 
     def _apply_to_rows(self, operation) -> None:
         for name in self._per_row():
@@ -254,6 +352,7 @@ class CompressedLayer(DynamicLayer):
                 setattr(self, name, operation(tensor))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder rows for beam search (beams move within their request, so the padding ranges hold)."""
         if self.is_initialized:
             self._apply_to_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
 
@@ -264,18 +363,40 @@ class CompressedLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self._apply_to_rows(lambda tensor: tensor[indices.to(tensor.device)])
+            self._recount()
+
+    def _recount(self) -> None:
+        """Read the padding and live ranges back from the device (after a change the host cannot follow)."""
+        counts = self.live[:, 0].sum(dim=-1)
+        values = torch.stack([self.pads.min(), self.pads.max(), counts.min(), counts.max()]).tolist()
+        self.pad_range, self.live_range = (values[0], values[1]), (values[2], values[3])
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("a CompressedCache cannot be cropped: it no longer holds a contiguous prefix")
+        """Forget the last ``-tokens_to_remove`` tokens seen (candidate tokens rejected by assisted generation).
+
+        The newest tokens are always held (they are in the recent window), so this undoes their
+        pass exactly, except that the attention they paid to older tokens stays in those tokens'
+        scores, and anything their pass evicted stays evicted.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop takes a negative number of tokens to remove (as DynamicLayer does); got {tokens_to_remove}"
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.seen = max(self.seen + tokens_to_remove, 0)
+        self.live &= self.positions < self.seen
+        self._recount()
 
     def reset(self) -> None:
         super().reset()
-        self.scores = self.value_norms = self.positions = self.pads = self.free = self._queries = None
+        self.scores = self.value_norms = self.positions = self.live = self.pads = self._pass = None
+        self.pad_range = self.live_range = (0, 0)
         self.seen = 0
 
     def memory_bytes(self) -> int:
         """Bytes held by this layer's tensors (keys, values and the per-entry bookkeeping)."""
         if not self.is_initialized:
             return 0
-        tensors = (self.keys, self.values, self.scores, self.value_norms, self.positions)
+        tensors = (self.keys, self.values, self.scores, self.value_norms, self.positions, self.live)
         return sum(tensor.numel() * tensor.element_size() for tensor in tensors)

@@ -4,8 +4,9 @@ SDPA and flash attention return no attention weights, and a cache's ``update`` n
 queries. So decodekit hooks each attention module of a model once: before the module runs, if
 (and only if) its ``past_key_values`` is a :class:`~decodekit.cache.CompressedCache`, the hook
 recomputes the queries of the last few tokens (one small projection) and hands them to the cache
-layer; after the module runs, it lets the layer evict. With any other cache, or none, the hooks
-return at once and the forward pass is unchanged.
+layer, and, when the rows of a batch keep different tokens, gives the module the mask that hides
+each row's dead entries; after the module runs, it lets the layer evict. With any other cache, or
+none, the hooks return at once and the forward pass is unchanged.
 """
 
 from __future__ import annotations
@@ -77,18 +78,17 @@ def _left_padding(attention_mask: torch.Tensor | None, batch: int, device: torch
     return hidden.sum(dim=-1).to(device=device, dtype=torch.long).expand(batch).clone()
 
 
-def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
     cache = _compressed_cache(kwargs)
     if cache is None:
-        return
+        return None
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     position_embeddings = kwargs.get("position_embeddings")
     if position_embeddings is None:
         raise ValueError("CompressedCache needs rotary position embeddings passed to the attention modules")
     layer = cache.layer_for(module)
-    window = hidden_states.shape[1]
-    if cache.policy.observation_window is not None:
-        window = min(window, cache.policy.observation_window)
+    length = hidden_states.shape[1]
+    window = length if cache.policy.observation_window is None else min(length, cache.policy.observation_window)
     observed = hidden_states[:, -window:]
     batch = observed.shape[0]
     queries = module.q_proj(observed).view(batch, window, -1, module.head_dim)
@@ -98,13 +98,35 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     cos, sin = (embedding[:, -window:].unsqueeze(1) for embedding in position_embeddings)
     queries = queries * cos + _rotate_half(queries) * sin
     pads = None
-    if layer.pads is None:
+    if not layer.is_initialized:
         pads = _left_padding(kwargs.get("attention_mask"), batch, queries.device)
-        cache.check_padding(pads)
     layer.observe(queries, module.scaling, pads)
+    visible = layer.pass_mask(length)
+    if visible is None:
+        return None
+    kwargs["attention_mask"] = _attention_mask(module, visible, queries.dtype)
+    return args, kwargs
+
+
+def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's ``[batch, kv_heads, queries, keys]`` visibility as the mask ``module``'s attention takes."""
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa"
+    if implementation not in ("sdpa", "eager"):
+        raise ValueError(
+            f"CompressedCache needs attn_implementation 'sdpa' or 'eager' when rows keep different tokens "
+            f"(a left-padded batch, or after crop); this model uses {implementation!r}: load it with "
+            "attn_implementation='sdpa', or generate one prompt at a time"
+        )
+    batch, kv_heads, queries, keys = visible.shape
+    group = module.config.num_attention_heads // kv_heads
+    per_head = visible[:, :, None].expand(batch, kv_heads, group, queries, keys).reshape(batch, -1, queries, keys)
+    if implementation == "sdpa":
+        return per_head
+    return torch.zeros((), dtype=dtype, device=visible.device).masked_fill(~per_head, torch.finfo(dtype).min)
 
 
 def _after_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     cache = _compressed_cache(kwargs)
     if cache is not None:
-        cache.layer_for(module).compress()
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cache.layer_for(module).compress(hidden_states.shape[1])
