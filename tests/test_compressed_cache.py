@@ -201,18 +201,17 @@ def test_each_row_of_a_padded_batch_decodes_what_it_decodes_alone(fresh, setting
     results, batched_cache = _alone_and_batched(
         model, tokenizer, prompts, lambda: CompressedCache(model, **settings), max_new_tokens=16
     )
-    for alone, batched, cache, pads in results:
+    for alone, batched, _, _ in results:
         assert torch.equal(batched, alone)
-        for batched_layer, alone_layer in zip(batched_cache.layers, cache.layers, strict=True):
-            assert not batched_layer.scores.isnan().any()
-    # The kept positions of each row, shifted by its padding, are those it keeps alone.
+    assert not any(layer.scores.isnan().any() for layer in batched_cache.layers)
+    # The kept positions of each row, shifted by its padding, are those it keeps alone; the rest is -1.
     for row, (_, _, cache, pads) in enumerate(results):
         for batched_layer, alone_layer in zip(batched_cache.layers, cache.layers, strict=True):
             alone_positions = alone_layer.kept_positions()[0]
             kept = batched_layer.kept_positions()[row]
-            kept = kept[:, kept.shape[-1] - alone_positions.shape[-1] :]
-            assert torch.equal(kept - pads, alone_positions)
-            assert bool((batched_layer.kept_positions()[row][:, : kept.shape[-1] - alone_positions.shape[-1]] == -1).all())
+            unused = kept.shape[-1] - alone_positions.shape[-1]
+            assert torch.equal(kept[:, unused:] - pads, alone_positions)
+            assert bool((kept[:, :unused] == -1).all())
 
 
 def test_a_budget_below_the_padding_plus_protected_tokens_keeps_the_real_tokens(fresh):
