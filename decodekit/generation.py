@@ -103,7 +103,7 @@ def generate_text(
     check_max_new_tokens(max_new_tokens)
     batch = encode_prompts(tokenizer, prompts, chat=chat, system_prompt=system_prompt)
     batch = {key: value.to(model.device) for key, value in batch.items()}
-    kwargs = strategy.generate_kwargs(model, prompt_length=batch["input_ids"].shape[1])
+    kwargs = strategy.generate_kwargs(model, attention_mask=batch["attention_mask"])
     if "logits_processor" in kwargs and "logits_processor" in generate_kwargs:
         merged = [*kwargs["logits_processor"], *generate_kwargs["logits_processor"]]
         generate_kwargs["logits_processor"] = LogitsProcessorList(merged)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import torch
 from transformers import LogitsProcessorList
 
 from decodekit._validation import check_int
@@ -201,14 +202,29 @@ class Strategy:
         """Whether ``generate_kwargs`` needs the prompt length (to count generated tokens only)."""
         return self.frequency_penalty is not None or self.presence_penalty is not None
 
-    def logits_processors(self, prompt_length: int | None = None) -> LogitsProcessorList:
+    def logits_processors(
+        self,
+        prompt_length: int | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        pad_token_id: int | None = None,
+    ) -> LogitsProcessorList:
         """decodekit's processors for this recipe, penalties first, then min-p.
 
         generate runs them after its own penalties and before its temperature, top-k and top-p.
+        ``attention_mask`` (the batch's) tells the staged penalty each row's left padding, which
+        never counts; without it, a leading run of ``pad_token_id`` is taken as padding.
         """
         processors = LogitsProcessorList()
+        if attention_mask is not None and prompt_length is None:
+            prompt_length = attention_mask.shape[1]
         if self.staged_penalty is not None:
-            processors.append(StagedRepetitionPenaltyLogitsProcessor(self.staged_penalty, window=self.penalty_window))
+            padding = None if attention_mask is None else (attention_mask != 0).int().argmax(dim=1)
+            processors.append(
+                StagedRepetitionPenaltyLogitsProcessor(
+                    self.staged_penalty, window=self.penalty_window, pad_token_id=pad_token_id, padding_lengths=padding
+                )
+            )
         if self.needs_prompt_length:
             if prompt_length is None:
                 raise ValueError(
@@ -224,12 +240,16 @@ class Strategy:
             processors.append(MinPLogitsProcessor(self.min_p, temperature=self.temperature or 1.0))
         return processors
 
-    def generate_kwargs(self, model: Any = None, *, prompt_length: int | None = None) -> dict[str, Any]:
+    def generate_kwargs(
+        self, model: Any = None, *, prompt_length: int | None = None, attention_mask: torch.Tensor | None = None
+    ) -> dict[str, Any]:
         """The keyword arguments for ``model.generate`` that carry out this recipe.
 
         ``model`` is the model the call will run on; recipes that build per-call objects bound
-        to a model (a compressed cache) need it. ``prompt_length`` (the padded prompt's
-        ``input_ids.shape[1]``) is needed by recipes that count generated tokens only.
+        to a model (a compressed cache) need it. ``attention_mask`` is the batch's: it gives each
+        row's left padding, which no penalty counts, and the prompt length, which recipes that
+        count generated tokens only need (or give ``prompt_length``, the padded prompt's
+        ``input_ids.shape[1]``). Without a mask, the model's pad token marks padding.
         """
         kwargs: dict[str, Any] = {"do_sample": self.sampling}
         if self.beam:
@@ -239,7 +259,10 @@ class Strategy:
             kwargs["temperature"] = float(self.temperature if self.temperature is not None else 1.0)
             kwargs["top_k"] = self.top_k if self.top_k is not None else 0
             kwargs["top_p"] = float(self.top_p if self.top_p is not None else 1.0)
-        processors = self.logits_processors(prompt_length)
+        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+        if not isinstance(pad_token_id, int):
+            pad_token_id = None
+        processors = self.logits_processors(prompt_length, attention_mask=attention_mask, pad_token_id=pad_token_id)
         if processors:
             kwargs["logits_processor"] = processors
         if self.compresses_cache:

@@ -95,11 +95,29 @@ def test_window_counts_only_recent_tokens():
     assert out.tolist() == [[1.0, 1.0]]
 
 
-def test_pad_tokens_never_count():
-    input_ids = torch.tensor([[9, 9, 9, 4, 5], [4, 5, 6, 7, 8]])
+def test_left_padding_never_counts_but_later_occurrences_of_the_pad_id_do():
+    # Row 0: three pads, then 4 5 and a real 9 (a chat separator that is also the pad token).
+    input_ids = torch.tensor([[9, 9, 9, 4, 5, 9], [4, 5, 6, 7, 8, 9]])
     scores = torch.full((2, 10), 2.0)
-    out = StagedRepetitionPenaltyLogitsProcessor({1: 2.0}, pad_token_id=9)(input_ids, scores)
-    assert out[0, 9] == 2.0 and out[0, 4] == 1.0 and out[1, 4] == 1.0
+    by_id = StagedRepetitionPenaltyLogitsProcessor({1: 2.0, 2: 4.0}, pad_token_id=9)(input_ids, scores)
+    by_length = StagedRepetitionPenaltyLogitsProcessor({1: 2.0, 2: 4.0}, padding_lengths=[3, 0])(input_ids, scores)
+    for out in (by_id, by_length):
+        assert out[0, 9] == 1.0  # counted once (the real occurrence), not four times
+        assert out[0, 4] == 1.0 and out[1, 4] == 1.0 and out[1, 9] == 1.0
+
+
+def test_padding_lengths_are_given_per_request_under_beams():
+    input_ids = torch.tensor([[0, 3, 3], [0, 3, 3], [0, 0, 3], [0, 0, 3]])  # two requests x two beams
+    scores = torch.full((4, 4), 2.0)
+    out = StagedRepetitionPenaltyLogitsProcessor({1: 2.0, 2: 4.0}, padding_lengths=[1, 2])(input_ids, scores)
+    assert out[:, 0].tolist() == [2.0, 2.0, 2.0, 2.0]
+    assert out[:, 3].tolist() == [0.5, 0.5, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("bad", [[1.5], [[1, 2]], [-1], [True], "ab", []])
+def test_bad_padding_lengths_are_named(bad):
+    with pytest.raises(ValueError, match="padding_lengths must be a 1-D sequence of integers >= 0"):
+        StagedRepetitionPenaltyLogitsProcessor({1: 2.0}, padding_lengths=bad)
 
 
 def test_prompt_tokens_can_be_left_out():

@@ -108,7 +108,7 @@ def stream(
     stop = stop or threading.Event()
     batch = {key: value.to(model.device) for key, value in encode_prompts(tokenizer, [prompt]).items()}
     prompt_length = batch["input_ids"].shape[1]
-    kwargs = strategy.generate_kwargs(model, prompt_length=prompt_length)
+    kwargs = strategy.generate_kwargs(model, attention_mask=batch["attention_mask"])
     recorder, tokens = _Recorder(), _TokenQueue()
     kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), recorder])
     beam_progress = BeamSearchStreamer(tokenizer) if strategy.beam else None

@@ -84,9 +84,15 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
     when ``window`` is None); the stage table maps the count to a penalty, applied as in
     transformers' ``RepetitionPenaltyLogitsProcessor``: a positive score is divided by it, a
     negative one multiplied. ``{1: 1.2, 3: 1.5, 6: 2.0}`` penalizes a token seen once or twice by
-    1.2, three to five times by 1.5, six or more by 2.0. Pad tokens never count, nor do
-    ``exempt_token_ids``; with ``count_prompt=False`` neither do the first ``prompt_length``
-    positions (the prompt, left padding included).
+    1.2, three to five times by 1.5, six or more by 2.0. ``exempt_token_ids`` never count; with
+    ``count_prompt=False`` neither do the first ``prompt_length`` positions (the prompt, left
+    padding included).
+
+    Padding is not content: a row's left padding never counts, so a prompt gets the same penalty
+    alone or in a padded batch, as with transformers' ``repetition_penalty`` (which skips each
+    row's padding). Give ``padding_lengths`` (each row's left padding, from the attention mask),
+    or ``pad_token_id``: each row's leading run of that id is then its padding, and later
+    occurrences (a chat turn separator that is also the pad token) still count.
 
     Under beam search generate hands processors log-probabilities (all <= 0): every penalized
     score is then multiplied by its penalty, which lowers the token's log-probability by the
@@ -100,7 +106,9 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         count_prompt: whether prompt tokens count (default True, like transformers' penalty).
         exempt_token_ids: token ids never counted nor penalized (special tokens, punctuation:
             see ``punctuation_token_ids``).
-        pad_token_id: the pad token id (or ids), never counted.
+        pad_token_id: the pad token id; each row's leading run of it is left padding, never counted.
+        padding_lengths: each row's left padding (one int per row, or per request), e.g.
+            ``(attention_mask == 0).sum(dim=1)``; takes precedence over ``pad_token_id``.
         prompt_length: the length of the (padded) prompt; needed when ``count_prompt=False``.
 
     Example:
@@ -120,8 +128,9 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         window: int | None = None,
         count_prompt: bool = True,
         exempt_token_ids: Iterable[int] = (),
-        pad_token_id: int | Iterable[int] | None = None,
+        pad_token_id: int | None = None,
         prompt_length: int | None = None,
+        padding_lengths: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         tables = self._tables(stages)
         if window is not None:
@@ -135,12 +144,11 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         self.window = window
         self.count_prompt = count_prompt
         self.prompt_length = prompt_length or 0
-        self.uncounted_ids = torch.tensor(
-            sorted(
-                set(_token_ids("exempt_token_ids", exempt_token_ids)) | set(_token_ids("pad_token_id", pad_token_id))
-            ),
-            dtype=torch.long,
-        )
+        self.uncounted_ids = torch.tensor(sorted(set(_token_ids("exempt_token_ids", exempt_token_ids))), dtype=torch.long)
+        if pad_token_id is not None and not is_int_at_least(pad_token_id, 0):
+            raise ValueError(f"pad_token_id must be a token id (an integer >= 0) or None; got {pad_token_id!r}")
+        self.pad_token_id = pad_token_id
+        self.padding_lengths = _padding_lengths(padding_lengths)
         width = max(len(table) for table in tables)
         self.thresholds = torch.full((len(tables), width), NO_STAGE, dtype=torch.int32)
         self.factors = torch.ones((len(tables), width + 1), dtype=torch.float64)
@@ -168,6 +176,16 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
             self._cache[key] = (thresholds, factors)
         return self._cache[key]
 
+    def _padding(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
+        """Each row's left padding, ``[rows]`` on the ids' device, or None when unknown."""
+        if self.padding_lengths is not None:
+            self.padding_lengths = self.padding_lengths.to(input_ids.device)
+            return expand_rows(self.padding_lengths, input_ids.shape[0], "padding_lengths")
+        if self.pad_token_id is None:
+            return None
+        # The first position that is not the pad id (argmax returns the first maximum).
+        return (input_ids != self.pad_token_id).to(torch.int8).argmax(dim=1)
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         rows, vocab = scores.shape
         start = 0 if self.window is None else max(input_ids.shape[1] - self.window, 0)
@@ -178,6 +196,10 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
             counted &= ~torch.isin(ids, self.uncounted_ids)
         if not self.count_prompt and self.prompt_length > start:
             counted[:, : self.prompt_length - start] = False
+        padding = self._padding(input_ids)
+        if padding is not None:
+            column = torch.arange(start, input_ids.shape[1], device=ids.device)
+            counted &= column >= padding[:, None]
         ids = ids.clamp(max=vocab - 1)
         counts = torch.zeros((rows, vocab), dtype=torch.int32, device=scores.device)
         counts.scatter_add_(1, ids, counted.to(torch.int32))
@@ -191,6 +213,27 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         selected = scores.gather(1, ids).to(compute_dtype)
         penalized = torch.where(selected < 0, selected * factor, selected / factor)
         return scores.scatter(1, ids, penalized.to(scores.dtype))
+
+
+def _padding_lengths(values: Sequence[int] | torch.Tensor | None) -> torch.Tensor | None:
+    if values is None:
+        return None
+    try:
+        lengths = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        lengths = None
+    if (
+        lengths is None
+        or lengths.dim() != 1
+        or lengths.numel() == 0
+        or lengths.is_floating_point()
+        or lengths.dtype == torch.bool
+        or bool((lengths < 0).any())
+    ):
+        raise ValueError(
+            f"padding_lengths must be a 1-D sequence of integers >= 0, one per batch row (or per request); got {values!r}"
+        )
+    return lengths.to(torch.long)
 
 
 def _token_ids(name: str, values: int | Iterable[int] | None) -> list[int]:
