@@ -13,6 +13,7 @@ from decodekit.decoders import beam_search
 from decodekit.generation import encode_prompts, generate_text
 from decodekit.logits_processors import (
     FrequencyPresencePenaltyLogitsProcessor,
+    GumbelSamplingLogitsProcessor,
     MinPLogitsProcessor,
     StagedRepetitionPenaltyLogitsProcessor,
 )
@@ -22,6 +23,7 @@ from decodekit.strategies import Strategy
 __all__ = [
     "CompressedCache",
     "FrequencyPresencePenaltyLogitsProcessor",
+    "GumbelSamplingLogitsProcessor",
     "MinPLogitsProcessor",
     "ModelLoadError",
     "StagedRepetitionPenaltyLogitsProcessor",

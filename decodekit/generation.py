@@ -87,10 +87,13 @@ def generate_text(
     max_new_tokens: int = 128,
     chat: bool | None = None,
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    row_seeds: Sequence[int] | None = None,
     **generate_kwargs: Any,
 ) -> list[str]:
     """Generate a continuation for each prompt with ``strategy`` and return the new text only.
 
+    ``row_seeds`` (one integer per prompt) makes a sampling strategy draw each prompt from its
+    own seed, so its text does not depend on the batch (see ``Strategy.generate_kwargs``).
     Extra keyword arguments go to ``model.generate`` (a ``streamer``, ``logits_processor``...).
 
     Example:
@@ -103,7 +106,7 @@ def generate_text(
     check_max_new_tokens(max_new_tokens)
     batch = encode_prompts(tokenizer, prompts, chat=chat, system_prompt=system_prompt)
     batch = {key: value.to(model.device) for key, value in batch.items()}
-    kwargs = strategy.generate_kwargs(model, attention_mask=batch["attention_mask"])
+    kwargs = strategy.generate_kwargs(model, attention_mask=batch["attention_mask"], row_seeds=row_seeds)
     if "logits_processor" in kwargs and "logits_processor" in generate_kwargs:
         merged = [*kwargs["logits_processor"], *generate_kwargs["logits_processor"]]
         generate_kwargs["logits_processor"] = LogitsProcessorList(merged)

@@ -9,12 +9,12 @@ apply top-k 50 to every sampling call).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from decodekit._validation import check_int
 from decodekit.cache.compressed import CompressedCache
@@ -24,6 +24,7 @@ from decodekit.decoders.beam_search import EARLY_STOPPING
 from decodekit.decoders.length_normalization import LengthNormalization
 from decodekit.logits_processors import (
     FrequencyPresencePenaltyLogitsProcessor,
+    GumbelSamplingLogitsProcessor,
     MinPLogitsProcessor,
     StagedRepetitionPenaltyLogitsProcessor,
     parse_stages,
@@ -241,7 +242,12 @@ class Strategy:
         return processors
 
     def generate_kwargs(
-        self, model: Any = None, *, prompt_length: int | None = None, attention_mask: torch.Tensor | None = None
+        self,
+        model: Any = None,
+        *,
+        prompt_length: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        row_seeds: Sequence[int] | torch.Tensor | None = None,
     ) -> dict[str, Any]:
         """The keyword arguments for ``model.generate`` that carry out this recipe.
 
@@ -250,6 +256,16 @@ class Strategy:
         row's left padding, which no penalty counts, and the prompt length, which recipes that
         count generated tokens only need (or give ``prompt_length``, the padded prompt's
         ``input_ids.shape[1]``). Without a mask, the model's pad token marks padding.
+
+        ``row_seeds`` (one integer per prompt) makes a sampling recipe draw each row from its own
+        seed, so a prompt samples the same text alone or in any batch: the filters and the
+        temperature then run as processors, ``GumbelSamplingLogitsProcessor`` adds seeded noise,
+        and generate decodes greedily. Greedy and beam recipes ignore it.
+
+        Example:
+            >>> kwargs = Strategy(temperature=0.7, top_p=0.9).generate_kwargs(prompt_length=5, row_seeds=[1, 2])
+            >>> kwargs["do_sample"], [type(p).__name__ for p in kwargs["logits_processor"]]
+            (False, ['TemperatureLogitsWarper', 'TopPLogitsWarper', 'GumbelSamplingLogitsProcessor'])
         """
         kwargs: dict[str, Any] = {"do_sample": self.sampling}
         if self.beam:
@@ -263,6 +279,8 @@ class Strategy:
         if not isinstance(pad_token_id, int):
             pad_token_id = None
         processors = self.logits_processors(prompt_length, attention_mask=attention_mask, pad_token_id=pad_token_id)
+        if self.sampling and row_seeds is not None:
+            processors.extend(self._seeded_sampling(kwargs, row_seeds, prompt_length, attention_mask))
         if processors:
             kwargs["logits_processor"] = processors
         if self.compresses_cache:
@@ -272,6 +290,28 @@ class Strategy:
                 model, self.kv_budget, compression_ratio=self.kv_compression_ratio
             )
         return kwargs
+
+    @staticmethod
+    def _seeded_sampling(
+        kwargs: dict[str, Any],
+        row_seeds: Sequence[int] | torch.Tensor,
+        prompt_length: int | None,
+        attention_mask: torch.Tensor | None,
+    ) -> list[Any]:
+        """Move the sampling settings out of ``kwargs`` into processors ending in seeded Gumbel noise."""
+        if prompt_length is None and attention_mask is None:
+            raise ValueError("row_seeds needs the prompt length: pass attention_mask (or prompt_length)")
+        prompt_length = prompt_length if prompt_length is not None else attention_mask.shape[1]
+        temperature, top_k, top_p = kwargs.pop("temperature"), kwargs.pop("top_k"), kwargs.pop("top_p")
+        kwargs["do_sample"] = False
+        warpers: list[Any] = []
+        if temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p))
+        return [*warpers, GumbelSamplingLogitsProcessor(row_seeds, prompt_length=prompt_length)]
 
     @property
     def compresses_cache(self) -> bool:

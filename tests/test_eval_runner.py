@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from transformers import DynamicCache, set_seed
+from transformers import DynamicCache
 
 from decodekit import Strategy, generate_text
 from decodekit.cli import main
@@ -44,12 +44,12 @@ def test_the_report_holds_what_the_pieces_compute_on_their_own(tiny):
     prompts = load_prompts()[:4]
     strategies = [Strategy(name="greedy"), Strategy(name="hot", temperature=1.3)]
     report = evaluate_strategies(model, tokenizer, prompts, strategies, seed=7, compression_ratios=(0.0, 0.5), **SHORT)
-    # Oracle: the same generations batch by batch with the documented seeds.
+    # Oracle: the same generations prompt by prompt with the documented per-prompt seeds.
     for index, strategy in enumerate(strategies):
         expected = []
-        for batch in range(2):
-            set_seed(7 + 100_003 * index + batch)
-            expected += generate_text(model, tokenizer, prompts[2 * batch : 2 * batch + 2], strategy, max_new_tokens=8)
+        for prompt_index, prompt in enumerate(prompts):
+            seeds = [7 + 100_003 * index + prompt_index]
+            expected += generate_text(model, tokenizer, [prompt], strategy, max_new_tokens=8, row_seeds=seeds)
         assert report.generations[strategy.label] == expected
         row = report.strategies[index]
         assert row["distinct_2"] == distinct_n(expected, 2)
@@ -60,6 +60,28 @@ def test_the_report_holds_what_the_pieces_compute_on_their_own(tiny):
     ids = tokenizer(load_reference(), add_special_tokens=False)["input_ids"][:120]
     full = continuation_perplexity(model, DynamicCache(), torch.tensor([ids[:96]]), torch.tensor([ids[96:]]))
     assert report.compression[0] == {"compression_ratio": 0.0, "perplexity": pytest.approx(full)}
+
+
+def test_the_report_does_not_depend_on_the_batch_size(tiny):
+    model, tokenizer = tiny
+    prompts = load_prompts()[:5]
+    strategies = [
+        Strategy(name="greedy"),
+        Strategy(name="min-p", temperature=1.0, min_p=0.1),
+        Strategy(name="top-p", temperature=1.3, top_p=0.9, staged_penalty="1:1.3,3:2.0"),
+        Strategy(name="beam", num_beams=3, length_normalization="gnmt", length_alpha=0.6),
+        Strategy(name="kv", kv_budget=40),
+    ]
+    settings = {**SHORT, "context_tokens": 64, "continuation_tokens": 16}
+    reports = {
+        size: evaluate_strategies(
+            model, tokenizer, prompts, strategies, compression_ratios=(0.0,), **{**settings, "batch_size": size}
+        )
+        for size in (1, 3)
+    }
+    assert reports[1].generations == reports[3].generations
+    assert reports[1].strategies == reports[3].strategies
+    assert reports[1].compression == reports[3].compression
 
 
 def test_reports_are_written_as_json_csv_and_png(tiny, tmp_path):

@@ -1,8 +1,9 @@
 """The evaluation runner: generate with each strategy, then score diversity and perplexity.
 
-Prompts are cut into fixed batches, and each batch is seeded from the run's seed, the strategy and
-the batch number. Under ``accelerate launch`` or ``torchrun`` the batches are dealt out to the
-processes and gathered again, so a run on N processes reports what a run on one does.
+Prompts are cut into fixed batches, and each prompt samples from its own seed, derived from the
+run's seed, the strategy and the prompt's index, so the report does not depend on the batch size.
+Under ``accelerate launch`` or ``torchrun`` the batches are dealt out to the processes and gathered
+again, so a run on N processes reports what a run on one does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, set_seed
+from transformers import DynamicCache
 
 from decodekit.cache import CompressedCache
 from decodekit.eval import diversity
@@ -93,10 +94,12 @@ def _generate_all(model, tokenizer, prompts, strategies, *, max_new_tokens, batc
     jobs = [(s, b) for s in range(len(strategies)) for b in mine]
     produced = []
     for strategy_index, batch_index in tqdm(jobs, desc="generating", disable=not (progress and state.is_main_process)):
-        set_seed(seed + 100_003 * strategy_index + batch_index)
+        first = batch_index * batch_size
+        row_seeds = [seed + 100_003 * strategy_index + first + row for row in range(len(batches[batch_index]))]
         texts = generate_text(
-            model, tokenizer, batches[batch_index], strategies[strategy_index], max_new_tokens=max_new_tokens
-        )
+            model, tokenizer, batches[batch_index], strategies[strategy_index], max_new_tokens=max_new_tokens,
+            row_seeds=row_seeds,
+        )  # fmt: skip
         produced.append((strategy_index, batch_index, texts))
     everything = sorted(gather_object(produced) if state.num_processes > 1 else produced)
     return {

@@ -11,9 +11,11 @@ from decodekit.logits_processors.repetition import (
     parse_stages,
     punctuation_token_ids,
 )
+from decodekit.logits_processors.seeded import GumbelSamplingLogitsProcessor
 
 __all__ = [
     "FrequencyPresencePenaltyLogitsProcessor",
+    "GumbelSamplingLogitsProcessor",
     "MinPLogitsProcessor",
     "StagedRepetitionPenaltyLogitsProcessor",
     "parse_stages",

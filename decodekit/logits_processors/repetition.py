@@ -144,7 +144,9 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         self.window = window
         self.count_prompt = count_prompt
         self.prompt_length = prompt_length or 0
-        self.uncounted_ids = torch.tensor(sorted(set(_token_ids("exempt_token_ids", exempt_token_ids))), dtype=torch.long)
+        self.uncounted_ids = torch.tensor(
+            sorted(set(_token_ids("exempt_token_ids", exempt_token_ids))), dtype=torch.long
+        )
         if pad_token_id is not None and not is_int_at_least(pad_token_id, 0):
             raise ValueError(f"pad_token_id must be a token id (an integer >= 0) or None; got {pad_token_id!r}")
         self.pad_token_id = pad_token_id
