@@ -233,7 +233,8 @@ def _padding_lengths(values: Sequence[int] | torch.Tensor | None) -> torch.Tenso
         or bool((lengths < 0).any())
     ):
         raise ValueError(
-            f"padding_lengths must be a 1-D sequence of integers >= 0, one per batch row (or per request); got {values!r}"
+            "padding_lengths must be a 1-D sequence of integers >= 0, one per batch row (or per request); "
+            f"got {values!r}"
         )
     return lengths.to(torch.long)
 
