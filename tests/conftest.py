@@ -33,3 +33,12 @@ def real():
     from decodekit import load_model
 
     return load_model()
+
+
+@pytest.fixture
+def fresh_tiny(tiny):
+    """A fresh copy of the tiny model, so that cache hooks bound in one test never reach another."""
+    from tests.tiny import build_model
+
+    _, tokenizer = tiny
+    return build_model(tokenizer), tokenizer

@@ -190,3 +190,24 @@ def test_cli_flags_reach_the_strategy(tiny_model_dir, capsys):
     assert main(argv) == 0 and capsys.readouterr().out == first
     assert main(["generate", "Hi", "--staged-penalty", "3:1.5,1:1.2"]) == 2
     assert "counts must be strictly increasing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_one_stage_penalty_equals_repetition_penalty_on_a_padded_batch(tiny, chat):
+    """Both skip each row's left padding (the pad id is EOS here), so the first step's scores agree bit for bit."""
+    model, tokenizer = tiny
+    prompts = ["Hi", "The class statement creates a new class object " * 4]
+    batch = encode_prompts(tokenizer, prompts, chat=chat)
+    assert int((batch["attention_mask"] == 0).sum()) > 0
+    common = {"max_new_tokens": 1, "pad_token_id": tokenizer.pad_token_id, "return_dict_in_generate": True}
+    ours = model.generate(
+        **batch, output_scores=True, **common,
+        **Strategy(staged_penalty="1:1.8").generate_kwargs(model, attention_mask=batch["attention_mask"]),
+    )  # fmt: skip
+    built_in = model.generate(**batch, output_scores=True, do_sample=False, repetition_penalty=1.8, **common)
+    assert torch.equal(ours.scores[0], built_in.scores[0])
+    texts = generate_text(model, tokenizer, prompts, Strategy(staged_penalty="1:1.8"), max_new_tokens=12, chat=chat)
+    reference = generate_text(
+        model, tokenizer, prompts, Strategy(), max_new_tokens=12, chat=chat, repetition_penalty=1.8
+    )
+    assert texts == reference

@@ -1,0 +1,157 @@
+"""A harness that checks a grid of decoding recipes for batch invariance.
+
+For each recipe and each prompt of a left-padded batch it compares the batch's row with the prompt
+run alone: the processed scores of the first step (allclose) and the tokens of a short greedy run
+under the recipe's processors. Rows where plain greedy decoding with a DynamicCache is not itself
+batch-invariant (padding changes float rounding, and a near tie can flip) are left out: that is
+the model's noise, not the recipe's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import LogitsProcessorList
+
+from decodekit import MinPLogitsProcessor, Strategy, encode_prompts
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One recipe: builds generate's keyword arguments for a batch whose rows are ``rows`` of the prompt set."""
+
+    name: str
+    build: Callable[[Any, dict[str, torch.Tensor], list[int]], dict[str, Any]]
+    beams: int = 1
+
+
+def _strategy_case(name: str, strategy: Strategy) -> Case:
+    def build(model, batch, rows):
+        return strategy.generate_kwargs(model, attention_mask=batch["attention_mask"])
+
+    return Case(name, build, strategy.num_beams or 1)
+
+
+def _per_row_min_p(model, batch, rows):
+    values = torch.tensor([0.05, 0.2, 0.1, 0.3])[torch.tensor(rows) % 4]
+    processors = LogitsProcessorList([MinPLogitsProcessor(values, temperature=0.9)])
+    return {"do_sample": True, "temperature": 0.9, "top_k": 0, "top_p": 1.0, "logits_processor": processors}
+
+
+def grid() -> list[Case]:
+    """Every processor alone and combined, per-row min-p, each beam normalization, the cache, beams + cache."""
+    strategies = {
+        "greedy": Strategy(),
+        "staged penalty, one stage": Strategy(staged_penalty="1:1.3"),
+        "staged penalty, three stages": Strategy(staged_penalty="1:1.2,3:1.5,6:2.0"),
+        "staged penalty, windowed": Strategy(staged_penalty="1:1.2,3:1.5,6:2.0", penalty_window=16),
+        "frequency/presence": Strategy(frequency_penalty=0.5, presence_penalty=0.3),
+        "min-p": Strategy(temperature=0.8, min_p=0.1),
+        "top-p": Strategy(temperature=1.0, top_p=0.9),
+        "top-k": Strategy(temperature=0.7, top_k=20),
+        "all processors": Strategy(
+            temperature=0.9, min_p=0.05, staged_penalty="1:1.2,3:1.5", frequency_penalty=0.3, presence_penalty=0.2
+        ),
+        "beam none": Strategy(num_beams=3, length_normalization="none"),
+        "beam average": Strategy(num_beams=3, length_normalization="average", length_alpha=1.0),
+        "beam gnmt": Strategy(num_beams=3, length_normalization="gnmt", length_alpha=0.6),
+        "kv budget": Strategy(kv_budget=40),
+        "kv ratio": Strategy(kv_compression_ratio=0.5),
+        "beam gnmt + kv budget": Strategy(num_beams=3, length_normalization="gnmt", length_alpha=0.6, kv_budget=40),
+    }
+    cases = [_strategy_case(name, strategy) for name, strategy in strategies.items()]
+    return [*cases, Case("min-p per row", _per_row_min_p)]
+
+
+def _generate(model, tokenizer, batch, kwargs, *, steps: int, scores: bool):
+    with torch.no_grad():
+        return model.generate(
+            **batch,
+            max_new_tokens=steps,
+            pad_token_id=tokenizer.pad_token_id,
+            return_dict_in_generate=True,
+            output_scores=scores,
+            **kwargs,
+        )
+
+
+def _first_step_scores(output, requests: int, beams: int) -> torch.Tensor:
+    """Per request, the processed scores of the first step (beam 0: every beam is alike at step 1)."""
+    first = output.scores[0]
+    return first.view(requests, beams, -1)[:, 0].float()
+
+
+def _greedy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The recipe decoded greedily: its processors still run; temperature and top-k/p do not move the argmax."""
+    kwargs = {key: value for key, value in kwargs.items() if key not in SAMPLING_KEYS}
+    kwargs["do_sample"] = False
+    return kwargs
+
+
+@dataclass
+class Finding:
+    case: str
+    row: int
+    what: str
+
+
+def check(model, tokenizer, prompts: list[str], cases: list[Case] | None = None, *, steps: int = 6) -> dict[str, Any]:
+    """Run every case on ``prompts`` batched and alone; return the findings and the rows compared."""
+    cases = cases if cases is not None else grid()
+    batch = encode_prompts(tokenizer, prompts)
+    singles = [encode_prompts(tokenizer, [prompt]) for prompt in prompts]
+    indices = list(range(len(prompts)))
+
+    def plain(batch_):
+        return _generate(model, tokenizer, batch_, {"do_sample": False}, steps=steps, scores=False).sequences
+
+    width = batch["input_ids"].shape[1]
+    batched_plain = plain(batch)[:, width:]
+    stable = [
+        row
+        for row, single in enumerate(singles)
+        if _same_tokens(batched_plain[row], plain(single)[0, single["input_ids"].shape[1] :], tokenizer)
+    ]
+    findings: list[Finding] = []
+    for case in cases:
+        kwargs = case.build(model, batch, indices)
+        batched_scores = _first_step_scores(
+            _generate(model, tokenizer, batch, kwargs, steps=1, scores=True), len(prompts), case.beams
+        )
+        batched_tokens = _generate(
+            model, tokenizer, batch, _greedy_kwargs(case.build(model, batch, indices)), steps=steps, scores=False
+        ).sequences
+        for row in stable:
+            single = singles[row]
+            alone_scores = _first_step_scores(
+                _generate(model, tokenizer, single, case.build(model, single, [row]), steps=1, scores=True),
+                1,
+                case.beams,
+            )[0]
+            if not _close(batched_scores[row], alone_scores):
+                findings.append(Finding(case.name, row, "first-step scores differ"))
+            greedy = _greedy_kwargs(case.build(model, single, [row]))
+            alone_tokens = _generate(model, tokenizer, single, greedy, steps=steps, scores=False).sequences
+            per_request = batched_tokens.shape[0] // len(prompts)
+            if not _same_tokens(
+                batched_tokens[row * per_request, width:], alone_tokens[0, single["input_ids"].shape[1] :], tokenizer
+            ):
+                findings.append(Finding(case.name, row, "greedy tokens differ"))
+    return {"findings": findings, "stable_rows": stable}
+
+
+def _same_tokens(batched: torch.Tensor, alone: torch.Tensor, tokenizer) -> bool:
+    """The alone run's tokens, then only padding where the batch went on after this row ended."""
+    length = alone.shape[0]
+    return torch.equal(batched[:length], alone) and bool((batched[length:] == tokenizer.pad_token_id).all())
+
+
+def _close(batched: torch.Tensor, alone: torch.Tensor) -> bool:
+    same_filter = torch.equal(batched.isinf(), alone.isinf())
+    finite = batched.isfinite()
+    return same_filter and torch.allclose(batched[finite], alone[finite], atol=1e-4, rtol=1e-4)
