@@ -12,20 +12,30 @@ from decodekit.cache.observer import bind
 class CompressedCache(Cache):
     """A KV cache for ``model.generate(past_key_values=...)`` that evicts low-attention tokens.
 
-    Per layer and KV head it keeps the first ``sink_tokens`` tokens (attention sinks), the last
-    ``recent_tokens``, and the tokens with the highest importance, up to a size set by ``budget``
-    (a token count, held after prefill and throughout decoding) or ``compression_ratio`` (keep
-    ``1 - ratio`` of the tokens seen so far). A token's importance is the attention it receives,
-    averaged over the queries that can see it (all queries of each forward pass, or the last
-    ``observation_window``) and over the query heads sharing its KV head, plus its earlier score
-    times ``score_decay``; eviction ranks it times the norm of its value vector. The tokens of one
-    forward pass attend to the kept cache and to all of themselves; eviction follows.
+    Per layer, row and KV head it keeps the first ``sink_tokens`` tokens (attention sinks), the
+    last ``recent_tokens``, and the tokens with the highest importance, up to a size set by
+    ``budget`` (a token count, held after prefill and throughout decoding) or
+    ``compression_ratio`` (keep ``1 - ratio`` of the tokens seen so far). A token's importance is
+    the attention it receives, averaged over the queries that can see it (all queries of each
+    forward pass, or the last ``observation_window``) and over the query heads sharing its KV
+    head, plus its earlier score times ``score_decay``; eviction ranks it times the norm of its
+    value vector. The tokens of one forward pass attend to the kept cache and to all of
+    themselves; eviction follows.
+
+    Memory: with a budget, each row and KV head stores at most ``budget + 1`` entries: ``budget``
+    tokens and one free slot, which the next token takes so that decoding copies nothing.
+
+    Padding is not content: a row's budget or ratio counts its real tokens only, padding is never
+    scored or kept in place of a real token and takes no room beyond the row that keeps the most,
+    so each row of a left-padded batch decodes what its prompt decodes alone. Rows may then keep
+    different numbers of tokens; the cache hands the attention modules the mask that hides each
+    row's unused slots (this needs ``sdpa`` or ``eager`` attention; a batch of equal-length rows
+    runs on any implementation).
 
     The cache is bound to ``model``, whose attention modules it observes through hooks that do
-    nothing when another cache (or none) is used. It works with any attention implementation
-    (SDPA by default), fp32/fp16/bf16, grouped-query attention, left-padded batches (padding is
-    held at the front of each row and never scored), beam search, and models split across
-    devices. Positions stay logical: ``get_seq_length()`` is the number of tokens seen.
+    nothing when another cache (or none) is used. It works with fp32/fp16/bf16, grouped-query
+    attention, beam search, assisted generation and prompt lookup (``crop``), and models split
+    across devices. Positions stay logical: ``get_seq_length()`` is the number of tokens seen.
 
     Scoring with every query of a long prompt costs about as much as the prompt's own attention
     (prefill takes up to twice as long on a CPU); ``observation_window=64`` scores with the last
@@ -33,7 +43,7 @@ class CompressedCache(Cache):
 
     Args:
         model: the (Llama-style) model the cache will serve.
-        budget: tokens kept per layer and KV head, >= sink_tokens + recent_tokens.
+        budget: tokens kept per layer, row and KV head, >= sink_tokens + recent_tokens.
         compression_ratio: fraction of the tokens to evict, in [0, 1).
         sink_tokens: first tokens always kept, >= 0.
         recent_tokens: most recent tokens always kept, >= 1.

@@ -20,7 +20,12 @@ class MinPLogitsProcessor(LogitsProcessor):
     temperature *after* user processors, so pass the temperature you sample at and min-p acts on
     the tempered distribution, as llama.cpp and vLLM do. No softmax is needed: with ``l`` the
     logits and ``T`` the temperature, ``p_i >= min_p * p_max`` is ``l_i >= l_max + T * ln(min_p)``.
-    With ``temperature=1`` the result equals transformers' ``MinPLogitsWarper`` on the same scores.
+    With ``temperature=1``, the default ``filter_value`` and float32 scores, the result equals
+    transformers' ``MinPLogitsWarper`` on the same scores, bit for bit. Otherwise two things
+    differ: a finite ``filter_value`` never raises a removed score that is already below it (the
+    warper sets every removed score to it), and half-precision scores are judged in float32 here,
+    while the warper takes its softmax in the scores' dtype, so a token within rounding of the
+    threshold may be kept by one and removed by the other.
 
     Args:
         min_p: in [0, 1]; a float, or a 1-D tensor with one value per batch row (or per request
