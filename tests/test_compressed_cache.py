@@ -56,9 +56,9 @@ def test_bad_settings_are_named(fresh, kwargs, message):
         CompressedCache(model, **kwargs)
 
 
-def test_a_model_without_llama_style_attention_is_refused():
+def test_a_model_without_supported_attention_is_refused_naming_its_type():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="Llama-style attention modules"):
+    with pytest.raises(ValueError, match="does not support model type 'gpt2'"):
         CompressedCache(model, budget=64)
 
 

@@ -123,6 +123,10 @@ class CompressedLayer(DynamicLayer):
         # padding hold (a row's count depends only on its padding; beams share their request's).
         self.pad_range = (0, 0)
         self.live_range = (0, 0)
+        # The attention module's own shape: a sliding window (a query sees the last ``sliding_window``
+        # positions only) and a logit soft cap, both None for plain causal attention.
+        self.sliding_window: int | None = None
+        self.softcap: float | None = None
         self._pass: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
 
     # -- what the model sees ------------------------------------------------------------------------
@@ -148,11 +152,21 @@ class CompressedLayer(DynamicLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.slots + (0 if self._fills_free_slot(query_length) else query_length), 0
 
-    def observe(self, queries: torch.Tensor, scaling: float, pads: torch.Tensor | None) -> None:
+    def observe(
+        self,
+        queries: torch.Tensor,
+        scaling: float,
+        pads: torch.Tensor | None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         """Receive the rotated queries of the coming forward pass's last tokens, before ``update``.
 
-        ``pads`` (per row, on the first pass only) is each row's left padding.
+        ``pads`` (per row, on the first pass only) is each row's left padding; ``sliding_window``
+        and ``softcap`` describe the attention module (a local-attention layer, capped logits).
         """
+        self.sliding_window, self.softcap = sliding_window, softcap
         if not self.is_initialized:
             pads = pads if pads is not None else torch.zeros(queries.shape[0], dtype=torch.long)
             self.pads = pads.to(device=queries.device, dtype=torch.long)
@@ -176,15 +190,26 @@ class CompressedLayer(DynamicLayer):
         free = self._pass[2]
         least_live = self.live_range[0] + query_length
         stored = self.slots + (0 if free is not None else query_length)
-        if self.pad_range[1] == 0 and least_live >= stored:
+        if self.pad_range[1] == 0 and least_live >= stored and self.sliding_window is None:
             return None
+        device = self.live.device
+        query_positions = torch.arange(self.seen, self.seen + query_length, device=device)[:, None]
         if free is not None:
-            live = self.live.scatter(2, free[..., None], True)
-            return live[:, :, None, :]
+            slot = free[..., None]
+            live, positions = self.live.scatter(2, slot, True), self.positions.scatter(2, slot, self.seen)
+            return live[:, :, None, :] & self._in_window(positions[:, :, None, :], query_positions)
         batch, kv_heads, slots = self.live.shape
-        older = self.live[:, :, None, :].expand(batch, kv_heads, query_length, slots)
-        causal = torch.ones(query_length, query_length, dtype=torch.bool, device=self.live.device).tril()
+        older = self.live[:, :, None, :] & self._in_window(self.positions[:, :, None, :], query_positions)
+        new_positions = query_positions.view(1, -1)
+        causal = (new_positions <= query_positions) & self._in_window(new_positions, query_positions)
+        older = older.expand(batch, kv_heads, query_length, slots)
         return torch.cat([older, causal.expand(batch, kv_heads, -1, -1)], dim=-1)
+
+    def _in_window(self, positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor | bool:
+        """Whether entries at ``positions`` are inside the sliding window of queries at ``query_positions``."""
+        if self.sliding_window is None:
+            return True
+        return query_positions - positions < self.sliding_window
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self._pass is None:
@@ -282,11 +307,21 @@ class CompressedLayer(DynamicLayer):
             logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped[:, :, :, start:stop], keys[:, :, :visible])
             query_position = torch.arange(first_position + start, first_position + stop, device=keys.device)
             query_position = query_position[:, None]
-            hidden = (positions[..., :visible] > query_position) | (dead[..., :visible] & (query_position >= pads))
-            probs = (logits * scaling).masked_fill(hidden, float("-inf")).softmax(dim=-1)
+            entry_position = positions[..., :visible]
+            hidden = (entry_position > query_position) | (dead[..., :visible] & (query_position >= pads))
+            if self.sliding_window is not None:
+                hidden |= query_position - entry_position >= self.sliding_window
+            logits = logits * scaling
+            if self.softcap is not None:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            probs = logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)
             received[..., :visible] += probs.sum(dim=(2, 3))
-        # How many observed queries see each entry: entries among the new tokens are seen by fewer.
-        seen_by = (self.seen - self.positions).clamp(min=1, max=window) * grouped.shape[2]
+        # How many observed queries see each entry: entries among the new tokens are seen by fewer,
+        # and under a sliding window so are entries that leave it.
+        last_seer = self.seen
+        if self.sliding_window is not None:
+            last_seer = (self.positions + self.sliding_window).clamp(max=self.seen)
+        seen_by = (last_seer - self.positions.clamp(min=self.seen - window)).clamp(min=1) * grouped.shape[2]
         received = received / seen_by
         kernel = self.policy.pool_kernel
         if kernel > 1:
@@ -296,13 +331,17 @@ class CompressedLayer(DynamicLayer):
         return received
 
     def _priority(self) -> torch.Tensor:
-        """Sinks and recent tokens above every score, then score (times value norm)."""
+        """Sinks and recent tokens above every score, then score (times value norm); under a sliding
+        window, tokens no later query can see go first."""
         pads = self.pads[:, None, None]
         protected = (self.positions < pads + self.policy.sink_tokens) | (
             self.positions >= self.seen - self.policy.recent_tokens
         )
         priority = self.scores * self.value_norms if self.policy.value_norm else self.scores
-        return torch.where(protected, PROTECTED, priority)
+        priority = torch.where(protected, PROTECTED, priority)
+        if self.sliding_window is not None:
+            priority = torch.where(self.positions <= self.seen - self.sliding_window, -PROTECTED, priority)
+        return priority
 
     def compress(self, new: int) -> None:
         """Evict each row down to its target, after a pass of ``new`` tokens; reuse slots where possible.
@@ -391,6 +430,7 @@ class CompressedLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.scores = self.value_norms = self.positions = self.live = self.pads = self._pass = None
+        self.sliding_window = self.softcap = None
         self.pad_range = self.live_range = (0, 0)
         self.seen = 0
 

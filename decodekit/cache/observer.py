@@ -15,24 +15,36 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional
 
 HOOKS_ATTRIBUTE = "_decodekit_compression_hooks"
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's self-attention modules, in layer order; ValueError if they are not Llama-style."""
-    modules = [
-        module
-        for module in model.modules()
-        if isinstance(getattr(module, "layer_idx", None), int)
-        and isinstance(getattr(module, "q_proj", None), nn.Module)
+def _is_supported_attention(module: nn.Module) -> bool:
+    projects_queries = isinstance(getattr(module, "q_proj", None), nn.Module) or isinstance(
+        getattr(module, "qkv_proj", None), nn.Linear
+    )
+    return (
+        isinstance(getattr(module, "layer_idx", None), int)
+        and projects_queries
         and hasattr(module, "head_dim")
         and hasattr(module, "scaling")
-    ]
+    )
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's self-attention modules, in layer order; ValueError if none is of a supported kind.
+
+    Supported: modules with rotary embeddings and a query projection ``q_proj`` (Llama, Mistral,
+    Qwen2, Qwen3 and Gemma 3 with their query norms, SmolLM) or a fused ``qkv_proj`` (Phi-3).
+    """
+    modules = [module for module in model.modules() if _is_supported_attention(module)]
     if not modules:
+        model_type = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
         raise ValueError(
-            f"CompressedCache supports models with Llama-style attention modules (q_proj, head_dim, scaling, "
-            f"layer_idx), such as Llama, Mistral, Qwen2/3 and SmolLM; {type(model).__name__} has none"
+            f"CompressedCache does not support model type {model_type!r}: it needs rotary attention modules "
+            "with a query projection (q_proj or a fused qkv_proj), head_dim and scaling, as in Llama, Mistral, "
+            "Qwen2, Qwen3, Phi-3, Gemma 3 and SmolLM"
         )
     return sorted(modules, key=lambda module: module.layer_idx)
 
@@ -69,13 +81,53 @@ def _rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def _project_queries(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The module's queries for ``hidden_states``, ``[batch, heads, tokens, head_dim]``, before rotation."""
+    batch, length, _ = hidden_states.shape
+    if isinstance(getattr(module, "q_proj", None), nn.Module):
+        flat = module.q_proj(hidden_states)
+    else:  # a fused projection whose first heads * head_dim outputs are the queries
+        fused: nn.Linear = module.qkv_proj
+        width = module.config.num_attention_heads * module.head_dim
+        bias = None if fused.bias is None else fused.bias[:width]
+        flat = functional.linear(hidden_states, fused.weight[:width], bias)
+    queries = flat.view(batch, length, -1, module.head_dim)
+    if isinstance(getattr(module, "q_norm", None), nn.Module):
+        queries = module.q_norm(queries)
+    return queries.transpose(1, 2)
+
+
+def _rotate(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of the first ``cos.shape[-1]`` dimensions (all of them, or a partial rotary part)."""
+    rotary = cos.shape[-1]
+    if rotary == queries.shape[-1]:
+        return queries * cos + _rotate_half(queries) * sin
+    turned, kept = queries[..., :rotary], queries[..., rotary:]
+    return torch.cat([turned * cos + _rotate_half(turned) * sin, kept], dim=-1)
+
+
+def _sliding_window(module: nn.Module) -> int | None:
+    """The module's local-attention window: its own attribute (per layer type), else its config's."""
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    else:
+        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
 def _left_padding(attention_mask: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
-    """Per row, how many keys the last query may not see: the left padding of a first forward pass."""
+    """Per row, the left padding of a first forward pass: the leading tokens that may not attend to themselves.
+
+    A real token always sees itself, under causal and sliding-window masks alike; a padding
+    token is hidden from every query, itself included.
+    """
     if attention_mask is None or attention_mask.dim() != 4:
         return torch.zeros(batch, dtype=torch.long, device=device)
-    last_query = attention_mask[:, 0, -1, :]
-    hidden = ~last_query if last_query.dtype == torch.bool else last_query < 0
-    return hidden.sum(dim=-1).to(device=device, dtype=torch.long).expand(batch).clone()
+    queries = attention_mask.shape[-2]
+    diagonal = attention_mask[:, 0, :, -queries:].diagonal(dim1=-2, dim2=-1)
+    hidden = ~diagonal if diagonal.dtype == torch.bool else diagonal < 0
+    leading = hidden.to(torch.int32).cumprod(dim=-1).sum(dim=-1)
+    return leading.to(device=device, dtype=torch.long).expand(batch).clone()
 
 
 def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
@@ -90,17 +142,13 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     length = hidden_states.shape[1]
     window = length if cache.policy.observation_window is None else min(length, cache.policy.observation_window)
     observed = hidden_states[:, -window:]
-    batch = observed.shape[0]
-    queries = module.q_proj(observed).view(batch, window, -1, module.head_dim)
-    if isinstance(getattr(module, "q_norm", None), nn.Module):
-        queries = module.q_norm(queries)
-    queries = queries.transpose(1, 2)
     cos, sin = (embedding[:, -window:].unsqueeze(1) for embedding in position_embeddings)
-    queries = queries * cos + _rotate_half(queries) * sin
+    queries = _rotate(_project_queries(module, observed), cos, sin)
     pads = None
     if not layer.is_initialized:
-        pads = _left_padding(kwargs.get("attention_mask"), batch, queries.device)
-    layer.observe(queries, module.scaling, pads)
+        pads = _left_padding(kwargs.get("attention_mask"), observed.shape[0], queries.device)
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    layer.observe(queries, module.scaling, pads, sliding_window=_sliding_window(module), softcap=softcap)
     visible = layer.pass_mask(length)
     if visible is None:
         return None
