@@ -318,3 +318,27 @@ def test_beam_search_reorders_the_scores_with_the_cache(fresh, decoder):
                 max_new_tokens=30)
     )  # fmt: skip
     assert torch.equal(small[0], small[1]), "decodekit's and the built-in beam search agree on a compressed cache"
+
+
+def test_two_threads_generating_on_one_model_each_get_their_own_result(fresh):
+    """The queries travel from the pre-hook to the projection hook per thread, never across generations."""
+    import threading
+
+    model, tokenizer = fresh
+    batches = [_batch(tokenizer, [PROMPTS[0] * 3]), _batch(tokenizer, [LONG])]
+    expected = [
+        _greedy(model, tokenizer, batch, CompressedCache(model, budget=40, recent_tokens=8)) for batch in batches
+    ]
+    results: dict[int, torch.Tensor] = {}
+
+    def run(index: int) -> None:
+        for _ in range(3):
+            cache = CompressedCache(model, budget=40, recent_tokens=8)
+            results[index] = _greedy(model, tokenizer, batches[index], cache)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(results[index], expected[index]) for index in range(2))

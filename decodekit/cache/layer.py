@@ -30,7 +30,8 @@ def _is_number(value: object) -> bool:
 
 
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
-QUERY_BLOCK = 256  # observed queries scored at once
+QUERY_BLOCK = 128  # observed queries scored at once
+LOGIT_ELEMENTS = 1 << 25  # at most this many logits (128 MiB in float32) held at once while scoring
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ class CompressedLayer(DynamicLayer):
         # positions only) and a logit soft cap, both None for plain causal attention.
         self.sliding_window: int | None = None
         self.softcap: float | None = None
-        self._pass: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
+        self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
+        self._queries: tuple[torch.Tensor, float] | None = None
 
     # -- what the model sees ------------------------------------------------------------------------
 
@@ -152,42 +154,46 @@ class CompressedLayer(DynamicLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.slots + (0 if self._fills_free_slot(query_length) else query_length), 0
 
-    def observe(
+    def begin_pass(
         self,
-        queries: torch.Tensor,
-        scaling: float,
-        pads: torch.Tensor | None,
+        query_length: int,
+        pads: torch.Tensor | None = None,
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
-    ) -> None:
-        """Receive the rotated queries of the coming forward pass's last tokens, before ``update``.
+    ) -> torch.Tensor | None:
+        """Prepare a forward pass of ``query_length`` tokens; return its attention mask (see ``pass_mask``).
 
-        ``pads`` (per row, on the first pass only) is each row's left padding; ``sliding_window``
-        and ``softcap`` describe the attention module (a local-attention layer, capped logits).
+        ``pads`` (read on the first pass only) is each row's left padding; ``sliding_window`` and
+        ``softcap`` describe the attention module (a local-attention layer, capped logits).
         """
         self.sliding_window, self.softcap = sliding_window, softcap
         if not self.is_initialized:
-            pads = pads if pads is not None else torch.zeros(queries.shape[0], dtype=torch.long)
-            self.pads = pads.to(device=queries.device, dtype=torch.long)
+            if pads is None:
+                raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
+            self.pads = pads.to(dtype=torch.long)
             low, high = (int(value) for value in torch.stack([self.pads.min(), self.pads.max()]).tolist())
             self.pad_range = (low, high)
         free = None
-        if self._fills_free_slot(queries.shape[2]):
+        if self._fills_free_slot(query_length):
             free = (~self.live).to(torch.uint8).argmax(dim=-1)  # [batch, kv_heads]: a dead slot per row and head
-        self._pass = (queries, scaling, free)
+        self._free = free
+        return self.pass_mask(query_length)
+
+    def observe(self, queries: torch.Tensor, scaling: float) -> None:
+        """Receive the rotated queries of the coming forward pass's last tokens, before ``update``."""
+        self._queries = (queries, scaling)
 
     def pass_mask(self, query_length: int) -> torch.Tensor | None:
         """``[batch, kv_heads, query_length, slots]``, True where a query of the coming pass may attend.
 
-        None when the model's own mask is right: on the first pass, and later when no row has a
-        dead slot and none was padded (the stored layout is then the plain causal one). Call after
-        ``observe``. Queries after the first pass are real tokens; they see every live entry and
-        the new tokens up to themselves.
+        None when the model's own mask is right: on the first pass, and later when no row has a dead
+        slot and none was padded (the stored layout is then the plain causal one). Queries after the
+        first pass are real tokens; they see every live entry and the new tokens up to themselves.
         """
-        if not self.is_initialized or self._pass is None:
+        if not self.is_initialized:
             return None
-        free = self._pass[2]
+        free = self._free
         least_live = self.live_range[0] + query_length
         stored = self.slots + (0 if free is not None else query_length)
         if self.pad_range[1] == 0 and least_live >= stored and self.sliding_window is None:
@@ -212,15 +218,15 @@ class CompressedLayer(DynamicLayer):
         return query_positions - positions < self.sliding_window
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self._pass is None:
+        if self._queries is None:
             raise ValueError(
                 "this CompressedCache received keys without the queries of their forward pass: it works only "
                 "inside a forward pass of the model it was built with, whose attention modules it hooks. Pass it "
                 "as past_key_values to that model's forward or generate, not to another model and not to "
                 "cache.update() directly; after unbind(model), build a new CompressedCache(model, ...)"
             )
-        queries, scaling, free = self._pass
-        self._pass = None
+        (queries, scaling), free = self._queries, self._free
+        self._queries = self._free = None
         batch, kv_heads, new, _ = key_states.shape
         first_pass = not self.is_initialized
         if first_pass:
@@ -286,36 +292,42 @@ class CompressedLayer(DynamicLayer):
     def _attention_received(self, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Mean attention each entry gets from the observed queries (the last ones) that can see it.
 
-        Computed per KV head (averaged over the query heads that share it) in blocks of queries.
-        When the new tokens were appended, a block needs only the slots before its last query;
-        visibility within them follows logical positions and liveness. Left-padding queries (first
-        pass only) see padding only, so they give real entries nothing.
+        Computed per KV head (averaged over the query heads that share it) in blocks of queries,
+        exactly (a softmax per query over every entry it sees), without materializing more than
+        one block of logits. When the new tokens were appended, a block needs only the slots
+        before its last query. With no padding, no dead entry and no sliding window, only the
+        block's own diagonal needs a causal mask; otherwise visibility follows logical positions
+        and liveness. Left-padding queries (first pass only) see padding only, so they give real
+        entries nothing.
         """
         batch, kv_heads, slots, head_dim = self.keys.shape
         window = queries.shape[2]
-        grouped = queries.float().reshape(batch, kv_heads, -1, window, head_dim)
-        keys = self.keys.float()
-        positions = self.positions[:, :, None, None, :]
-        dead = ~self.live[:, :, None, None, :]
-        pads = self.pads[:, None, None, None, None]
+        grouped = (queries.float() * scaling).reshape(batch, kv_heads, -1, window, head_dim)
+        group = grouped.shape[2]
+        keys_t = self.keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
         appended = window > 1  # a pass of several tokens is appended; one token may fill a free slot
+        causal_only = (
+            appended and self.pad_range[1] == 0 and self.live_range[0] == slots and self.sliding_window is None
+        )
         first_slot, first_position = slots - window, self.seen - window
-        received = keys.new_zeros((batch, kv_heads, slots))
-        for start in range(0, window, QUERY_BLOCK):
-            stop = min(start + QUERY_BLOCK, window)
+        received = grouped.new_zeros((batch, kv_heads, slots))
+        block = max(1, min(QUERY_BLOCK, LOGIT_ELEMENTS // (batch * kv_heads * group * slots)))
+        for start in range(0, window, block):
+            stop = min(start + block, window)
             visible = first_slot + stop if appended else slots
-            logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped[:, :, :, start:stop], keys[:, :, :visible])
-            query_position = torch.arange(first_position + start, first_position + stop, device=keys.device)
-            query_position = query_position[:, None]
-            entry_position = positions[..., :visible]
-            hidden = (entry_position > query_position) | (dead[..., :visible] & (query_position >= pads))
-            if self.sliding_window is not None:
-                hidden |= query_position - entry_position >= self.sliding_window
-            logits = logits * scaling
+            logits = torch.matmul(grouped[:, :, :, start:stop], keys_t[..., :visible])  # [b, h, g, w, t]
             if self.softcap is not None:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            probs = logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)
-            received[..., :visible] += probs.sum(dim=(2, 3))
+                logits.div_(self.softcap).tanh_().mul_(self.softcap)
+            if causal_only:
+                diagonal = logits[..., first_slot + start : visible]
+                diagonal += torch.full(diagonal.shape[-2:], -math.inf, device=logits.device).triu_(1)
+            else:
+                logits.masked_fill_(self._hidden(first_position + start, first_position + stop, visible), -math.inf)
+            logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+            # Normalize each query's row and sum over the queries in one product: (1 / row sums) @ exp.
+            inverse = logits.sum(dim=-1).reciprocal_().reshape(batch, kv_heads, 1, -1)
+            rows = logits.reshape(batch, kv_heads, -1, visible)
+            received[..., :visible] += torch.matmul(inverse, rows).squeeze(2)
         # How many observed queries see each entry: entries among the new tokens are seen by fewer,
         # and under a sliding window so are entries that leave it.
         last_seer = self.seen
@@ -329,6 +341,17 @@ class CompressedLayer(DynamicLayer):
             received = functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
             received = received.reshape(batch, kv_heads, slots)
         return received
+
+    def _hidden(self, first_query: int, stop_query: int, visible: int) -> torch.Tensor:
+        """``[batch, kv_heads, 1, queries, visible]``: True where a query at a position in
+        [first_query, stop_query) may not see an entry among the first ``visible`` slots."""
+        query_position = torch.arange(first_query, stop_query, device=self.positions.device)[:, None]
+        entry_position = self.positions[:, :, None, None, :visible]
+        dead = ~self.live[:, :, None, None, :visible]
+        hidden = (entry_position > query_position) | (dead & (query_position >= self.pads[:, None, None, None, None]))
+        if self.sliding_window is not None:
+            hidden |= query_position - entry_position >= self.sliding_window
+        return hidden
 
     def _priority(self) -> torch.Tensor:
         """Sinks and recent tokens above every score, then score (times value norm); under a sliding
@@ -429,7 +452,8 @@ class CompressedLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.scores = self.value_norms = self.positions = self.live = self.pads = self._pass = None
+        self.scores = self.value_norms = self.positions = self.live = self.pads = None
+        self._queries = self._free = None
         self.sliding_window = self.softcap = None
         self.pad_range = self.live_range = (0, 0)
         self.seen = 0

@@ -11,11 +11,12 @@ none, the hooks return at once and the forward pass is unchanged.
 
 from __future__ import annotations
 
+import threading
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional
 
 HOOKS_ATTRIBUTE = "_decodekit_compression_hooks"
 
@@ -49,6 +50,12 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return sorted(modules, key=lambda module: module.layer_idx)
 
 
+def _query_projection(module: nn.Module) -> nn.Module:
+    """The submodule whose output holds the queries: ``q_proj``, or a fused ``qkv_proj``."""
+    projection = getattr(module, "q_proj", None)
+    return projection if isinstance(projection, nn.Module) else module.qkv_proj
+
+
 def bind(model: nn.Module) -> list[nn.Module]:
     """Install the observation hooks on ``model`` once; return its attention modules."""
     modules = attention_modules(model)
@@ -56,6 +63,7 @@ def bind(model: nn.Module) -> list[nn.Module]:
         handles = []
         for module in modules:
             handles.append(module.register_forward_pre_hook(_before_attention, with_kwargs=True))
+            handles.append(_query_projection(module).register_forward_hook(partial(_capture_queries, module)))
             handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
         setattr(model, HOOKS_ATTRIBUTE, handles)
     return modules
@@ -81,17 +89,12 @@ def _rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def _project_queries(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The module's queries for ``hidden_states``, ``[batch, heads, tokens, head_dim]``, before rotation."""
-    batch, length, _ = hidden_states.shape
-    if isinstance(getattr(module, "q_proj", None), nn.Module):
-        flat = module.q_proj(hidden_states)
-    else:  # a fused projection whose first heads * head_dim outputs are the queries
-        fused: nn.Linear = module.qkv_proj
-        width = module.config.num_attention_heads * module.head_dim
-        bias = None if fused.bias is None else fused.bias[:width]
-        flat = functional.linear(hidden_states, fused.weight[:width], bias)
-    queries = flat.view(batch, length, -1, module.head_dim)
+def _queries_from_projection(module: nn.Module, projected: torch.Tensor) -> torch.Tensor:
+    """The module's queries from its projection's output, ``[batch, heads, tokens, head_dim]``, before rotation."""
+    batch, length, _ = projected.shape
+    if not isinstance(getattr(module, "q_proj", None), nn.Module):  # fused: the queries come first
+        projected = projected[..., : module.config.num_attention_heads * module.head_dim]
+    queries = projected.reshape(batch, length, -1, module.head_dim)
     if isinstance(getattr(module, "q_norm", None), nn.Module):
         queries = module.q_norm(queries)
     return queries.transpose(1, 2)
@@ -130,6 +133,17 @@ def _left_padding(attention_mask: torch.Tensor | None, batch: int, device: torch
     return leading.to(device=device, dtype=torch.long).expand(batch).clone()
 
 
+# The pass each attention module is in, per thread: (layer, observed tokens, cos, sin), set before the
+# module runs and taken by the hook on its query projection, so that the queries are not computed twice.
+_PENDING = threading.local()
+
+
+def _pending() -> dict[int, tuple]:
+    if not hasattr(_PENDING, "passes"):
+        _PENDING.passes = {}
+    return _PENDING.passes
+
+
 def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
     cache = _compressed_cache(kwargs)
     if cache is None:
@@ -139,21 +153,27 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     if position_embeddings is None:
         raise ValueError("CompressedCache needs rotary position embeddings passed to the attention modules")
     layer = cache.layer_for(module)
-    length = hidden_states.shape[1]
+    batch, length = hidden_states.shape[:2]
     window = length if cache.policy.observation_window is None else min(length, cache.policy.observation_window)
-    observed = hidden_states[:, -window:]
     cos, sin = (embedding[:, -window:].unsqueeze(1) for embedding in position_embeddings)
-    queries = _rotate(_project_queries(module, observed), cos, sin)
-    pads = None
-    if not layer.is_initialized:
-        pads = _left_padding(kwargs.get("attention_mask"), observed.shape[0], queries.device)
+    _pending()[id(module)] = (layer, window, cos, sin)
+    pads = None if layer.is_initialized else _left_padding(kwargs.get("attention_mask"), batch, hidden_states.device)
     softcap = getattr(module, "attn_logit_softcapping", None)
-    layer.observe(queries, module.scaling, pads, sliding_window=_sliding_window(module), softcap=softcap)
-    visible = layer.pass_mask(length)
+    visible = layer.begin_pass(length, pads, sliding_window=_sliding_window(module), softcap=softcap)
     if visible is None:
         return None
-    kwargs["attention_mask"] = _attention_mask(module, visible, queries.dtype)
+    kwargs["attention_mask"] = _attention_mask(module, visible, hidden_states.dtype)
     return args, kwargs
+
+
+def _capture_queries(module: nn.Module, projection: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """Hand the layer the rotated queries of the observed tokens, from the module's own projection."""
+    pending = _pending().pop(id(module), None)
+    if pending is None:
+        return
+    layer, window, cos, sin = pending
+    queries = _rotate(_queries_from_projection(module, output[:, -window:]), cos, sin)
+    layer.observe(queries, module.scaling)
 
 
 def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -175,6 +195,7 @@ def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype
 
 def _after_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     cache = _compressed_cache(kwargs)
+    _pending().pop(id(module), None)
     if cache is not None:
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cache.layer_for(module).compress(hidden_states.shape[1])
