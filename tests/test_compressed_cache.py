@@ -342,3 +342,40 @@ def test_two_threads_generating_on_one_model_each_get_their_own_result(fresh):
     for thread in threads:
         thread.join()
     assert all(torch.equal(results[index], expected[index]) for index in range(2))
+
+
+def test_reconstruction_scores_are_the_most_attention_a_replayed_prompt_pays(tiny, tiny_model_dir):
+    """Oracle: eager attention over the prompt followed by a copy of itself, max over the copy's queries."""
+    _, tokenizer = tiny
+    eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    ids = _batch(tokenizer, [PROMPTS[1] + " " + PROMPTS[0]])["input_ids"]
+    length = ids.shape[1]
+    with torch.no_grad():
+        attentions = eager(torch.cat([ids, ids], dim=1), output_attentions=True).attentions
+        cache = CompressedCache(eager, compression_ratio=0.0, scoring="reconstruction", recent_tokens=1, sink_tokens=0)
+        eager(ids, past_key_values=cache)
+    assert cache.get_seq_length() == length and cache.kept_tokens == length
+    kv_heads = eager.config.num_key_value_heads
+    for layer, weights in zip(cache.layers, attentions, strict=True):
+        copy_to_prompt = weights[0, :, length:, :length]  # [heads, copy queries, prompt keys]
+        expected = copy_to_prompt.amax(dim=1).view(kv_heads, -1, length).amax(dim=1)
+        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)
+        assert layer.slots == length  # the copy was forgotten
+
+
+def test_reconstruction_scoring_evicts_to_the_target_and_refuses_padding(fresh):
+    model, tokenizer = fresh
+    ids = _batch(tokenizer, [LONG])["input_ids"]
+    cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", reconstruction_chunk=16)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    assert cache.kept_tokens == math.ceil(0.5 * ids.shape[1])
+    assert cache.get_seq_length() == ids.shape[1]
+    output = _greedy(
+        model, tokenizer, _batch(tokenizer, [LONG]), CompressedCache(model, budget=40, scoring="reconstruction")
+    )
+    assert output.shape[1] == ids.shape[1] + 24
+    with pytest.raises(ValueError, match="needs prompts without left padding"):
+        _greedy(model, tokenizer, _batch(tokenizer), CompressedCache(model, budget=40, scoring="reconstruction"))
+    with pytest.raises(ValueError, match="scoring must be one of 'attention', 'reconstruction'"):
+        CompressedCache(model, budget=40, scoring="kvzip")

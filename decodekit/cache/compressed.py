@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import Cache
 
@@ -73,10 +74,12 @@ class CompressedCache(Cache):
         score_decay: float = 0.9,
         pool_kernel: int = 1,
         value_norm: bool = True,
+        scoring: str = "attention",
+        reconstruction_chunk: int = 2048,
     ) -> None:
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
-            value_norm,
+            value_norm, scoring, reconstruction_chunk,
         )  # fmt: skip
         modules = bind(model)
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
@@ -90,6 +93,50 @@ class CompressedCache(Cache):
                 "this CompressedCache was built for another model: create one with CompressedCache(model, ...)"
             )
         return self.layers[index]
+
+    @property
+    def awaits_replay(self) -> bool:
+        """Whether the prompt has been seen and must now be replayed to score it (``scoring="reconstruction"``)."""
+        first = self.layers[0] if self.layers else None
+        return first is not None and first.deferred and first.is_initialized and not first.replaying
+
+    def replay(self, model: nn.Module, input_ids: torch.Tensor) -> None:
+        """Score the prompt by reconstruction, then evict: feed ``input_ids`` again, chunk by chunk.
+
+        Each chunk attends to the whole prompt (and to itself) and is then forgotten; an entry's
+        score is the most attention any replay query pays it, so tokens the model needs to
+        reproduce the prompt (a unique fact in repetitive text) score high even when no later
+        prompt token refers to them. Called by the model-level hook after the first forward pass.
+        """
+        layers = self.layers
+        if layers[0].pad_range[1] > 0:
+            raise ValueError(
+                "scoring='reconstruction' needs prompts without left padding: generate one prompt at a time, "
+                "or batch prompts of equal length"
+            )
+        length = self.get_seq_length()
+        if input_ids is None or input_ids.shape[-1] != length:
+            raise ValueError(
+                "scoring='reconstruction' needs the first forward pass to receive the whole prompt's input_ids"
+            )
+        for layer in layers:
+            layer.replaying = True
+            layer.scores = torch.zeros_like(layer.scores)
+        try:
+            chunk = self.policy.reconstruction_chunk
+            with torch.no_grad():
+                for start in range(0, length, chunk):
+                    piece = input_ids[:, start : start + chunk]
+                    positions = torch.arange(length + start, length + start + piece.shape[-1], device=piece.device)
+                    model(input_ids=piece, past_key_values=self, position_ids=positions.expand(piece.shape[0], -1))
+                    self.crop(-piece.shape[-1])
+                    for layer in layers:
+                        layer.drop_dead()
+        finally:
+            for layer in layers:
+                layer.replaying = layer.deferred = False
+        for layer in layers:
+            layer.compress(length)
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """Queries follow the stored entries physically (the attention mask is built on stored entries)."""

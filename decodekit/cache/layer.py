@@ -30,6 +30,7 @@ def _is_number(value: object) -> bool:
 
 
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
+SCORINGS = ("attention", "reconstruction")
 QUERY_BLOCK = 128  # observed queries scored at once
 LOGIT_ELEMENTS = 1 << 25  # at most this many logits (128 MiB in float32) held at once while scoring
 
@@ -62,8 +63,13 @@ class EvictionPolicy:
     score_decay: float = 0.9
     pool_kernel: int = 1
     value_norm: bool = True
+    scoring: str = "attention"
+    reconstruction_chunk: int = 2048
 
     def __post_init__(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}; got {self.scoring!r}")
+        check_int("reconstruction_chunk", self.reconstruction_chunk, 1)
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("recent_tokens", self.recent_tokens, 1)
         if self.observation_window is not None:
@@ -128,6 +134,10 @@ class CompressedLayer(DynamicLayer):
         # positions only) and a logit soft cap, both None for plain causal attention.
         self.sliding_window: int | None = None
         self.softcap: float | None = None
+        # Reconstruction scoring: eviction waits until the prompt has been replayed (deferred), and
+        # while it is replayed (replaying) an entry's score is the most attention a replay query pays it.
+        self.deferred = policy.scoring == "reconstruction"
+        self.replaying = False
         self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
         self._queries: tuple[torch.Tensor, float] | None = None
 
@@ -238,7 +248,8 @@ class CompressedLayer(DynamicLayer):
         positions = torch.arange(self.seen, self.seen + new, device=key_states.device, dtype=torch.int32)
         positions = positions.expand(batch, kv_heads, new)
         value_norms = value_states.float().norm(dim=-1)
-        self.scores = self.scores * self.policy.score_decay
+        if not self.replaying:
+            self.scores = self.scores * self.policy.score_decay
         if free is not None:
             self._fill(free, key_states, value_states, value_norms, positions)
         else:
@@ -255,7 +266,8 @@ class CompressedLayer(DynamicLayer):
         else:
             self.live_range = (self.live_range[0] + new, self.live_range[1] + new)
         self.seen += new
-        self.scores += self._attention_received(queries, scaling)
+        received = self._attention_received(queries, scaling)
+        self.scores = torch.maximum(self.scores, received) if self.replaying else self.scores + received
         return self.keys, self.values
 
     def _fill(self, free, key_states, value_states, value_norms, positions) -> None:
@@ -325,9 +337,15 @@ class CompressedLayer(DynamicLayer):
                 logits.masked_fill_(self._hidden(first_position + start, first_position + stop, visible), -math.inf)
             logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
             # Normalize each query's row and sum over the queries in one product: (1 / row sums) @ exp.
+            if self.replaying:  # the most attention any replay query pays each entry
+                logits.div_(logits.sum(dim=-1, keepdim=True))
+                received[..., :visible] = torch.maximum(received[..., :visible], logits.amax(dim=(2, 3)))
+                continue
             inverse = logits.sum(dim=-1).reciprocal_().reshape(batch, kv_heads, 1, -1)
             rows = logits.reshape(batch, kv_heads, -1, visible)
             received[..., :visible] += torch.matmul(inverse, rows).squeeze(2)
+        if self.replaying:
+            return received
         # How many observed queries see each entry: entries among the new tokens are seen by fewer,
         # and under a sliding window so are entries that leave it.
         last_seer = self.seen
@@ -374,6 +392,8 @@ class CompressedLayer(DynamicLayer):
         are only marked dead (the next token takes the slot); otherwise the storage shrinks to the
         row that keeps the most.
         """
+        if self.deferred:
+            return
         low_pads, high_pads = self.pad_range
         least, most = self.live_range
         keep_most = self.policy.kept(most, self.seen - low_pads)
@@ -450,11 +470,20 @@ class CompressedLayer(DynamicLayer):
         self.live &= self.positions < self.seen
         self._recount()
 
+    def drop_dead(self) -> None:
+        """Free the slots of dead entries when every row and head holds the same number of live ones."""
+        least, most = self.live_range
+        if least != most or self.slots == most:
+            return
+        order = torch.argsort((~self.live).to(torch.uint8), dim=-1, stable=True)[..., :most]
+        self._keep(order)
+
     def reset(self) -> None:
         super().reset()
         self.scores = self.value_norms = self.positions = self.live = self.pads = None
         self._queries = self._free = None
         self.sliding_window = self.softcap = None
+        self.deferred, self.replaying = self.policy.scoring == "reconstruction", False
         self.pad_range = self.live_range = (0, 0)
         self.seen = 0
 

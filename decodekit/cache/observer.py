@@ -65,6 +65,7 @@ def bind(model: nn.Module) -> list[nn.Module]:
             handles.append(module.register_forward_pre_hook(_before_attention, with_kwargs=True))
             handles.append(_query_projection(module).register_forward_hook(partial(_capture_queries, module)))
             handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
+        handles.append(model.register_forward_hook(_after_model, with_kwargs=True))
         setattr(model, HOOKS_ATTRIBUTE, handles)
     return modules
 
@@ -191,6 +192,14 @@ def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype
     if implementation == "sdpa":
         return per_head
     return torch.zeros((), dtype=dtype, device=visible.device).masked_fill(~per_head, torch.finfo(dtype).min)
+
+
+def _after_model(model: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+    """After the prompt's forward pass, let a reconstruction-scoring cache replay it and evict."""
+    cache = _compressed_cache(kwargs)
+    if cache is not None and cache.awaits_replay:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        cache.replay(model, input_ids)
 
 
 def _after_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
