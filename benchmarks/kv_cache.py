@@ -1,18 +1,25 @@
 """decodekit's CompressedCache against the full cache and NVIDIA's kvpress presses.
 
-    python benchmarks/kv_cache.py [--skip-kvpress] [--kvpress-python PATH]
+    python benchmarks/kv_cache.py [--device cpu|cuda] [--skip-kvpress | --presses-from FILE]
+    python benchmarks/kv_cache.py --shape llama-1b --lengths 8192,32768 --device cuda   # GPU mode
 
-Prints, measured side by side in one run on the default model:
-  1. quality: perplexity of a 512-token continuation given a 3072-token context of real text
-     (the standard library's data-model documentation), the context prefilled through each
-     compressed cache, at 50% and 75% compression; ours against the full cache and against
-     kvpress's SnapKV, TOVA, ObservedAttention, StreamingLLM and Knorm presses at the same
-     number of kept tokens              (target: lower perplexity than every press, both ratios)
-  2. memory: bytes held after that prefill at 75% compression / the full cache's  (target <= 27%)
-  3. speed: tokens/s decoding 256 tokens after a 4096-token prompt, 25% budget / DynamicCache
-                                                                                  (target >= 1.1x)
-  4. long generation: 2048 new tokens under a 256-token budget: the most tokens held at any
-     step, and tokens/s against the full cache
+Prints, measured side by side in one run on the default model (SmolLM2-135M-Instruct):
+  1. quality (the protocol of kv_protocol.py, fixed before tuning): perplexity of a 512-token
+     continuation after a 3072-token compressed context, for four texts of different kinds (mean and
+     worst increase over the full cache), and a query-agnostic pass-key task (about 2k tokens, the
+     context compressed before the question; exact match), at 50%, 75% and 90% evicted; ours
+     (the default, and scoring="reconstruction") against every kvpress 0.5.5 press that runs
+     offline                       (target: our default better than every press on both, each ratio)
+  2. prefill cost: time (and peak memory on CUDA) of the compressed prefill / DynamicCache's
+                                                                          (target: <= 1.3x, <= 1.0x)
+  3. decoding: tokens/s after a 4096-token prompt, 25% budget / DynamicCache   (target: >= 1.1x)
+  4. long generation: 2048 new tokens under a 256-token budget: the most tokens held at any step,
+     and tokens/s against the full cache                                  (target: >= 1.0x)
+
+GPU mode (--shape llama-1b): a random-weight model of Llama-3.2-1B's shape in bf16 (speed and memory
+do not depend on the weights), batch 1, 25% budget, at each of --lengths: prefill time, peak memory
+above the weights, decode tokens/s and cache bytes, for DynamicCache, the default CompressedCache and
+observation_window=64. --shape tiny runs the same code on CPU in seconds (the benchmark's own test).
 
 kvpress 0.5.5 pins transformers < 5.3, so it runs in its own virtualenv: --kvpress-python, else
 $KVPRESS_PYTHON, else .venv-kvpress/ (created with torch==2.13.0 and kvpress==0.5.5 if missing).
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,25 +39,21 @@ from pathlib import Path
 
 import torch
 from _timing import verdict  # benchmarks/ is on sys.path when a script in it runs
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from kv_protocol import PROTOCOL_TEXTS, encoded_pass_keys, run_tasks, text_tasks
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from decodekit import encode_prompts, load_model
 from decodekit.cache import CompressedCache
-from decodekit.eval.perplexity import continuation_perplexity
 
 ROOT = Path(__file__).resolve().parent.parent
-RATIOS = (0.5, 0.75)
+RATIOS = (0.5, 0.75, 0.9)
 KVPRESS_VENV = ROOT / ".venv-kvpress"
-
-
-def long_text_ids(tokenizer, count: int) -> list[int]:
-    """``count`` tokens of real text that ships with Python: the data-model and statements chapters."""
-    from pydoc_data.topics import topics
-
-    ids = tokenizer(topics["specialnames"] + "\n\n" + topics["compound"])["input_ids"]
-    if len(ids) < count:
-        raise ValueError(f"the reference text has {len(ids)} tokens; {count} were asked for")
-    return ids[:count]
+SHAPES = {
+    "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256},
+}  # fmt: skip
 
 
 def cache_bytes(cache) -> int:
@@ -74,49 +78,120 @@ def kvpress_python(args) -> Path | None:
     return python
 
 
-def run_kvpress(python: Path, model_dir: str, context: list[int], continuation: list[int]) -> dict:
-    with tempfile.TemporaryDirectory() as directory:
-        tokens = Path(directory) / "tokens.json"
-        tokens.write_text(json.dumps({"context": context, "continuation": continuation}))
-        command = [str(python), str(Path(__file__).parent / "_kvpress_runner.py"), model_dir, str(tokens)]
-        result = subprocess.run(command + [str(r) for r in RATIOS], capture_output=True, text=True, check=False)
-    if result.returncode:
-        raise RuntimeError(f"kvpress run failed:\n{result.stderr[-3000:]}")
-    printed = json.loads(result.stdout.splitlines()[-1])
-    return {name: {float(ratio): ppl for ratio, ppl in values.items()} for name, values in printed.items()}
-
-
-def quality_and_memory(model, tokenizer, args) -> None:
-    ids = long_text_ids(tokenizer, args.context_tokens + args.continuation_tokens)
-    context = torch.tensor([ids[: args.context_tokens]])
-    continuation = torch.tensor([ids[args.context_tokens :]])
-    full_cache = DynamicCache()
-    full = continuation_perplexity(model, full_cache, context, continuation)
-    rows = {"full cache": dict.fromkeys(RATIOS, full)}
-    caches = {ratio: CompressedCache(model, compression_ratio=ratio) for ratio in RATIOS}
-    rows["decodekit CompressedCache"] = {
-        ratio: continuation_perplexity(model, cache, context, continuation) for ratio, cache in caches.items()
-    }
+def press_rows(args, model, tasks: dict) -> list[dict]:
+    """The presses' rows: read from --presses-from, or measured now in kvpress's virtualenv."""
+    if args.presses_from:
+        return [json.loads(line) for line in Path(args.presses_from).read_text().splitlines() if line.strip()]
     python = kvpress_python(args)
-    if python is not None:
-        presses = run_kvpress(python, model.name_or_path, ids[: args.context_tokens], ids[args.context_tokens :])
-        rows.update({f"kvpress {name}": values for name, values in presses.items()})
+    if python is None:
+        return []
+    with tempfile.TemporaryDirectory() as directory:
+        tasks_path, out = Path(directory) / "tasks.json", Path(directory) / "presses.jsonl"
+        tasks_path.write_text(json.dumps(tasks))
+        runner = [str(python), str(Path(__file__).parent / "_kvpress_runner.py"), model.name_or_path]
+        result = subprocess.run([*runner, str(tasks_path), str(out)], capture_output=True, text=True, check=False)
+        if result.returncode:
+            raise RuntimeError(f"kvpress run failed:\n{result.stderr[-3000:]}")
+        return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def summarize(rows: list[dict], full: dict[str, float]) -> dict[str, dict[float, dict]]:
+    """Per method and ratio: mean and worst perplexity increase over the full cache, pass-key accuracy."""
+    table: dict[str, dict[float, dict]] = {}
+    for row in rows:
+        cell = table.setdefault(row["method"], {}).setdefault(row["ratio"], {"increases": []})
+        if "perplexity" in row:
+            cell["increases"].append((row["perplexity"] / full[row["task"]] - 1, row["task"]))
+        elif "accuracy" in row:
+            cell["pass_key"] = row["accuracy"]
+        else:
+            cell["error"] = row.get("error", "?")
+    for cells in table.values():
+        for cell in cells.values():
+            increases = [value for value, _ in cell["increases"]]
+            if increases and len(increases) == len(full):
+                cell["mean"] = statistics.fmean(increases)
+                cell["worst"] = max(cell["increases"])
+    return table
+
+
+def quality(model, tokenizer, args) -> None:
+    texts = text_tasks(tokenizer, PROTOCOL_TEXTS, args.context_tokens, args.continuation_tokens)
+    tasks = {
+        "ratios": list(RATIOS),
+        "texts": {name: {"context": t["context"], "continuation": t["continuation"]} for name, t in texts.items()},
+        "pass_keys": encoded_pass_keys(tokenizer, args.pass_keys, seed=0, filler_repeats=args.pass_key_filler),
+    }
+    full_rows = run_tasks(model, tokenizer, {**tasks, "ratios": [0.0]}, lambda ratio: DynamicCache(), "full cache")
+    full = {row["task"]: row["perplexity"] for row in full_rows if "perplexity" in row}
+    full_key = next(row["accuracy"] for row in full_rows if row["task"] == "pass key")
+    ours = {
+        "decodekit default": lambda ratio: CompressedCache(model, compression_ratio=ratio),
+        "decodekit reconstruction": lambda ratio: CompressedCache(
+            model, compression_ratio=ratio, scoring="reconstruction"
+        ),
+    }
+    rows = [row for name, make in ours.items() for row in run_tasks(model, tokenizer, tasks, make, name)]
+    rows += press_rows(args, model, tasks)
+    table = summarize(rows, full)
+    kinds = ", ".join(f"{name} ({t['kind']})" for name, t in texts.items())
     print(
-        f"1. perplexity of a {args.continuation_tokens}-token continuation after a {args.context_tokens}-token context"
+        f"1. quality: {args.context_tokens}-token contexts of {kinds}; {args.continuation_tokens}-token continuations"
     )
-    print(f"   {'method':34s}" + "".join(f"{f'{r:.0%} evicted':>14s}{'vs full':>10s}" for r in RATIOS))
-    for name, values in rows.items():
-        cells = "".join(f"{values[r]:14.3f}{(values[r] / full - 1):+10.1%}" for r in RATIOS)
-        print(f"   {name:34s}{cells}")
-    ours = rows["decodekit CompressedCache"]
-    presses = {name: values for name, values in rows.items() if name.startswith("kvpress")}
+    print(f"   full cache: perplexities {', '.join(f'{k} {v:.3f}' for k, v in full.items())}; pass key {full_key:.0%}")
+    header = "".join(f"{f'{r:.0%}: mean':>13s}{'worst':>9s}{'key':>6s}" for r in RATIOS)
+    print(f"   {'method (perplexity increase; pass-key accuracy)':50s}{header}")
+    for method, cells in table.items():
+        line = ""
+        for ratio in RATIOS:
+            cell = cells.get(ratio, {})
+            if "error" in cell:
+                line += f"{'error':>28s}"
+                continue
+            mean, worst = cell.get("mean"), cell.get("worst")
+            line += f"{mean:+13.2%}" if mean is not None else f"{'-':>13s}"
+            line += f"{worst[0]:+9.2%}" if worst is not None else f"{'-':>9s}"
+            line += f"{cell['pass_key']:6.0%}" if "pass_key" in cell else f"{'-':>6s}"
+        print(f"   {method:50s}{line}")
+    errors = {method: cells for method, cells in table.items() if any("error" in c for c in cells.values())}
+    for method, cells in errors.items():
+        print(f"   {method} did not run: {next(c['error'] for c in cells.values() if 'error' in c)}")
+    presses = {m: c for m, c in table.items() if m.startswith("kvpress") and m not in errors}
     if presses:
-        wins = all(ours[r] < values[r] for values in presses.values() for r in RATIOS)
-        print(f"   lower than every kvpress press at both ratios: {wins} ({verdict(wins)})")
+        default = table["decodekit default"]
+        for ratio in RATIOS:
+            mine = default[ratio]
+            beaten_ppl = [m for m, c in presses.items() if c[ratio].get("mean", 1e9) <= mine["mean"]]
+            beaten_key = [m for m, c in presses.items() if c[ratio].get("pass_key", -1) > mine["pass_key"]]
+            wins = not beaten_ppl and not beaten_key
+            detail = f"at least as low a mean: {', '.join(beaten_ppl) or 'none'}; a better pass key: "
+            print(f"   {ratio:.0%}: default better than every press: {wins} ({verdict(wins)}); {detail}"
+                  f"{', '.join(beaten_key) or 'none'}")  # fmt: skip
     else:
         print("   kvpress skipped")
-    share = cache_bytes(caches[0.75]) / cache_bytes(full_cache)
-    print(f"\n2. memory after the prefill at 75% compression: {share:.1%} of the full cache ({verdict(share <= 0.27)})")
+
+
+def prefill_cost(model, tokenizer, args) -> None:
+    from kv_protocol import PROTOCOL_TEXTS as texts
+
+    ids = tokenizer(texts["gpl3"][1](), add_special_tokens=False)["input_ids"][: args.prefill_tokens]
+    prompt = torch.tensor([ids], device=model.device)
+    seconds: dict[str, list[float]] = {"DynamicCache": [], "CompressedCache": []}
+    for _ in range(args.prefill_rounds):
+        candidates = {
+            "DynamicCache": DynamicCache,
+            "CompressedCache": lambda: CompressedCache(model, compression_ratio=0.75),
+        }
+        for name, make in candidates.items():
+            started = time.perf_counter()
+            with torch.no_grad():
+                model(prompt, past_key_values=make(), logits_to_keep=1)
+            seconds[name].append(time.perf_counter() - started)
+    full, ours = (statistics.median(values) for values in seconds.values())
+    ratio = ours / full
+    print(f"\n2. prefill of {len(ids)} tokens (75% evicted): CompressedCache {ours:.2f} s, DynamicCache {full:.2f} s"
+          f" (median of {args.prefill_rounds})")  # fmt: skip
+    print(f"   CompressedCache / DynamicCache prefill time: {ratio:.2f}x ({verdict(ratio <= 1.3)})")
 
 
 class _StepClock(LogitsProcessor):
@@ -151,14 +226,16 @@ def decode(model, input_ids, cache, new_tokens: int) -> _StepClock:
 
 
 def speed(model, tokenizer, args) -> None:
-    prompt = torch.tensor([long_text_ids(tokenizer, args.speed_prompt)])
+    texts = PROTOCOL_TEXTS
+    ids = tokenizer(texts["argparse.py"][1](), add_special_tokens=False)["input_ids"][: args.speed_prompt]
+    prompt = torch.tensor([ids], device=model.device)
     budget = args.speed_prompt // 4
     rates = {"DynamicCache": [], "CompressedCache": []}
     for _ in range(args.speed_rounds):
         rates["DynamicCache"].append(decode(model, prompt, DynamicCache(), args.speed_tokens).tokens_per_second())
         cache = CompressedCache(model, budget=budget)
         rates["CompressedCache"].append(decode(model, prompt, cache, args.speed_tokens).tokens_per_second())
-    full, ours = (sorted(values)[len(values) // 2] for values in rates.values())
+    full, ours = (statistics.median(values) for values in rates.values())
     ratio = ours / full
     print(f"\n3. decoding {args.speed_tokens} tokens after a {args.speed_prompt}-token prompt, budget {budget} (25%)")
     print(f"   DynamicCache {full:.2f} tok/s, CompressedCache {ours:.2f} tok/s (median of {args.speed_rounds})")
@@ -167,32 +244,95 @@ def speed(model, tokenizer, args) -> None:
 
 def long_generation(model, tokenizer, args) -> None:
     batch = encode_prompts(tokenizer, ["Write a very long story about a journey across the sea."])
-    prompt = batch["input_ids"]
+    prompt = batch["input_ids"].to(model.device)
     full = decode(model, prompt, DynamicCache(), args.long_tokens)
     cache = CompressedCache(model, budget=args.long_budget)
     ours = decode(model, prompt, cache, args.long_tokens)
-    held = max(ours.held)
+    held, ratio = max(ours.held), ours.tokens_per_second() / full.tokens_per_second()
     print(f"\n4. {args.long_tokens} new tokens under a {args.long_budget}-token budget")
     print(f"   most tokens held at any step: {held} ({verdict(held <= args.long_budget)}); at the end {ours.held[-1]}")
     print(f"   CompressedCache {ours.tokens_per_second():.2f} tok/s, full cache {full.tokens_per_second():.2f} tok/s")
-    print(f"   CompressedCache / full cache tokens/s: {ours.tokens_per_second() / full.tokens_per_second():.2f}x")
+    print(f"   CompressedCache / full cache tokens/s: {ratio:.2f}x ({verdict(ratio >= 1.0)})")
+
+
+def shaped_model(shape: str, device: torch.device) -> LlamaForCausalLM:
+    """A random-weight Llama of the given shape, built directly on ``device`` (bf16 on CUDA)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, tie_word_embeddings=True)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval()
+
+
+def gpu_mode(args, device: torch.device) -> None:
+    model = shaped_model(args.shape, device)
+    cuda = device.type == "cuda"
+    candidates = {
+        "DynamicCache": lambda length: DynamicCache(),
+        "CompressedCache": lambda length: CompressedCache(model, budget=length // 4),
+        "CompressedCache observation_window=64": lambda length: CompressedCache(
+            model, budget=length // 4, observation_window=64
+        ),
+    }
+    print(f"{args.shape}-shaped random model on {device}, batch 1, 25% budget")
+    print(f"   {'length':>7s} {'cache':40s}{'prefill s':>10s}{'vs full':>8s}{'peak MiB':>10s}{'vs full':>8s}"
+          f"{'tok/s':>8s}{'vs full':>8s}{'cache MiB':>10s}")  # fmt: skip
+    for length in (int(value) for value in args.lengths.split(",")):
+        prompt = torch.randint(0, model.config.vocab_size, (1, length), device=device)
+        results = {}
+        for name, make in candidates.items():
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated() if cuda else 0
+            cache = make(length)
+            started = time.perf_counter()
+            with torch.no_grad():
+                model(prompt, past_key_values=cache, logits_to_keep=1)
+            if cuda:
+                torch.cuda.synchronize()
+            prefill = time.perf_counter() - started
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+            clock = decode(model, prompt, make(length), args.gpu_tokens)
+            results[name] = (prefill, peak, clock.tokens_per_second(), cache_bytes(cache) / 2**20)
+        full = results["DynamicCache"]
+        for name, (prefill, peak, rate, size) in results.items():
+            peak_ratio = peak / full[1] if cuda else float("nan")
+            print(f"   {length:7d} {name:40s}{prefill:10.3f}{prefill / full[0]:7.2f}x{peak:10.0f}"
+                  f"{peak_ratio:7.2f}x{rate:8.1f}{rate / full[2]:7.2f}x{size:10.1f}")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
+    parser.add_argument("--pass-keys", type=int, default=10, help="pass-key tasks per ratio")
+    parser.add_argument("--pass-key-filler", type=int, default=80, help="filler sentences (80: about 2k tokens)")
+    parser.add_argument("--prefill-tokens", type=int, default=3072)
+    parser.add_argument("--prefill-rounds", type=int, default=3)
     parser.add_argument("--speed-prompt", type=int, default=4096)
     parser.add_argument("--speed-tokens", type=int, default=256)
     parser.add_argument("--speed-rounds", type=int, default=1)
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--long-budget", type=int, default=256)
+    parser.add_argument("--skip-quality", action="store_true", help="measure cost and speed only")
     parser.add_argument("--skip-kvpress", action="store_true", help="compare with the full cache only")
+    parser.add_argument("--presses-from", help="a JSONL file of press results from an earlier kvpress run")
     parser.add_argument("--kvpress-python", help="python of a virtualenv that has kvpress installed")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="GPU mode: a random model of this shape")
+    parser.add_argument("--lengths", default="8192,32768", help="GPU mode: prompt lengths")
+    parser.add_argument("--gpu-tokens", type=int, default=64, help="GPU mode: tokens decoded per measurement")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    model, tokenizer = load_model()
-    quality_and_memory(model, tokenizer, args)
+    device = torch.device(args.device)
+    if args.shape:
+        gpu_mode(args, device)
+        return
+    model, tokenizer = load_model(device_map=str(device) if device.type != "cpu" else None)
+    if not args.skip_quality:
+        quality(model, tokenizer, args)
+    prefill_cost(model, tokenizer, args)
     speed(model, tokenizer, args)
     long_generation(model, tokenizer, args)
 

@@ -94,7 +94,7 @@ def text_tasks(tokenizer, texts: dict, context_tokens: int, continuation_tokens:
     return tasks
 
 
-def encoded_pass_keys(tokenizer, count: int, seed: int) -> list[dict]:
+def encoded_pass_keys(tokenizer, count: int, seed: int, filler_repeats: int = 80) -> list[dict]:
     """Pass-key tasks as token ids, the form both virtualenvs read."""
     return [
         {
@@ -102,7 +102,7 @@ def encoded_pass_keys(tokenizer, count: int, seed: int) -> list[dict]:
             "question": tokenizer(task.question, add_special_tokens=False)["input_ids"],
             "answer": task.answer,
         }
-        for task in pass_key_tasks(count, seed=seed)
+        for task in pass_key_tasks(count, seed=seed, filler_repeats=filler_repeats)
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,12 +30,25 @@ def test_beam_search_benchmark_runs_and_prints_its_ratio():
     assert "outputs identical: True" in out
 
 
-def test_kv_cache_benchmark_runs_and_prints_its_ratios():
+def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     short = ["--context-tokens", "256", "--continuation-tokens", "32", "--speed-prompt", "256", "--speed-tokens", "4"]
-    out = _run("kv_cache.py", *short, "--long-tokens", "8", "--skip-kvpress")
-    assert "decodekit CompressedCache" in out
+    short += ["--pass-keys", "1", "--pass-key-filler", "4", "--prefill-tokens", "256", "--prefill-rounds", "1"]
+    presses = tmp_path / "presses.jsonl"  # a recorded kvpress run, so that the comparison code runs too
+    rows = [{"method": "kvpress SnapKV", "ratio": r, "task": t, "perplexity": 1e9} for r in (0.5, 0.75, 0.9)
+            for t in ("gpl3", "argparse.py", "pydoc types", "idle NEWS")]  # fmt: skip
+    rows += [{"method": "kvpress SnapKV", "ratio": r, "task": "pass key", "accuracy": 0.0} for r in (0.5, 0.75, 0.9)]
+    presses.write_text("\n".join(json.dumps(row) for row in rows))
+    out = _run("kv_cache.py", *short, "--long-tokens", "8", "--presses-from", str(presses))
+    assert "decodekit default" in out and "decodekit reconstruction" in out and "kvpress SnapKV" in out
+    assert "default better than every press: True" in out
+    assert "CompressedCache / DynamicCache prefill time" in out
     assert "CompressedCache / DynamicCache tokens/s" in out
     assert "most tokens held at any step" in out
+
+
+def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
+    out = _run("kv_cache.py", "--shape", "tiny", "--lengths", "64,128", "--gpu-tokens", "4", "--device", "cpu")
+    assert "CompressedCache observation_window=64" in out and "DynamicCache" in out
 
 
 def test_eval_benchmark_runs_and_prints_its_ratio():
