@@ -379,3 +379,23 @@ def test_reconstruction_scoring_evicts_to_the_target_and_refuses_padding(fresh):
         _greedy(model, tokenizer, _batch(tokenizer), CompressedCache(model, budget=40, scoring="reconstruction"))
     with pytest.raises(ValueError, match="scoring must be one of 'attention', 'reconstruction'"):
         CompressedCache(model, budget=40, scoring="kvzip")
+
+
+def test_a_decoding_step_adds_the_new_query_attention_to_the_decayed_scores(tiny, tiny_model_dir):
+    """Oracle: eager attention of the last query, averaged over the query heads of each KV head."""
+    _, tokenizer = tiny
+    eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    ids = _batch(tokenizer, [PROMPTS[1]])["input_ids"]
+    length = ids.shape[1]
+    following = torch.tensor([[17]])
+    with torch.no_grad():
+        cache = CompressedCache(eager, compression_ratio=0.0, recent_tokens=1, sink_tokens=0, score_decay=0.5)
+        eager(ids, past_key_values=cache)
+        before = [layer.scores.clone() for layer in cache.layers]
+        eager(following, past_key_values=cache, position_ids=torch.tensor([[length]]))
+        attentions = eager(torch.cat([ids, following], dim=1), output_attentions=True).attentions
+    kv_heads = eager.config.num_key_value_heads
+    for layer, earlier, weights in zip(cache.layers, before, attentions, strict=True):
+        last_query = weights[0, :, -1, :].view(kv_heads, -1, length + 1).mean(dim=1)
+        expected = torch.cat([0.5 * earlier[0], torch.zeros(kv_heads, 1)], dim=-1) + last_query
+        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)

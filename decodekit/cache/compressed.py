@@ -10,10 +10,6 @@ from decodekit.cache.layer import CompressedLayer, EvictionPolicy
 from decodekit.cache.observer import bind
 
 
-import os
-HYBRID = float(os.environ.get("DK_HYBRID", "0"))
-
-
 class CompressedCache(Cache):
     """A KV cache for ``model.generate(past_key_values=...)`` that evicts low-attention tokens.
 
@@ -123,7 +119,6 @@ class CompressedCache(Cache):
             raise ValueError(
                 "scoring='reconstruction' needs the first forward pass to receive the whole prompt's input_ids"
             )
-        prefill_scores = [layer.scores for layer in layers]
         for layer in layers:
             layer.replaying = True
             layer.scores = torch.zeros_like(layer.scores)
@@ -140,11 +135,6 @@ class CompressedCache(Cache):
         finally:
             for layer in layers:
                 layer.replaying = layer.deferred = False
-        if HYBRID:
-            for layer, before in zip(layers, prefill_scores):
-                def unit(t):
-                    return t / t.mean(dim=-1, keepdim=True).clamp(min=1e-30)
-                layer.scores = unit(layer.scores) + HYBRID * unit(before)
         for layer in layers:
             layer.compress(length)
 

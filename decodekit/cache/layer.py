@@ -318,9 +318,12 @@ class CompressedLayer(DynamicLayer):
         group = grouped.shape[2]
         keys_t = self.keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
         appended = window > 1  # a pass of several tokens is appended; one token may fill a free slot
-        causal_only = (
-            appended and self.pad_range[1] == 0 and self.live_range[0] == slots and self.sliding_window is None
-        )
+        unmasked = self.pad_range[1] == 0 and self.live_range[0] == slots and self.sliding_window is None
+        if window == 1 and unmasked and not self.replaying and self.softcap is None and self.policy.pool_kernel == 1:
+            # One decoding step that sees every entry: a softmax per query head, averaged over the group.
+            logits = torch.matmul(grouped, keys_t)  # [batch, kv_heads, group, 1, slots]
+            return logits.softmax(dim=-1).mean(dim=(2, 3))
+        causal_only = appended and unmasked
         first_slot, first_position = slots - window, self.seen - window
         received = grouped.new_zeros((batch, kv_heads, slots))
         block = max(1, min(QUERY_BLOCK, LOGIT_ELEMENTS // (batch * kv_heads * group * slots)))
