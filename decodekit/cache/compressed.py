@@ -53,6 +53,11 @@ class CompressedCache(Cache):
         score_decay: how much of a token's earlier score carries over to the next forward pass, [0, 1].
         pool_kernel: width of a smoothing of scores over neighbouring tokens, odd, >= 1 (1: none).
         value_norm: rank tokens by score times the norm of their value vector.
+        scoring: "attention" (the default: the attention tokens receive, as above) or
+            "reconstruction": after the prompt's pass, replay the prompt and rank its tokens by the
+            most attention any replay query pays them (query-agnostic; about one more prompt pass
+            of cost; prompts without padding).
+        reconstruction_chunk: prompt tokens replayed per forward pass, >= 1.
 
     Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
 
