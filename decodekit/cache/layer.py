@@ -139,6 +139,7 @@ class CompressedLayer(DynamicLayer):
         self.deferred = policy.scoring == "reconstruction"
         self.replaying = False
         self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
+        self._next_free: torch.Tensor | None = None  # a slot the last eviction freed, if known
         self._queries: tuple[torch.Tensor, float] | None = None
 
     # -- what the model sees ------------------------------------------------------------------------
@@ -186,8 +187,10 @@ class CompressedLayer(DynamicLayer):
             self.pad_range = (low, high)
         free = None
         if self._fills_free_slot(query_length):
-            free = (~self.live).to(torch.uint8).argmax(dim=-1)  # [batch, kv_heads]: a dead slot per row and head
-        self._free = free
+            free = self._next_free
+            if free is None:
+                free = (~self.live).to(torch.uint8).argmax(dim=-1)  # [batch, kv_heads]: a dead slot per row and head
+        self._free, self._next_free = free, None
         return self.pass_mask(query_length)
 
     def observe(self, queries: torch.Tensor, scaling: float) -> None:
@@ -249,7 +252,7 @@ class CompressedLayer(DynamicLayer):
         positions = positions.expand(batch, kv_heads, new)
         value_norms = value_states.float().norm(dim=-1)
         if not self.replaying:
-            self.scores = self.scores * self.policy.score_decay
+            self.scores.mul_(self.policy.score_decay)
         if free is not None:
             self._fill(free, key_states, value_states, value_norms, positions)
         else:
@@ -267,7 +270,10 @@ class CompressedLayer(DynamicLayer):
             self.live_range = (self.live_range[0] + new, self.live_range[1] + new)
         self.seen += new
         received = self._attention_received(queries, scaling)
-        self.scores = torch.maximum(self.scores, received) if self.replaying else self.scores + received
+        if self.replaying:
+            self.scores = torch.maximum(self.scores, received)
+        else:
+            self.scores.add_(received)
         return self.keys, self.values
 
     def _fill(self, free, key_states, value_states, value_norms, positions) -> None:
@@ -282,6 +288,7 @@ class CompressedLayer(DynamicLayer):
 
     def _keep(self, index: torch.Tensor) -> None:
         """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order."""
+        self._next_free = None
         expanded = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, expanded)
         self.values = self.values.gather(2, expanded)
@@ -377,7 +384,7 @@ class CompressedLayer(DynamicLayer):
     def _priority(self) -> torch.Tensor:
         """Sinks and recent tokens above every score, then score (times value norm); under a sliding
         window, tokens no later query can see go first."""
-        pads = self.pads[:, None, None]
+        pads = self.pads[:, None, None] if self.pad_range[1] else 0
         protected = (self.positions < pads + self.policy.sink_tokens) | (
             self.positions >= self.seen - self.policy.recent_tokens
         )
@@ -407,7 +414,15 @@ class CompressedLayer(DynamicLayer):
         if self.policy.compression_ratio is not None and new < self.seen - low_pads:
             bound = max(bound, min(new, most))
         self.live_range = (keep_least, keep_most)
+        if low_pads == high_pads and least == most:  # every row alike: the excess is known exactly
+            bound = most - keep_most
         if bound == 0 and self.slots - keep_most <= 1:
+            return
+        if low_pads == high_pads and least == most and self.slots - keep_most <= 1:
+            # Every row drops its ``bound`` lowest-ranked entries, in place; the next token takes one.
+            victims = torch.where(self.live, self._priority(), math.inf).topk(bound, dim=-1, largest=False).indices
+            self.live.scatter_(2, victims, False)
+            self._next_free = victims[..., 0]
             return
         live_count = self.live[:, :1].sum(dim=-1, keepdim=True)  # [batch, 1, 1]: the same for every head
         keep = torch.minimum(live_count, self.policy.targets(self.seen - self.pads)[:, None, None])
@@ -431,6 +446,7 @@ class CompressedLayer(DynamicLayer):
         return ("keys", "values", "scores", "value_norms", "positions", "live", "pads")
 
     def _apply_to_rows(self, operation) -> None:
+        self._next_free = None
         for name in self._per_row():
             tensor = getattr(self, name)
             if tensor is not None:
@@ -471,6 +487,7 @@ class CompressedLayer(DynamicLayer):
             return
         self.seen = max(self.seen + tokens_to_remove, 0)
         self.live &= self.positions < self.seen
+        self._next_free = None
         self._recount()
 
     def drop_dead(self) -> None:
@@ -484,7 +501,7 @@ class CompressedLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.scores = self.value_norms = self.positions = self.live = self.pads = None
-        self._queries = self._free = None
+        self._queries = self._free = self._next_free = None
         self.sliding_window = self.softcap = None
         self.deferred, self.replaying = self.policy.scoring == "reconstruction", False
         self.pad_range = self.live_range = (0, 0)
