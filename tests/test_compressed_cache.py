@@ -344,8 +344,14 @@ def test_two_threads_generating_on_one_model_each_get_their_own_result(fresh):
     assert all(torch.equal(results[index], expected[index]) for index in range(2))
 
 
-def test_reconstruction_scores_are_the_most_attention_a_replayed_prompt_pays(tiny, tiny_model_dir):
-    """Oracle: eager attention over the prompt followed by a copy of itself, max over the copy's queries."""
+def test_reconstruction_scores_are_the_most_attention_a_replayed_prompt_pays(tiny, tiny_model_dir, monkeypatch):
+    """Oracle: eager attention over the prompt followed by a copy of itself, max over the copy's queries;
+    the final rank of an entry is the better of its two ranks (naive ranks computed here)."""
+    import decodekit.cache.compressed as compressed
+
+    seen = []
+    original = compressed._union_of_ranks
+    monkeypatch.setattr(compressed, "_union_of_ranks", lambda a, b: seen.append((a, b)) or original(a, b))
     _, tokenizer = tiny
     eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
     ids = _batch(tokenizer, [PROMPTS[1] + " " + PROMPTS[0]])["input_ids"]
@@ -356,11 +362,17 @@ def test_reconstruction_scores_are_the_most_attention_a_replayed_prompt_pays(tin
         eager(ids, past_key_values=cache)
     assert cache.get_seq_length() == length and cache.kept_tokens == length
     kv_heads = eager.config.num_key_value_heads
-    for layer, weights in zip(cache.layers, attentions, strict=True):
+    for layer, weights, (paid, replay) in zip(cache.layers, attentions, seen, strict=True):
         copy_to_prompt = weights[0, :, length:, :length]  # [heads, copy queries, prompt keys]
         expected = copy_to_prompt.amax(dim=1).view(kv_heads, -1, length).amax(dim=1)
-        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(replay[0], expected, atol=1e-5, rtol=1e-4)
         assert layer.slots == length  # the copy was forgotten
+        for head in range(kv_heads):
+            second = {slot: rank for rank, slot in enumerate(replay[0, head].argsort().tolist())}
+            first = {slot: rank for rank, slot in enumerate(paid[0, head].argsort().tolist())}
+            better = torch.tensor([max(first[slot], second[slot]) for slot in range(length)], dtype=torch.float32)
+            priority = layer.priority_scores()[0, head]  # proportional to the better rank
+            torch.testing.assert_close(priority * better.sum(), better * priority.sum(), rtol=1e-4, atol=1e-6)
 
 
 def test_reconstruction_scoring_evicts_to_the_target_and_refuses_padding(fresh):

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from inspect import signature
+
 import torch
 from torch import nn
 from transformers import Cache
 
 from decodekit.cache.layer import CompressedLayer, EvictionPolicy
 from decodekit.cache.observer import bind
+
+
+def _union_of_ranks(attention: torch.Tensor, replay: torch.Tensor) -> torch.Tensor:
+    """Per row and head, each entry's better rank (a fraction in [0, 1)) under two scores, on the scale of
+    ``attention`` so that the attention later queries add keeps its weight."""
+
+    def fraction(scores: torch.Tensor) -> torch.Tensor:
+        return scores.argsort(dim=-1).argsort(dim=-1).to(scores.dtype) / scores.shape[-1]
+
+    better = torch.maximum(fraction(attention), fraction(replay))
+    return better * attention.mean(dim=-1, keepdim=True) / better.mean(dim=-1, keepdim=True).clamp(min=1e-30)
 
 
 class CompressedCache(Cache):
@@ -108,10 +121,12 @@ class CompressedCache(Cache):
     def replay(self, model: nn.Module, input_ids: torch.Tensor) -> None:
         """Score the prompt by reconstruction, then evict: feed ``input_ids`` again, chunk by chunk.
 
-        Each chunk attends to the whole prompt (and to itself) and is then forgotten; an entry's
-        score is the most attention any replay query pays it, so tokens the model needs to
+        Each chunk attends to the whole prompt (and to itself) and is then forgotten. A token's
+        replay score is the most attention any replay query pays it, so tokens the model needs to
         reproduce the prompt (a unique fact in repetitive text) score high even when no later
-        prompt token refers to them. Called by the model-level hook after the first forward pass.
+        prompt token refers to them. A token is then ranked by the better of its two ranks: by the
+        attention the prompt paid it (the default scoring) and by its replay score, so that what
+        either criterion values is kept. Called by the model-level hook after the first forward pass.
         """
         layers = self.layers
         if layers[0].pad_range[1] > 0:
@@ -124,23 +139,28 @@ class CompressedCache(Cache):
             raise ValueError(
                 "scoring='reconstruction' needs the first forward pass to receive the whole prompt's input_ids"
             )
+        attention = [layer.priority_scores() for layer in layers]  # what the prompt's own queries paid
         for layer in layers:
             layer.replaying = True
             layer.scores = torch.zeros_like(layer.scores)
+        chunk = self.policy.reconstruction_chunk
+        # The replay's logits are never read: a causal LM can skip computing all but one.
+        only_last_logits = {"logits_to_keep": 1} if "logits_to_keep" in signature(model.forward).parameters else {}
         try:
-            chunk = self.policy.reconstruction_chunk
             with torch.no_grad():
                 for start in range(0, length, chunk):
                     piece = input_ids[:, start : start + chunk]
                     positions = torch.arange(length + start, length + start + piece.shape[-1], device=piece.device)
-                    model(input_ids=piece, past_key_values=self, position_ids=positions.expand(piece.shape[0], -1))
+                    positions = positions.expand(piece.shape[0], -1)
+                    model(input_ids=piece, past_key_values=self, position_ids=positions, **only_last_logits)
                     self.crop(-piece.shape[-1])
                     for layer in layers:
                         layer.drop_dead()
         finally:
             for layer in layers:
                 layer.replaying = layer.deferred = False
-        for layer in layers:
+        for layer, paid in zip(layers, attention, strict=True):
+            layer.set_priority(_union_of_ranks(paid, layer.scores))
             layer.compress(length)
 
     def get_query_offset(self, layer_idx: int = 0) -> int:

@@ -381,6 +381,14 @@ class CompressedLayer(DynamicLayer):
             hidden |= query_position - entry_position >= self.sliding_window
         return hidden
 
+    def priority_scores(self) -> torch.Tensor:
+        """The entries' scores as eviction ranks them: times the value norm when the policy says so."""
+        return self.scores * self.value_norms if self.policy.value_norm else self.scores
+
+    def set_priority(self, priority: torch.Tensor) -> None:
+        """Store scores such that ``priority_scores()`` returns ``priority``."""
+        self.scores = priority / self.value_norms.clamp(min=1e-30) if self.policy.value_norm else priority
+
     def _priority(self) -> torch.Tensor:
         """Sinks and recent tokens above every score, then score (times value norm); under a sliding
         window, tokens no later query can see go first."""
@@ -388,8 +396,7 @@ class CompressedLayer(DynamicLayer):
         protected = (self.positions < pads + self.policy.sink_tokens) | (
             self.positions >= self.seen - self.policy.recent_tokens
         )
-        priority = self.scores * self.value_norms if self.policy.value_norm else self.scores
-        priority = torch.where(protected, PROTECTED, priority)
+        priority = torch.where(protected, PROTECTED, self.priority_scores())
         if self.sliding_window is not None:
             priority = torch.where(self.positions <= self.seen - self.sliding_window, -PROTECTED, priority)
         return priority
