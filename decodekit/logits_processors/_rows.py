@@ -75,3 +75,30 @@ def expand_rows(values: torch.Tensor, rows: int, name: str) -> torch.Tensor:
         f"{name} has {count} per-row values but the scores have {rows} rows: give one value per row, "
         "or one per request when each request spans the same number of rows (beams, return sequences)"
     )
+
+
+def integer_rows(name: str, values: Sequence[int] | torch.Tensor, *, minimum: int | None = None) -> torch.Tensor:
+    """``values`` as a 1-D int64 tensor (one per batch row, or per request), or ValueError naming ``name``.
+
+    Example:
+        >>> integer_rows("seeds", [3, 4]).tolist()
+        [3, 4]
+    """
+    try:
+        tensor = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        tensor = None
+    valid = (
+        tensor is not None
+        and tensor.dim() == 1
+        and tensor.numel() > 0
+        and not tensor.is_floating_point()
+        and tensor.dtype != torch.bool
+        and (minimum is None or not bool((tensor < minimum).any()))
+    )
+    if not valid:
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(
+            f"{name} must be a 1-D sequence of integers{bound}, one per batch row (or per request); got {values!r}"
+        )
+    return tensor.to(torch.int64)

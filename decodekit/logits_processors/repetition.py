@@ -11,7 +11,7 @@ import torch
 from transformers import LogitsProcessor
 
 from decodekit._validation import check_int, is_int_at_least
-from decodekit.logits_processors._rows import expand_rows
+from decodekit.logits_processors._rows import expand_rows, integer_rows
 
 StageTable = Mapping[int, float]
 NO_STAGE = torch.iinfo(torch.int32).max  # pads the threshold rows of shorter per-row tables
@@ -155,7 +155,9 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         if pad_token_id is not None and not is_int_at_least(pad_token_id, 0):
             raise ValueError(f"pad_token_id must be a token id (an integer >= 0) or None; got {pad_token_id!r}")
         self.pad_token_id = pad_token_id
-        self.padding_lengths = _padding_lengths(padding_lengths)
+        self.padding_lengths = None
+        if padding_lengths is not None:
+            self.padding_lengths = integer_rows("padding_lengths", padding_lengths, minimum=0)
         width = max(len(table) for table in tables)
         self.thresholds = torch.full((len(tables), width), NO_STAGE, dtype=torch.int32)
         self.factors = torch.ones((len(tables), width + 1), dtype=torch.float64)
@@ -220,28 +222,6 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         selected = scores.gather(1, ids).to(compute_dtype)
         penalized = torch.where(selected < 0, selected * factor, selected / factor)
         return scores.scatter(1, ids, penalized.to(scores.dtype))
-
-
-def _padding_lengths(values: Sequence[int] | torch.Tensor | None) -> torch.Tensor | None:
-    if values is None:
-        return None
-    try:
-        lengths = torch.as_tensor(values)
-    except (TypeError, ValueError, RuntimeError):
-        lengths = None
-    if (
-        lengths is None
-        or lengths.dim() != 1
-        or lengths.numel() == 0
-        or lengths.is_floating_point()
-        or lengths.dtype == torch.bool
-        or bool((lengths < 0).any())
-    ):
-        raise ValueError(
-            "padding_lengths must be a 1-D sequence of integers >= 0, one per batch row (or per request); "
-            f"got {values!r}"
-        )
-    return lengths.to(torch.long)
 
 
 def _token_ids(name: str, values: int | Iterable[int] | None) -> list[int]:

@@ -8,7 +8,7 @@ import torch
 from transformers import LogitsProcessor
 
 from decodekit._validation import check_int
-from decodekit.logits_processors._rows import expand_rows
+from decodekit.logits_processors._rows import expand_rows, integer_rows
 
 MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31, so that a 32-bit value times one never leaves int64.
@@ -68,19 +68,7 @@ class GumbelSamplingLogitsProcessor(LogitsProcessor):
     supports_continuous_batching = False
 
     def __init__(self, seeds: Sequence[int] | torch.Tensor, *, prompt_length: int) -> None:
-        try:
-            values = torch.as_tensor(seeds)
-        except (TypeError, ValueError, RuntimeError):
-            values = None
-        if (
-            values is None
-            or values.dim() != 1
-            or values.numel() == 0
-            or values.is_floating_point()
-            or (values.dtype == torch.bool)
-        ):
-            raise ValueError(f"seeds must be a 1-D sequence of integers, one per batch row (or request); got {seeds!r}")
-        self.seeds = values.to(torch.int64)
+        self.seeds = integer_rows("seeds", seeds)
         self.prompt_length = check_int("prompt_length", prompt_length, 0, " (the padded prompt length)")
 
     def _row_seeds(self, rows: int) -> torch.Tensor:
