@@ -278,6 +278,8 @@ def gpu_mode(args, device: torch.device) -> None:
     print(f"   {'length':>7s} {'cache':40s}{'prefill s':>10s}{'vs full':>8s}{'peak MiB':>10s}{'vs full':>8s}"
           f"{'tok/s':>8s}{'vs full':>8s}{'cache MiB':>10s}")  # fmt: skip
     for length in (int(value) for value in args.lengths.split(",")):
+        if length // 4 < 36:
+            raise SystemExit(f"--lengths: {length} is too short for a 25% budget (at least 144 tokens)")
         prompt = torch.randint(0, model.config.vocab_size, (1, length), device=device)
         results = {}
         for name, make in candidates.items():

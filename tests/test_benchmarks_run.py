@@ -47,7 +47,7 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
 
 
 def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
-    out = _run("kv_cache.py", "--shape", "tiny", "--lengths", "64,128", "--gpu-tokens", "4", "--device", "cpu")
+    out = _run("kv_cache.py", "--shape", "tiny", "--lengths", "256,512", "--gpu-tokens", "4", "--device", "cpu")
     assert "CompressedCache observation_window=64" in out and "DynamicCache" in out
 
 
