@@ -1,6 +1,7 @@
 """decodekit's CompressedCache against the full cache and NVIDIA's kvpress presses.
 
     python benchmarks/kv_cache.py [--device cpu|cuda] [--skip-kvpress | --presses-from FILE]
+    python benchmarks/kv_cache.py --presses-from benchmarks/results/kv_protocol_cpu.jsonl   # a recorded press run
     python benchmarks/kv_cache.py --shape llama-1b --lengths 8192,32768 --device cuda   # GPU mode
 
 Prints, measured side by side in one run on the default model (SmolLM2-135M-Instruct):
@@ -80,8 +81,9 @@ def kvpress_python(args) -> Path | None:
 
 def press_rows(args, model, tasks: dict) -> list[dict]:
     """The presses' rows: read from --presses-from, or measured now in kvpress's virtualenv."""
-    if args.presses_from:
-        return [json.loads(line) for line in Path(args.presses_from).read_text().splitlines() if line.strip()]
+    if args.presses_from:  # only the presses' rows: ours are measured now
+        rows = [json.loads(line) for line in Path(args.presses_from).read_text().splitlines() if line.strip()]
+        return [row for row in rows if row["method"].startswith("kvpress")]
     python = kvpress_python(args)
     if python is None:
         return []
