@@ -174,9 +174,7 @@ def quality(model, tokenizer, args) -> None:
 
 
 def prefill_cost(model, tokenizer, args) -> None:
-    from kv_protocol import PROTOCOL_TEXTS as texts
-
-    ids = tokenizer(texts["gpl3"][1](), add_special_tokens=False)["input_ids"][: args.prefill_tokens]
+    ids = tokenizer(PROTOCOL_TEXTS["gpl3"][1](), add_special_tokens=False)["input_ids"][: args.prefill_tokens]
     prompt = torch.tensor([ids], device=model.device)
     seconds: dict[str, list[float]] = {"DynamicCache": [], "CompressedCache": []}
     for _ in range(args.prefill_rounds):
@@ -228,8 +226,7 @@ def decode(model, input_ids, cache, new_tokens: int) -> _StepClock:
 
 
 def speed(model, tokenizer, args) -> None:
-    texts = PROTOCOL_TEXTS
-    ids = tokenizer(texts["argparse.py"][1](), add_special_tokens=False)["input_ids"][: args.speed_prompt]
+    ids = tokenizer(PROTOCOL_TEXTS["argparse.py"][1](), add_special_tokens=False)["input_ids"][: args.speed_prompt]
     prompt = torch.tensor([ids], device=model.device)
     budget = args.speed_prompt // 4
     rates = {"DynamicCache": [], "CompressedCache": []}
