@@ -201,7 +201,8 @@ class CompressedLayer(DynamicLayer):
         """``[batch, kv_heads, query_length, slots]``, True where a query of the coming pass may attend.
 
         None when the model's own mask is right: on the first pass, and later when no row has a dead
-        slot and none was padded (the stored layout is then the plain causal one). Queries after the
+        slot, none was padded and the layer has no sliding window (the stored layout is then the
+        plain causal one). Queries after the
         first pass are real tokens; they see every live entry and the new tokens up to themselves.
         """
         if not self.is_initialized:
@@ -361,7 +362,7 @@ class CompressedLayer(DynamicLayer):
         last_seer = self.seen
         if self.sliding_window is not None:
             last_seer = (self.positions + self.sliding_window).clamp(max=self.seen)
-        seen_by = (last_seer - self.positions.clamp(min=self.seen - window)).clamp(min=1) * grouped.shape[2]
+        seen_by = (last_seer - self.positions.clamp(min=self.seen - window)).clamp(min=1) * group
         received = received / seen_by
         kernel = self.policy.pool_kernel
         if kernel > 1:
@@ -415,17 +416,17 @@ class CompressedLayer(DynamicLayer):
         least, most = self.live_range
         keep_most = self.policy.kept(most, self.seen - low_pads)
         keep_least = self.policy.kept(least, self.seen - high_pads)
-        # An upper bound on any row's excess: a row's excess grows with its real tokens, except
-        # that under a ratio a later pass of n tokens may leave any row up to n over.
-        bound = most - keep_most
-        if self.policy.compression_ratio is not None and new < self.seen - low_pads:
-            bound = max(bound, min(new, most))
         self.live_range = (keep_least, keep_most)
-        if low_pads == high_pads and least == most:  # every row alike: the excess is known exactly
-            bound = most - keep_most
+        # Every row's excess when the rows are alike; otherwise an upper bound on it: a row's excess
+        # grows with its real tokens, except that under a ratio a later pass of n tokens may leave
+        # any row up to n over.
+        uniform = low_pads == high_pads and least == most
+        bound = most - keep_most
+        if not uniform and self.policy.compression_ratio is not None and new < self.seen - low_pads:
+            bound = max(bound, min(new, most))
         if bound == 0 and self.slots - keep_most <= 1:
             return
-        if low_pads == high_pads and least == most and self.slots - keep_most <= 1:
+        if uniform and self.slots - keep_most <= 1:
             # Every row drops its ``bound`` lowest-ranked entries, in place; the next token takes one.
             victims = torch.where(self.live, self._priority(), math.inf).topk(bound, dim=-1, largest=False).indices
             self.live.scatter_(2, victims, False)
