@@ -11,17 +11,24 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from decodekit._validation import in_interval, interval
+from decodekit.cache.layer import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 from decodekit.decoders import NORMALIZATIONS
 from decodekit.generation import DEFAULT_SYSTEM_PROMPT, check_prompts
 from decodekit.models import ModelLoadError
-from decodekit.strategies import Strategy
+from decodekit.strategies import INTEGER_FIELDS, REAL_FIELDS, Strategy
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+KV_FLOOR = DEFAULT_SINK_TOKENS + DEFAULT_RECENT_TOKENS
 
 
 def _bounded(
-    kind: Callable[[str], Any], low: float | None = None, high: float | None = None, low_open: bool = False
+    kind: Callable[[str], Any],
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
 ) -> Callable[[str], Any]:
     """An argparse type that parses with ``kind`` and checks the value lies in [low, high]."""
 
@@ -32,15 +39,29 @@ def _bounded(
             raise argparse.ArgumentTypeError(
                 f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
             ) from None
-        too_low = low is not None and (value <= low if low_open else value < low)
-        if too_low or (high is not None and value > high):
-            left = "(" if low_open else "["
-            raise argparse.ArgumentTypeError(
-                f"must be in {left}{low}, {high if high is not None else 'inf'}]; got {text}"
-            )
+        if not in_interval(value, low, high, low_open=low_open, high_open=high_open):
+            span = interval(low, high, low_open=low_open, high_open=high_open)
+            raise argparse.ArgumentTypeError(f"must be {span}; got {text}")
         return value
 
     return parse
+
+
+def _field(name: str) -> Callable[[str], Any]:
+    """The argparse type of a Strategy field, with the range the Strategy enforces."""
+    if name in INTEGER_FIELDS:
+        minimum, maximum = INTEGER_FIELDS[name]
+        return _bounded(int, minimum, maximum)
+    low, high, low_open = REAL_FIELDS[name]
+    return _bounded(float, low, high, low_open)
+
+
+def _span(name: str) -> str:
+    """A Strategy field's allowed values, as help texts show them."""
+    if name in INTEGER_FIELDS:
+        return interval(*INTEGER_FIELDS[name])
+    low, high, low_open = REAL_FIELDS[name]
+    return interval(low, high, low_open=low_open)
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -59,10 +80,14 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     """Flags that build a Strategy; greedy decoding unless a sampling flag is given."""
     group = parser.add_argument_group("decoding strategy (greedy unless a sampling flag is given)")
-    group.add_argument("--temperature", type=_bounded(float, 0, low_open=True), help="sampling temperature, > 0")
-    group.add_argument("--top-k", type=_bounded(int, 1), help="sample among the k most likely tokens, >= 1")
-    group.add_argument("--top-p", type=_bounded(float, 0, 1, low_open=True), help="nucleus sampling mass, (0, 1]")
-    group.add_argument("--min-p", type=_bounded(float, 0, 1), help="min-p filter judged at the temperature, [0, 1]")
+    group.add_argument(
+        "--temperature", type=_field("temperature"), help=f"sampling temperature, {_span('temperature')}"
+    )
+    group.add_argument("--top-k", type=_field("top_k"), help=f"sample among the k most likely tokens, {_span('top_k')}")
+    group.add_argument("--top-p", type=_field("top_p"), help=f"nucleus sampling mass, {_span('top_p')}")
+    group.add_argument(
+        "--min-p", type=_field("min_p"), help=f"min-p filter judged at the temperature, {_span('min_p')}"
+    )
     group.add_argument("--sample", action="store_true", help="sample at temperature 1 with no filter")
     penalties = parser.add_argument_group("repetition penalties (greedy or sampling)")
     penalties.add_argument(
@@ -70,16 +95,18 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     )
     penalties.add_argument(
         "--penalty-window",
-        type=_bounded(int, 1),
+        type=_field("penalty_window"),
         help="how many recent tokens the staged penalty counts (default: all)",
     )
     penalties.add_argument(
         "--frequency-penalty",
-        type=_bounded(float, -2, 2),
-        help="subtracted per occurrence in the generated text, [-2, 2]",
+        type=_field("frequency_penalty"),
+        help=f"subtracted per occurrence in the generated text, {_span('frequency_penalty')}",
     )
     penalties.add_argument(
-        "--presence-penalty", type=_bounded(float, -2, 2), help="subtracted once a token was generated, [-2, 2]"
+        "--presence-penalty",
+        type=_field("presence_penalty"),
+        help=f"subtracted once a token was generated, {_span('presence_penalty')}",
     )
 
 
@@ -93,15 +120,23 @@ def _early_stopping(text: str) -> bool | str:
 def add_beam_flags(parser: argparse.ArgumentParser) -> None:
     """Flags that select decodekit's length-normalized beam search."""
     group = parser.add_argument_group("beam search (instead of greedy or sampling)")
-    group.add_argument("--num-beams", type=_bounded(int, 1), help="search with this many beams, >= 1")
+    group.add_argument(
+        "--num-beams", type=_field("num_beams"), help=f"search with this many beams, {_span('num_beams')}"
+    )
     group.add_argument(
         "--length-normalization",
         choices=NORMALIZATIONS,
         help="score of a finished hypothesis: none (sum of log-probs), average (sum / L^alpha, the default) "
         "or gnmt (sum / ((5 + L) / 6)^alpha)",
     )
-    group.add_argument("--length-alpha", type=_bounded(float, 0), help="exponent of the normalization, >= 0 (1.0)")
-    group.add_argument("--length-reward", type=_bounded(float, 0), help="reward per generated token, >= 0")
+    group.add_argument(
+        "--length-alpha",
+        type=_field("length_alpha"),
+        help=f"exponent of the normalization, {_span('length_alpha')} (1.0)",
+    )
+    group.add_argument(
+        "--length-reward", type=_field("length_reward"), help=f"reward per generated token, {_span('length_reward')}"
+    )
     group.add_argument(
         "--early-stopping", type=_early_stopping, help="true, false (heuristic, the default) or never (exhaustive)"
     )
@@ -112,9 +147,13 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("compressed KV cache (evicts low-attention tokens)")
     choice = group.add_mutually_exclusive_group()
     choice.add_argument(
-        "--kv-budget", type=_bounded(int, 1), help="keep this many tokens per layer and KV head (>= 36)"
+        "--kv-budget",
+        type=_bounded(int, KV_FLOOR),
+        help=f"keep this many tokens per layer and KV head (>= {KV_FLOOR}: the sinks and recent window)",
     )
-    choice.add_argument("--kv-ratio", type=_bounded(float, 0, 1), help="evict this fraction of the tokens, [0, 1)")
+    choice.add_argument(
+        "--kv-ratio", type=_bounded(float, 0, 1, high_open=True), help="evict this fraction of the tokens, in [0, 1)"
+    )
 
 
 def strategy_from_args(args: argparse.Namespace) -> Strategy:
@@ -170,17 +209,46 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     demo.add_argument("--port", type=_bounded(int, 1, 65535), default=7860, help="port (default 7860)")
+    demo.add_argument(
+        "--max-concurrent", type=_bounded(int, 1), default=2,
+        help="generations running at once across all visitors; the rest wait in the queue (default 2)",
+    )  # fmt: skip
+    demo.add_argument("--max-queue", type=_bounded(int, 1), default=64, help="requests waiting at most (default 64)")
+    demo.add_argument(
+        "--max-beams", type=_field("num_beams"), default=8, help="largest beam count the page accepts (default 8)"
+    )
     add_model_flags(demo)
     demo.set_defaults(handler=_run_demo)
     return parser
 
 
+def check_address(host: str, port: int) -> None:
+    """Raise ValueError if the demo could not listen on ``host:port`` (a busy port, an unknown host)."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as error:
+        raise ValueError(f"--host {host!r} is not an address this machine can listen on ({error})") from None
+    family, kind, protocol, _, address = infos[0]
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            reason = "the port is in use" if error.errno == errno.EADDRINUSE else error.strerror or str(error)
+            raise ValueError(f"cannot listen on {host}:{port}: {reason}; pick another --port or --host") from None
+
+
 def _run_demo(args: argparse.Namespace) -> int:
-    from decodekit.demo.app import launch
+    from decodekit.demo.app import DemoLimits, launch
     from decodekit.models import load_model
 
+    check_address(args.host, args.port)
+    limits = DemoLimits(max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_beams=args.max_beams)
     model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
-    launch(model, tokenizer, host=args.host, port=args.port)
+    launch(model, tokenizer, host=args.host, port=args.port, limits=limits)
     return 0
 
 
@@ -211,20 +279,29 @@ def _run_eval(args: argparse.Namespace) -> int:
     from accelerate import PartialState
 
     from decodekit.eval.data_sources import load_prompts, load_reference
-    from decodekit.eval.reports import write_reports
+    from decodekit.eval.reports import check_output_dir, write_reports
     from decodekit.eval.runner import evaluate_strategies
     from decodekit.models import load_model
 
+    check_output_dir(args.out)  # before any work: a bad --out must not cost a whole run
     prompts = load_prompts(args.prompts, args.column)[: args.limit]
     reference = load_reference(args.reference)
     model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
-    report = evaluate_strategies(
-        model, tokenizer, prompts, reference=reference, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, seed=args.seed, context_tokens=args.context_tokens,
-        continuation_tokens=args.continuation_tokens,
-    )  # fmt: skip
-    if PartialState().is_main_process:
-        paths = write_reports(report, args.out)
+    try:
+        report = evaluate_strategies(
+            model, tokenizer, prompts, reference=reference, max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size, seed=args.seed, context_tokens=args.context_tokens,
+            continuation_tokens=args.continuation_tokens,
+        )  # fmt: skip
+        paths = write_reports(report, args.out) if PartialState().is_main_process else None
+    except KeyboardInterrupt:
+        print(
+            f"\ndecodekit eval: interrupted; no new reports were written, and {args.out} holds the previous "
+            "complete set (if any)",
+            file=sys.stderr,
+        )
+        return 130
+    if paths is not None:
         for row in report.strategies:
             perplexity = "n/a" if row["perplexity"] is None else f"{row['perplexity']:.2f}"
             print(f"{row['strategy']:32s} distinct-2 {row['distinct_2']:.3f}  perplexity {perplexity}")

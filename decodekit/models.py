@@ -134,25 +134,53 @@ def converted_gguf_dir(gguf_path: str | os.PathLike[str]) -> Path:
     """
     gguf_path = Path(gguf_path).resolve()
     root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    fix = f"set {CACHE_ENV_VAR} to a folder you can write to"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ModelLoadError(f"the model cache folder {root} cannot be created ({error.strerror}): {fix}") from None
     key = f"{gguf_path.stem}-{_sha256(gguf_path)[:16]}"
     target = root / key
     if is_valid_converted_dir(target):
         return target
-    with FileLock(str(root / f"{key}.lock")):
-        if is_valid_converted_dir(target):
-            return target
-        staging = root / f".{key}.{uuid.uuid4().hex}.partial"
-        logger.info("converting %s to safetensors in %s (once; later loads reuse it)", gguf_path.name, target)
-        try:
-            _convert_gguf(gguf_path, staging)
-            _write_manifest(staging, gguf_path)
-            if target.exists():
-                shutil.rmtree(target)
-            staging.rename(target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ModelLoadError(
+            f"the model cache folder {root} holds no valid copy of {gguf_path.name} and is not writable, "
+            f"so it cannot be rebuilt: {fix}"
+        )
+    try:
+        with FileLock(str(root / f"{key}.lock")):
+            if is_valid_converted_dir(target):
+                return target
+            _remove_stale_staging(root, key)
+            _convert_into(gguf_path, root, key, target)
+    except OSError as error:
+        raise ModelLoadError(f"could not convert {gguf_path.name} into {root}: {error}; {fix}") from None
     return target
+
+
+def _staging_folders(root: Path, key: str) -> list[Path]:
+    return [path for path in root.glob(f".{key}.*.partial") if path.is_dir()]
+
+
+def _remove_stale_staging(root: Path, key: str) -> None:
+    """Delete staging folders that a killed conversion left (only called while holding the key's lock)."""
+    for folder in _staging_folders(root, key):
+        logger.info("removing %s, left by an interrupted conversion", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _convert_into(gguf_path: Path, root: Path, key: str, target: Path) -> None:
+    staging = root / f".{key}.{uuid.uuid4().hex}.partial"
+    logger.info("converting %s to safetensors in %s (once; later loads reuse it)", gguf_path.name, target)
+    try:
+        _convert_gguf(gguf_path, staging)
+        _write_manifest(staging, gguf_path)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def resolve_model_source(name_or_path: str | os.PathLike[str] | None) -> str:
@@ -188,6 +216,65 @@ def _normalize_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype | Non
         return _DTYPES[dtype.lower()]
     allowed = ", ".join(sorted(_DTYPES))
     raise ValueError(f"dtype must be a torch.dtype or one of {allowed}; got {dtype!r}")
+
+
+ACCELERATE_PLACEMENTS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def available_devices() -> list[str]:
+    """The devices torch can use here: ``cpu``, then each ``cuda:N`` and ``mps`` when present.
+
+    Example:
+        >>> available_devices()[0]
+        'cpu'
+    """
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def _check_device(device: Any, where: str) -> None:
+    """Raise ModelLoadError unless ``device`` (a name, an index or a torch.device) exists here."""
+    if device in ("disk", "meta"):
+        return
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"  # accelerate's meaning of a bare index
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelLoadError(
+            f"{where} {device!r} is not a device; use one of {', '.join(available_devices())} "
+            f"or an accelerate placement ({', '.join(ACCELERATE_PLACEMENTS)})"
+        ) from None
+    name = parsed.type if parsed.index is None else f"{parsed.type}:{parsed.index}"
+    present = available_devices()
+    exists = parsed.type == "cpu" or name in present or (parsed.index is None and any(
+        item.startswith(parsed.type) for item in present
+    ))  # fmt: skip
+    if not exists:
+        raise ModelLoadError(f"{where} {device!r}: no such device on this machine; it has {', '.join(present)}")
+
+
+def check_device_map(device_map: str | dict[str, Any] | None) -> None:
+    """Raise ModelLoadError, naming the devices present, if ``device_map`` names one that is not.
+
+    Example:
+        >>> check_device_map("auto"); check_device_map("cpu"); check_device_map({"": "cpu"})
+    """
+    if device_map is None:
+        return
+    if isinstance(device_map, str):
+        if device_map not in ACCELERATE_PLACEMENTS:
+            _check_device(device_map, "device_map")
+        return
+    if isinstance(device_map, dict):
+        for module, device in device_map.items():
+            _check_device(device, f"device_map[{module!r}]")
+        return
+    _check_device(device_map, "device_map")
 
 
 def _hub_failure_message(model_id: str) -> str:
@@ -230,6 +317,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = _normalize_dtype(dtype)
+    check_device_map(device_map)
     source = resolve_model_source(name_or_path)
     kwargs: dict[str, Any] = {}
     if device_map is not None:

@@ -8,7 +8,6 @@ apply top-k 50 to every sampling call).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -16,12 +15,12 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decodekit._validation import check_int
+from decodekit._validation import check_int, check_real, is_bool
 from decodekit.cache.compressed import CompressedCache
-from decodekit.cache.layer import EvictionPolicy
+from decodekit.cache.layer import check_cache_size
 from decodekit.decoders import beam_search
-from decodekit.decoders.beam_search import EARLY_STOPPING
-from decodekit.decoders.length_normalization import LengthNormalization
+from decodekit.decoders.beam_search import MAX_BEAMS
+from decodekit.decoders.length_normalization import ALPHA_RANGE, NORMALIZATIONS, REWARD_RANGE
 from decodekit.logits_processors import (
     FrequencyPresencePenaltyLogitsProcessor,
     GumbelSamplingLogitsProcessor,
@@ -29,21 +28,24 @@ from decodekit.logits_processors import (
     StagedRepetitionPenaltyLogitsProcessor,
     parse_stages,
 )
+from decodekit.logits_processors._rows import TEMPERATURE_RANGE
 from decodekit.logits_processors.frequency import PENALTY_RANGE
 from decodekit.logits_processors.repetition import check_stage_table
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 BEAM_FIELDS = ("length_normalization", "length_alpha", "length_reward", "early_stopping")
-
-
-def _check_positive_finite(name: str, value: float | None) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-
-
-def _check_in_range(name: str, value: float | None, low: float, high: float) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and low <= value <= high):
-        raise ValueError(f"{name} must be in [{low}, {high}]; got {value!r}")
+# Numeric fields and their allowed values, as the components that use them define them:
+# real numbers (low, high, low_open) and integers (minimum, maximum).
+REAL_FIELDS = {
+    "temperature": (*TEMPERATURE_RANGE, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "frequency_penalty": (*PENALTY_RANGE, False),
+    "presence_penalty": (*PENALTY_RANGE, False),
+    "length_alpha": (*ALPHA_RANGE, False),
+    "length_reward": (*REWARD_RANGE, False),
+}
+INTEGER_FIELDS = {"top_k": (1, None), "penalty_window": (1, None), "num_beams": (1, MAX_BEAMS)}
 
 
 def _canonical_stages(stages: str | Mapping[int, float]) -> str:
@@ -60,7 +62,7 @@ class Strategy:
         name: a label for reports and the demo; derived from the fields when omitted.
         do_sample: sample instead of taking the most likely token. None (the default) means
             "sample when any sampling field is set".
-        temperature: divides the logits before sampling; > 0.
+        temperature: divides the logits before sampling; in [1e-6, 1e4].
         top_k: keep only the k most likely tokens; >= 1.
         top_p: keep the smallest set of tokens whose probability reaches p; in (0, 1].
         min_p: keep the tokens at least min_p times as likely as the top one, judged at the
@@ -71,11 +73,11 @@ class Strategy:
         frequency_penalty: OpenAI-style, per occurrence in the generated text; in [-2, 2].
         presence_penalty: OpenAI-style, once a token has been generated; in [-2, 2].
         num_beams: search with this many beams (decodekit's length-normalized beam search);
-            >= 1. Beam search does not sample.
+            in [1, 256]. Beam search does not sample.
         length_normalization: how beam search scores finished hypotheses: "none", "average"
             (the default) or "gnmt" (see ``decodekit.decoders.LengthNormalization``).
-        length_alpha: the exponent of the length normalization, >= 0 (default 1.0).
-        length_reward: a reward per generated token added to beam scores, >= 0.
+        length_alpha: the exponent of the length normalization, in [0, 5] (default 1.0).
+        length_reward: a reward per generated token added to beam scores, in [0, 10].
         early_stopping: when beam search stops: True, False (the default heuristic) or "never".
         kv_budget: decode with a ``CompressedCache`` that keeps this many tokens per layer and
             KV head (>= 36 with its default sinks and recent window).
@@ -113,29 +115,30 @@ class Strategy:
     kv_compression_ratio: float | None = None
 
     def __post_init__(self) -> None:
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"name must be a string or None; got {self.name!r}")
+        for flag in ("do_sample", "early_stopping"):  # numpy's bool counts as a bool
+            if is_bool(getattr(self, flag)):
+                object.__setattr__(self, flag, bool(getattr(self, flag)))
         if self.do_sample is not None and not isinstance(self.do_sample, bool):
             raise TypeError(f"do_sample must be True, False or None; got {self.do_sample!r}")
-        _check_positive_finite("temperature", self.temperature)
-        if self.top_k is not None:
-            check_int("top_k", self.top_k, 1)
-        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
-        _check_in_range("min_p", self.min_p, 0.0, 1.0)
-        _check_in_range("frequency_penalty", self.frequency_penalty, *PENALTY_RANGE)
-        _check_in_range("presence_penalty", self.presence_penalty, *PENALTY_RANGE)
+        for name, (low, high, low_open) in REAL_FIELDS.items():
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_real(name, getattr(self, name), low, high, low_open=low_open))
+        for name, (minimum, maximum) in INTEGER_FIELDS.items():
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_int(name, getattr(self, name), minimum, maximum=maximum))
         if self.staged_penalty is not None:
             object.__setattr__(self, "staged_penalty", _canonical_stages(self.staged_penalty))
-        if self.penalty_window is not None:
-            check_int("penalty_window", self.penalty_window, 1)
-            if self.staged_penalty is None:
-                raise ValueError("penalty_window applies to staged_penalty: set staged_penalty too")
+        if self.penalty_window is not None and self.staged_penalty is None:
+            raise ValueError("penalty_window applies to staged_penalty: set staged_penalty too")
         self._check_beam_fields()
         if self.kv_budget is not None or self.kv_compression_ratio is not None:
-            try:
-                EvictionPolicy(self.kv_budget, self.kv_compression_ratio)
-            except ValueError as error:
-                message = str(error).replace("budget", "kv_budget").replace("compression_ratio", "kv_compression_ratio")
-                raise ValueError(message) from None
+            budget, ratio = check_cache_size(
+                self.kv_budget, self.kv_compression_ratio, names=("kv_budget", "kv_compression_ratio")
+            )
+            object.__setattr__(self, "kv_budget", budget)
+            object.__setattr__(self, "kv_compression_ratio", ratio)
         if self.do_sample is False and self._sampling_fields():
             names = ", ".join(self._sampling_fields())
             raise ValueError(f"{names} only apply when sampling: leave do_sample unset or set it to True")
@@ -146,17 +149,17 @@ class Strategy:
             if named:
                 raise ValueError(f"{', '.join(named)}: beam search settings, set num_beams too")
             return
-        check_int("num_beams", self.num_beams, 1)
         if self.do_sample or self._sampling_fields():
             raise ValueError(
                 "num_beams selects beam search, which does not sample: drop do_sample and the sampling fields"
             )
-        LengthNormalization(
-            self.length_normalization or "average",
-            1.0 if self.length_alpha is None else self.length_alpha,
-            self.length_reward or 0.0,
-        )
-        if self.early_stopping is not None and self.early_stopping not in EARLY_STOPPING:
+        if self.length_normalization is not None and self.length_normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"length_normalization must be one of {', '.join(NORMALIZATIONS)}; got {self.length_normalization!r}"
+            )
+        if self.early_stopping is not None and not (
+            isinstance(self.early_stopping, bool) or self.early_stopping == "never"
+        ):
             raise ValueError(f"early_stopping must be True, False or 'never'; got {self.early_stopping!r}")
 
     def _sampling_fields(self) -> list[str]:

@@ -40,14 +40,14 @@ def _greedy(model, tokenizer, batch, cache=None, **kwargs):
         ({"budget": 64, "compression_ratio": 0.5}, "exactly one of budget"),
         ({"budget": 30}, r"budget must be an integer >= 36 \(sink_tokens \+ recent_tokens = 4 \+ 32\)"),
         ({"budget": 64.0}, "budget must be an integer"),
-        ({"compression_ratio": 1.0}, r"compression_ratio must be in \[0, 1\)"),
-        ({"compression_ratio": -0.1}, r"compression_ratio must be in \[0, 1\)"),
+        ({"compression_ratio": 1.0}, r"compression_ratio must be a number in \[0, 1\)"),
+        ({"compression_ratio": -0.1}, r"compression_ratio must be a number in \[0, 1\)"),
         ({"compression_ratio": float("nan")}, "compression_ratio must be"),
         ({"budget": 64, "recent_tokens": 0}, "recent_tokens must be an integer >= 1"),
         ({"budget": 64, "sink_tokens": -1}, "sink_tokens must be an integer >= 0"),
         ({"budget": 64, "observation_window": 0}, "observation_window must be an integer >= 1"),
         ({"budget": 64, "pool_kernel": 4}, "pool_kernel must be odd"),
-        ({"budget": 64, "score_decay": 1.5}, r"score_decay must be in \[0, 1\]"),
+        ({"budget": 64, "score_decay": 1.5}, r"score_decay must be a number in \[0, 1\]"),
     ],
 )
 def test_bad_settings_are_named(fresh, kwargs, message):

@@ -62,8 +62,8 @@ def test_nothing_generated_yet_changes_nothing():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"frequency_penalty": 2.5, "prompt_length": 0}, r"frequency_penalty must be in \[-2.0, 2.0\]"),
-        ({"presence_penalty": -3, "prompt_length": 0}, r"presence_penalty must be in \[-2.0, 2.0\]"),
+        ({"frequency_penalty": 2.5, "prompt_length": 0}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"presence_penalty": -3, "prompt_length": 0}, r"presence_penalty must be in \[-2, 2\]"),
         ({"frequency_penalty": float("inf"), "prompt_length": 0}, "frequency_penalty must be in"),
         ({"frequency_penalty": 0.5, "prompt_length": -1}, "prompt_length must be an integer >= 0"),
     ],

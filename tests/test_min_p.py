@@ -148,13 +148,13 @@ def test_an_infinite_top_score_keeps_its_row():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"min_p": -0.1}, r"min_p must be in \[0.0, 1.0\]"),
-        ({"min_p": 1.5}, r"min_p must be in \[0.0, 1.0\]"),
+        ({"min_p": -0.1}, r"min_p must be in \[0, 1\]"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
         ({"min_p": float("nan")}, "min_p must be in"),
         ({"min_p": [0.1, 2.0]}, "min_p must be in"),
         ({"min_p": torch.zeros(2, 2)}, "min_p as a tensor must be 1-D"),
         ({"min_p": 0.1, "min_tokens_to_keep": 0}, "min_tokens_to_keep must be an integer >= 1"),
-        ({"min_p": 0.1, "temperature": 0.0}, r"temperature must be in \(0.0, inf\]"),
+        ({"min_p": 0.1, "temperature": 0.0}, r"temperature must be in \[1e-06, 10000\]"),
         ({"min_p": 0.1, "filter_value": float("nan")}, "filter_value must be a number"),
     ],
 )

@@ -132,7 +132,7 @@ def test_strategy_errors_name_the_field():
         Strategy(frequency_penalty=0.5).generate_kwargs()
     with pytest.raises(ValueError, match="penalty_window applies to staged_penalty"):
         Strategy(penalty_window=8)
-    with pytest.raises(ValueError, match=r"min_p must be in \[0.0, 1.0\]"):
+    with pytest.raises(ValueError, match=r"min_p must be a number in \[0, 1\]"):
         Strategy(min_p=1.5)
     with pytest.raises(ValueError, match="staged_penalty: counts must be strictly increasing"):
         Strategy(staged_penalty={3: 1.5, 1: 1.2})

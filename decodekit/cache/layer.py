@@ -22,11 +22,42 @@ import torch
 from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
-from decodekit._validation import check_int
+from decodekit._validation import check_int, check_real
+
+DEFAULT_SINK_TOKENS = 4
+DEFAULT_RECENT_TOKENS = 32
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def check_cache_size(
+    budget: object,
+    compression_ratio: object,
+    *,
+    floor: int = DEFAULT_SINK_TOKENS + DEFAULT_RECENT_TOKENS,
+    names: tuple[str, str] = ("budget", "compression_ratio"),
+    floor_hint: str = "",
+) -> tuple[int | None, float | None]:
+    """Check a cache size, given as exactly one of a budget and a compression ratio, and return both.
+
+    ``names`` are the two parameters as the caller's user knows them (``kv_budget``...). The budget
+    is an integer >= ``floor`` (the sinks and the recent window); the ratio lies in [0, 1).
+
+    Example:
+        >>> check_cache_size(64, None)
+        (64, None)
+        >>> check_cache_size(None, 1.0, names=("kv_budget", "kv_compression_ratio"))
+        Traceback (most recent call last):
+        ...
+        ValueError: kv_compression_ratio must be a number in [0, 1); got 1.0
+    """
+    budget_name, ratio_name = names
+    if (budget is None) == (compression_ratio is None):
+        raise ValueError(
+            f"give exactly one of {budget_name} (tokens kept) and {ratio_name} (fraction evicted)"
+        )
+    if budget is not None:
+        hint = floor_hint or " (the sink and recent tokens it always keeps)"
+        return check_int(budget_name, budget, floor, hint), None
+    return None, check_real(ratio_name, compression_ratio, 0, 1, high_open=True)
 
 
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
@@ -57,8 +88,8 @@ class EvictionPolicy:
 
     budget: int | None = None
     compression_ratio: float | None = None
-    sink_tokens: int = 4
-    recent_tokens: int = 32
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    recent_tokens: int = DEFAULT_RECENT_TOKENS
     observation_window: int | None = None
     score_decay: float = 0.9
     pool_kernel: int = 1
@@ -69,23 +100,26 @@ class EvictionPolicy:
     def __post_init__(self) -> None:
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}; got {self.scoring!r}")
-        check_int("reconstruction_chunk", self.reconstruction_chunk, 1)
-        check_int("sink_tokens", self.sink_tokens, 0)
-        check_int("recent_tokens", self.recent_tokens, 1)
+        checked = {
+            "reconstruction_chunk": check_int("reconstruction_chunk", self.reconstruction_chunk, 1),
+            "sink_tokens": check_int("sink_tokens", self.sink_tokens, 0),
+            "recent_tokens": check_int("recent_tokens", self.recent_tokens, 1),
+            "pool_kernel": check_int("pool_kernel", self.pool_kernel, 1),
+            "score_decay": check_real("score_decay", self.score_decay, 0, 1),
+        }
         if self.observation_window is not None:
-            check_int("observation_window", self.observation_window, 1, " or None (every query)")
-        check_int("pool_kernel", self.pool_kernel, 1)
-        if self.pool_kernel % 2 == 0:
+            checked["observation_window"] = check_int(
+                "observation_window", self.observation_window, 1, " or None (every query)"
+            )
+        if checked["pool_kernel"] % 2 == 0:
             raise ValueError(f"pool_kernel must be odd; got {self.pool_kernel}")
-        if not _is_number(self.score_decay) or not 0 <= self.score_decay <= 1:
-            raise ValueError(f"score_decay must be in [0, 1]; got {self.score_decay!r}")
-        if (self.budget is None) == (self.compression_ratio is None):
-            raise ValueError("give exactly one of budget (tokens kept) and compression_ratio (fraction evicted)")
-        if self.budget is not None:
-            protected = f" (sink_tokens + recent_tokens = {self.sink_tokens} + {self.recent_tokens})"
-            check_int("budget", self.budget, self.sink_tokens + self.recent_tokens, protected)
-        elif not _is_number(self.compression_ratio) or not 0 <= self.compression_ratio < 1:
-            raise ValueError(f"compression_ratio must be in [0, 1); got {self.compression_ratio!r}")
+        floor = checked["sink_tokens"] + checked["recent_tokens"]
+        hint = f" (sink_tokens + recent_tokens = {self.sink_tokens} + {self.recent_tokens})"
+        checked["budget"], checked["compression_ratio"] = check_cache_size(
+            self.budget, self.compression_ratio, floor=floor, floor_hint=hint
+        )
+        for name, value in checked.items():  # plain Python numbers, whatever number types were given
+            object.__setattr__(self, name, value)
 
     @property
     def floor(self) -> int:

@@ -25,10 +25,13 @@ from transformers.cache_utils import DynamicLayer, QuantizedLayer
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from decodekit._validation import check_int
-from decodekit.decoders.length_normalization import LengthNormalization
+from decodekit.decoders.length_normalization import ALPHA_RANGE, LengthNormalization
 
 DEAD = -1.0e9  # the score that rules a candidate out; finite so that sums and top-k stay well defined
 EARLY_STOPPING = (True, False, "never")
+# The most beams a search accepts. Each step ranks 2 x beams candidates per request over the whole
+# vocabulary; far beyond this the allocation fails before the first token.
+MAX_BEAMS = 256
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,11 @@ def _gather(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 def _normalization(kind: str, alpha: float | None, reward: float, config: GenerationConfig) -> LengthNormalization:
     if alpha is None:
         alpha = config.length_penalty
-        if isinstance(alpha, (int, float)) and alpha < 0:
+        low, high = ALPHA_RANGE
+        if isinstance(alpha, (int, float)) and not low <= alpha <= high:
             raise ValueError(
-                f"length_alpha must be >= 0; it defaults to generation_config.length_penalty, which is {alpha}: "
-                "pass length_alpha explicitly"
+                f"length_alpha must be in [{low:g}, {high:g}]; it defaults to generation_config.length_penalty, "
+                f"which is {alpha}: pass length_alpha explicitly"
             )
     return LengthNormalization(kind, alpha, reward)
 
@@ -80,7 +84,7 @@ def _check_settings(model: Any, input_ids: torch.Tensor, config: GenerationConfi
             "do_sample=True: decodekit's beam_search is a deterministic search and does not sample beams; "
             "set do_sample=False (or drop custom_generate to use transformers' beam sampling)"
         )
-    check_int("num_beams", config.num_beams, 1)
+    check_int("num_beams", config.num_beams, 1, maximum=MAX_BEAMS)
     check_int("num_return_sequences", config.num_return_sequences, 1)
     if config.num_return_sequences > config.num_beams:
         raise ValueError(
@@ -159,8 +163,8 @@ def beam_search(
     Args:
         length_normalization: ``"none"``, ``"average"`` (S / L**alpha) or ``"gnmt"``
             (S / ((5 + L) / 6)**alpha); see :class:`LengthNormalization`.
-        length_alpha: the exponent, >= 0; defaults to ``generation_config.length_penalty`` (1.0).
-        length_reward: added per generated token (S + reward * L), >= 0.
+        length_alpha: the exponent, in [0, 5]; defaults to ``generation_config.length_penalty`` (1.0).
+        length_reward: added per generated token (S + reward * L), in [0, 10].
         on_step: called after every step with a :class:`BeamSearchStep` holding each request's
             best hypothesis so far (for example a :class:`BeamSearchStreamer`). Reading its tensors
             costs a host sync per step, so leave it None when nobody watches.

@@ -13,12 +13,18 @@ plus ``reward * L`` when ``reward`` is set (Murray & Chiang 2018, "Correcting le
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from decodekit._validation import check_real
+
 NORMALIZATIONS = ("none", "average", "gnmt")
+# Bounds within which float32 beam scores stay finite and ordered for any reachable length: a
+# length of a million tokens to the 5th power is 1e30, and a reward of 10 per token on top of
+# log-probabilities keeps their differences visible. Beyond them a score no longer ranks anything.
+ALPHA_RANGE = (0.0, 5.0)
+REWARD_RANGE = (0.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -27,8 +33,8 @@ class LengthNormalization:
 
     Args:
         kind: ``"none"``, ``"average"`` or ``"gnmt"``.
-        alpha: the exponent of the length term, >= 0 (ignored by ``"none"``).
-        reward: added per generated token, >= 0.
+        alpha: the exponent of the length term, in [0, 5] (ignored by ``"none"``).
+        reward: added per generated token, in [0, 10].
 
     Example:
         >>> import torch
@@ -48,9 +54,8 @@ class LengthNormalization:
     def __post_init__(self) -> None:
         if self.kind not in NORMALIZATIONS:
             raise ValueError(f"length_normalization must be one of {', '.join(NORMALIZATIONS)}; got {self.kind!r}")
-        for name, value in (("length_alpha", self.alpha), ("length_reward", self.reward)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0; got {value!r}")
+        object.__setattr__(self, "alpha", check_real("length_alpha", self.alpha, *ALPHA_RANGE))
+        object.__setattr__(self, "reward", check_real("length_reward", self.reward, *REWARD_RANGE))
 
     def denominator(self, length: int) -> float:
         """What the summed log-probability of a ``length``-token hypothesis is divided by."""

@@ -5,9 +5,11 @@ decodekit demo [--port 7860] [--host 127.0.0.1] [--model ID_OR_DIR]
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -15,8 +17,11 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr
 import pandas as pd
 
+from decodekit._validation import as_integer, as_real, check_int
 from decodekit.demo.engine import stream
 from decodekit.strategies import Strategy
+
+logger = logging.getLogger("decodekit.demo")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "greedy": {},
@@ -29,21 +34,67 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 CONTROLS = ("temperature", "top_k", "top_p", "min_p", "staged_penalty", "num_beams", "length_normalization",
             "length_alpha", "kv_budget")  # fmt: skip
+INTEGER_CONTROLS = ("top_k", "num_beams", "kv_budget")
 MAX_PROMPT_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class DemoLimits:
+    """What one server takes on at once, so that a small machine is not oversubscribed.
+
+    Attributes:
+        max_concurrent: generations running at once, across every visitor (two per side-by-side
+            run); the others wait in the queue, which shows each its position and expected wait.
+        max_queue: requests waiting at most; past it a visitor is told the queue is full.
+        max_beams: the largest beam count the page accepts (memory grows with it).
+        max_new_tokens: the most tokens one run may generate.
+    """
+
+    max_concurrent: int = 2
+    max_queue: int = 64
+    max_beams: int = 8
+    max_new_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent", "max_queue", "max_beams", "max_new_tokens"):
+            check_int(name, getattr(self, name), 1)
+
+
+def _user_error(message: str) -> gr.Error:
+    """A message for the page; the server's log gets one line, not a traceback."""
+    logger.info("request refused: %s", message)
+    return gr.Error(message, print_exception=False)
+
+
+def whole_number(label: str, value: Any, low: int, high: int) -> int:
+    """A control's value as an int in [low, high], or a page error naming the control."""
+    number = as_integer(value)
+    real = as_real(value)
+    if number is None and real is not None and real.is_integer():
+        number = int(real)
+    if number is None or not low <= number <= high:
+        raise _user_error(f"{label} must be a whole number in [{low}, {high}]; got {value!r}")
+    return number
+
+
 # System fonts only: the default theme would fetch web fonts from a CDN.
 LOCAL_THEME = gr.themes.Default(
     font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"]
 )
 
 
-def strategy_from_controls(preset: str, overrides: dict[str, Any]) -> Strategy:
+def strategy_from_controls(preset: str, overrides: dict[str, Any], *, max_beams: int = 8) -> Strategy:
     """The preset's recipe with every control the user set (0 or empty means unset) on top."""
     if preset not in PRESETS:
-        raise gr.Error(f"unknown preset {preset!r}")
+        raise _user_error(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     fields = dict(PRESETS[preset])
     for name, value in overrides.items():
-        if value not in (None, "", 0):
-            fields[name] = int(value) if name in ("top_k", "num_beams", "kv_budget") else value
+        if value in (None, "", 0):
+            continue
+        if name in INTEGER_CONTROLS:
+            high = max_beams if name == "num_beams" else 1 << 31
+            value = whole_number(name.replace("_", " "), value, 1, high)
+        fields[name] = value
     if fields.get("num_beams") == 1:
         fields.pop("num_beams")
     if "num_beams" in fields:
@@ -52,20 +103,36 @@ def strategy_from_controls(preset: str, overrides: dict[str, Any]) -> Strategy:
     try:
         return Strategy(name=preset, **fields)
     except (TypeError, ValueError) as error:
-        raise gr.Error(str(error)) from None
+        raise _user_error(str(error)) from None
 
 
 class DemoSession:
-    """The model and a stop switch per browser session."""
+    """The model, the limits, and the stop switches of the runs in progress per browser session."""
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, limits: DemoLimits | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self._stops: dict[str, threading.Event] = {}
+        self.limits = limits or DemoLimits()
+        self._runs: dict[str, set[threading.Event]] = {}
         self._lock = threading.Lock()
 
-    def stop_event(self, session: str) -> threading.Event:
+    def _begin(self, session: str) -> threading.Event:
+        stop = threading.Event()
         with self._lock:
-            return self._stops.setdefault(session, threading.Event())
+            self._runs.setdefault(session, set()).add(stop)
+        return stop
+
+    def _end(self, session: str, stop: threading.Event) -> None:
+        stop.set()
+        with self._lock:
+            runs = self._runs.get(session, set())
+            runs.discard(stop)
+            if not runs:
+                self._runs.pop(session, None)
+
+    def running(self) -> int:
+        """How many runs are in progress."""
+        with self._lock:
+            return sum(len(runs) for runs in self._runs.values())
 
     def run(
         self,
@@ -83,32 +150,44 @@ class DemoSession:
         kv_budget: int,
         request: gr.Request,
     ):
-        """Stream one panel: highlighted tokens, stats, and the per-step candidates."""
+        """Stream one panel: highlighted tokens, stats, and the per-step candidates.
+
+        The generation stops within a step when the visitor presses Stop or goes away (Gradio
+        then closes this generator).
+        """
         values = (temperature, top_k, top_p, min_p, staged_penalty, num_beams, length_normalization, length_alpha,
                   kv_budget)  # fmt: skip
         if not isinstance(prompt, str) or not prompt.strip():
-            raise gr.Error("Type a prompt first.")
+            raise _user_error("Type a prompt first.")
         if len(self.tokenizer(prompt)["input_ids"]) > MAX_PROMPT_TOKENS:
-            raise gr.Error(f"The prompt is too long: at most {MAX_PROMPT_TOKENS} tokens.")
-        strategy = strategy_from_controls(preset, dict(zip(CONTROLS, values, strict=True)))
-        stop = self.stop_event(request.session_hash if request is not None else "local")
-        stop.clear()
+            raise _user_error(f"The prompt is too long: at most {MAX_PROMPT_TOKENS} tokens.")
+        max_new_tokens = whole_number("max new tokens", max_new_tokens, 1, self.limits.max_new_tokens)
+        overrides = dict(zip(CONTROLS, values, strict=True))
+        strategy = strategy_from_controls(preset, overrides, max_beams=self.limits.max_beams)
+        session = request.session_hash if request is not None else "local"
+        stop = self._begin(session)
+        updates = None
         try:
-            updates = stream(
-                self.model, self.tokenizer, prompt, strategy, max_new_tokens=int(max_new_tokens), stop=stop
-            )
+            updates = stream(self.model, self.tokenizer, prompt, strategy, max_new_tokens=max_new_tokens, stop=stop)
             for update in updates:
                 if stop.is_set():
                     break
                 shaded = update.tokens or [(update.text, None)]
                 yield shaded, update.stats, update.candidates, gr.update(maximum=max(2, len(update.candidates)))
-        except gr.Error:
-            raise
         except (TypeError, ValueError) as error:
-            raise gr.Error(str(error)) from None
+            raise _user_error(str(error)) from None
+        finally:
+            if updates is not None:
+                updates.close()  # stops the generation thread if it is still running
+            self._end(session, stop)
 
     def stop(self, request: gr.Request) -> None:
-        self.stop_event(request.session_hash if request is not None else "local").set()
+        """Stop every run of this browser session."""
+        session = request.session_hash if request is not None else "local"
+        with self._lock:
+            runs = list(self._runs.get(session, ()))
+        for event in runs:
+            event.set()
 
 
 def candidates_plot(candidates: list[dict[str, Any]], step: int) -> pd.DataFrame:
@@ -133,7 +212,7 @@ def _panel(title: str, preset: str) -> dict[str, Any]:
             parts["top_p"] = gr.Number(0, label="top-p")
             parts["min_p"] = gr.Number(0, label="min-p")
             parts["staged_penalty"] = gr.Textbox("", label="staged penalty, e.g. 1:1.2,3:1.5")
-            parts["num_beams"] = gr.Number(0, label="beams", precision=0)
+            parts["num_beams"] = gr.Number(0, label="beams", precision=0, minimum=0)
             parts["length_normalization"] = gr.Dropdown(
                 ["", "none", "average", "gnmt"], value="", label="normalization"
             )
@@ -150,14 +229,15 @@ def _panel(title: str, preset: str) -> dict[str, Any]:
     return parts
 
 
-def build_app(model: Any, tokenizer: Any) -> gr.Blocks:
+def build_app(model: Any, tokenizer: Any, limits: DemoLimits | None = None) -> gr.Blocks:
     """The demo's Blocks, bound to ``model`` and ``tokenizer``."""
-    session = DemoSession(model, tokenizer)
+    limits = limits or DemoLimits()
+    session = DemoSession(model, tokenizer, limits)
     with gr.Blocks(title="decodekit demo", analytics_enabled=False) as app:
         gr.Markdown("# decodekit: decoding strategies side by side")
         prompt = gr.Textbox("Write a short poem about the sea.", label="Prompt", lines=2)
         with gr.Row():
-            max_new_tokens = gr.Slider(1, 512, value=64, step=1, label="Max new tokens")
+            max_new_tokens = gr.Slider(1, limits.max_new_tokens, value=64, step=1, label="Max new tokens")
             run = gr.Button("Run", variant="primary")
             stop = gr.Button("Stop")
         with gr.Row():
@@ -166,16 +246,31 @@ def build_app(model: Any, tokenizer: Any) -> gr.Blocks:
         for index, panel in enumerate(panels):
             inputs = [prompt, max_new_tokens, panel["preset"], *(panel[name] for name in CONTROLS)]
             outputs = [panel["output"], panel["stats"], panel["candidates"], panel["step"]]
-            events.append(run.click(session.run, inputs, outputs, api_name=f"run_{'ab'[index]}", concurrency_limit=4))
+            # Both panels share one limit, so at most max_concurrent generations run at once.
+            event = run.click(
+                session.run, inputs, outputs, api_name=f"run_{'ab'[index]}", concurrency_id="generate",
+                concurrency_limit=limits.max_concurrent,
+            )  # fmt: skip
+            events.append(event)
             for trigger in (panel["step"].change, panel["candidates"].change):
                 trigger(candidates_plot, [panel["candidates"], panel["step"]], panel["plot"], api_visibility="private")
         stop.click(session.stop, None, None, cancels=events, api_name="stop")
+    app.demo_session = session  # for tests and load checks: runs in progress
     return app
 
 
-def launch(model: Any, tokenizer: Any, *, host: str = "127.0.0.1", port: int = 7860, block: bool = True) -> gr.Blocks:
+def launch(
+    model: Any,
+    tokenizer: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    block: bool = True,
+    limits: DemoLimits | None = None,
+) -> gr.Blocks:
     """Serve the demo on ``host:port`` (no share link, no analytics)."""
-    app = build_app(model, tokenizer).queue(default_concurrency_limit=4)
+    limits = limits or DemoLimits()
+    app = build_app(model, tokenizer, limits).queue(max_size=limits.max_queue)
     app.launch(
         server_name=host, server_port=port, share=False, show_error=False, prevent_thread_lock=not block,
         theme=LOCAL_THEME,

@@ -10,12 +10,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 
 from decodekit.cache import CompressedCache
 from decodekit.decoders import BeamSearchStreamer
@@ -37,15 +36,74 @@ class Update:
     candidates: list[dict[str, Any]] = field(default_factory=list)  # per step: top tokens before/after
 
 
-class _Recorder(LogitsProcessor):
-    """Keeps each step's distribution after decodekit's processors (before temperature and top-p)."""
+@dataclass(frozen=True)
+class Snapshot:
+    """What the generation thread has published so far; immutable, so another thread reads it whole."""
 
-    def __init__(self) -> None:
-        self.steps: list[torch.Tensor] = []
+    ids: tuple[int, ...] = ()
+    probabilities: tuple[float, ...] = ()  # of each new token, after decodekit's processors
+    steps: int = 0  # decoding steps completed (a beam search's steps; one token each otherwise)
+    first_step_at: float | None = None  # perf_counter time when the first step completed
+    cache_bytes: int | None = None  # a compressed cache's size after the latest step
+
+
+class _Tracker(LogitsProcessor):
+    """Runs in the generation thread: records each step's distribution and new token, and publishes
+    a fresh :class:`Snapshot` after each, so the UI thread never reads the cache mid-update.
+
+    It is both the last logits processor (it sees the distribution a token is drawn from) and
+    generate's streamer (it receives the token drawn).
+    """
+
+    def __init__(self, cache: Any = None) -> None:
+        self.cache = cache
+        self.snapshot = Snapshot()
+        self._distribution: torch.Tensor | None = None
+        self._prompt_seen = False
 
     def __call__(self, input_ids, scores):
-        self.steps.append(torch.softmax(scores[0].float(), dim=-1))
+        # After the forward pass: the cache holds this step's tokens and has evicted.
+        self._distribution = torch.softmax(scores[0].float(), dim=-1)
+        cache_bytes = self.cache.memory_bytes() if isinstance(self.cache, CompressedCache) else None
+        self.snapshot = replace(self.snapshot, cache_bytes=cache_bytes)
         return scores
+
+    def step_done(self) -> None:
+        """A decoding step ended (beam search reports it through ``on_step``)."""
+        first = self.snapshot.first_step_at or time.perf_counter()
+        self.snapshot = replace(self.snapshot, steps=self.snapshot.steps + 1, first_step_at=first)
+
+    def put(self, value: torch.Tensor) -> None:  # generate's streamer protocol
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        token = int(value.flatten()[0])
+        probability = float(self._distribution[token]) if self._distribution is not None else 0.0
+        previous = self.snapshot
+        self.snapshot = replace(
+            previous,
+            ids=(*previous.ids, token),
+            probabilities=(*previous.probabilities, probability),
+            steps=previous.steps + 1,
+            first_step_at=previous.first_step_at or time.perf_counter(),
+        )
+
+    def end(self) -> None:
+        pass
+
+
+class _BeamSteps:
+    """``on_step`` for beam search: tells the tracker a step ended, then passes the step on."""
+
+    def __init__(self, tracker: _Tracker, streamer: BeamSearchStreamer) -> None:
+        self.tracker, self.streamer = tracker, streamer
+
+    def __call__(self, step: Any) -> None:
+        self.tracker.step_done()
+        self.streamer(step)
+
+    def end(self) -> None:
+        self.streamer.end()
 
 
 class _Stop(StoppingCriteria):
@@ -54,25 +112,6 @@ class _Stop(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
-
-
-class _TokenQueue(BaseStreamer):
-    """Receives the new token ids of each step (generate's streamer protocol)."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.first_at: float | None = None
-        self._prompt_seen = False
-
-    def put(self, value):
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        self.ids.extend(value.flatten().tolist())
-        self.first_at = self.first_at or time.perf_counter()
-
-    def end(self):
-        pass
 
 
 def full_cache_bytes(model: Any, tokens: int, rows: int = 1) -> int:
@@ -104,18 +143,21 @@ def stream(
     stop: threading.Event | None = None,
     interval: float = 0.05,
 ) -> Iterator[Update]:
-    """Run one generation in a thread and yield an :class:`Update` every ``interval`` seconds."""
+    """Run one generation in a thread and yield an :class:`Update` every ``interval`` seconds.
+
+    Closing the iterator early (the consumer went away) stops the generation within a step.
+    """
     stop = stop or threading.Event()
     batch = {key: value.to(model.device) for key, value in encode_prompts(tokenizer, [prompt]).items()}
     prompt_length = batch["input_ids"].shape[1]
     kwargs = strategy.generate_kwargs(model, attention_mask=batch["attention_mask"])
-    recorder, tokens = _Recorder(), _TokenQueue()
-    kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), recorder])
+    tracker = _Tracker(kwargs.get("past_key_values"))
+    kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), tracker])
     beam_progress = BeamSearchStreamer(tokenizer) if strategy.beam else None
     if beam_progress is not None:
-        kwargs["on_step"] = beam_progress
+        kwargs["on_step"] = _BeamSteps(tracker, beam_progress)
     else:
-        kwargs["streamer"] = tokens
+        kwargs["streamer"] = tracker
     result: dict[str, Any] = {}
     started = time.perf_counter()
 
@@ -130,24 +172,31 @@ def stream(
             result["error"] = error
             if beam_progress is not None:
                 beam_progress.end()
+        finally:
+            result["ended_at"] = time.perf_counter()
 
     worker = threading.Thread(target=run, name=GENERATION_THREAD, daemon=True)
     worker.start()
-    if beam_progress is not None:
-        for progress in beam_progress:
-            yield Update(
-                text=progress.texts[0], stats={"step": progress.step, "best score": round(progress.scores[0], 4)}
-            )
-    else:
-        while worker.is_alive():
-            worker.join(interval)
-            shaded = _shade(tokenizer, list(tokens.ids), recorder.steps)
-            stats = _stats(model, kwargs, started, tokens.first_at, len(shaded), prompt_length)
-            yield Update(tokens=shaded, text="".join(text for text, _ in shaded), stats=stats)
-    worker.join()
+    try:
+        if beam_progress is not None:
+            for progress in beam_progress:
+                stats = _stats(model, tracker.snapshot, started, time.perf_counter(), prompt_length)
+                stats.update({"step": progress.step, "best score": round(progress.scores[0], 4)})
+                yield Update(text=progress.texts[0], stats=stats)
+        else:
+            while worker.is_alive():
+                worker.join(interval)
+                snapshot = tracker.snapshot
+                shaded = _shade(tokenizer, snapshot)
+                stats = _stats(model, snapshot, started, time.perf_counter(), prompt_length)
+                yield Update(tokens=shaded, text="".join(text for text, _ in shaded), stats=stats)
+        worker.join()
+    finally:  # the consumer closed the iterator early: never leave the generation running
+        if worker.is_alive():
+            stop.set()
     if "error" in result:
         raise result["error"]
-    yield _final(model, tokenizer, batch, kwargs, result["output"], started, tokens.first_at, strategy, recorder)
+    yield _final(model, tokenizer, batch, result, tracker.snapshot, started, strategy)
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
@@ -164,28 +213,26 @@ def token_texts(tokenizer, ids: list[int]) -> list[str]:
     return texts
 
 
-def _shade(tokenizer, ids: list[int], steps: list[torch.Tensor]) -> list[tuple[str, float]]:
-    return [
-        (text, float(steps[index][token]) if index < len(steps) else 0.0)
-        for index, (token, text) in enumerate(zip(ids, token_texts(tokenizer, ids), strict=True))
-    ]
+def _shade(tokenizer: Any, snapshot: Snapshot) -> list[tuple[str, float]]:
+    texts = token_texts(tokenizer, list(snapshot.ids))
+    return list(zip(texts, snapshot.probabilities, strict=True))
 
 
-def _stats(model, kwargs, started, first_at, generated, prompt_length) -> dict[str, Any]:
-    now = time.perf_counter()
-    stats: dict[str, Any] = {"new tokens": generated}
-    if first_at is not None:
-        stats["time to first token (s)"] = round(first_at - started, 3)
-        if generated > 1 and now > first_at:
-            stats["tokens/s"] = round((generated - 1) / (now - first_at), 2)
-    cache = kwargs.get("past_key_values")
-    stats["full KV cache (KiB)"] = round(full_cache_bytes(model, prompt_length + generated) / 1024, 1)
-    if isinstance(cache, CompressedCache):
-        stats["compressed KV cache (KiB)"] = round(cache.memory_bytes() / 1024, 1)
+def _stats(model: Any, snapshot: Snapshot, started: float, now: float, prompt_length: int) -> dict[str, Any]:
+    """Numbers a stopwatch would agree with: a step is one token (one beam search step)."""
+    stats: dict[str, Any] = {"new tokens": snapshot.steps}
+    if snapshot.first_step_at is not None:
+        stats["time to first token (s)"] = round(snapshot.first_step_at - started, 3)
+        if snapshot.steps > 1 and now > snapshot.first_step_at:
+            stats["tokens/s"] = round((snapshot.steps - 1) / (now - snapshot.first_step_at), 2)
+    stats["full KV cache (KiB)"] = round(full_cache_bytes(model, prompt_length + snapshot.steps) / 1024, 1)
+    if snapshot.cache_bytes is not None:
+        stats["compressed KV cache (KiB)"] = round(snapshot.cache_bytes / 1024, 1)
     return stats
 
 
-def _final(model, tokenizer, batch, kwargs, output, started, first_at, strategy, recorder) -> Update:
+def _final(model, tokenizer, batch, result, snapshot, started, strategy) -> Update:
+    output = result["output"]
     prompt_length = batch["input_ids"].shape[1]
     new_ids = output.sequences[0, prompt_length:].tolist()
     if tokenizer.pad_token_id in new_ids and strategy.beam:
@@ -198,12 +245,14 @@ def _final(model, tokenizer, batch, kwargs, output, started, first_at, strategy,
         texts = token_texts(tokenizer, new_ids)
         update.tokens = [(texts[i], float(probabilities[i, t])) for i, t in enumerate(new_ids)]
     else:
-        update.tokens = _shade(tokenizer, new_ids, recorder.steps)
+        update.tokens = _shade(tokenizer, snapshot)
     update.text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    first = first_at if first_at is not None else time.perf_counter()
-    update.stats = _stats(model, kwargs, started, first, len(new_ids), prompt_length)
-    update.stats["total time (s)"] = round(time.perf_counter() - started, 3)
-    if not strategy.beam:
+    update.stats = _stats(model, snapshot, started, result["ended_at"], prompt_length)
+    update.stats["total time (s)"] = round(result["ended_at"] - started, 3)
+    if strategy.beam:
+        update.stats["new tokens"] = len(new_ids)
+        update.stats["beam steps"] = snapshot.steps
+    else:
         update.candidates = [
             _candidates(tokenizer, raw[0], processed[0])
             for raw, processed in zip(output.logits, output.scores, strict=False)

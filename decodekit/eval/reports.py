@@ -2,27 +2,86 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from decodekit.eval.runner import EvaluationReport
 
+REPORT_FILES = ("report.json", "report.csv", "frontier.png", "compression.png")
+STAGING_PREFIX = ".decodekit-reports-"
+
+
+def check_output_dir(directory: str | Path) -> Path:
+    """``directory`` as a Path, or a ValueError now if reports could not be written there later.
+
+    Example:
+        >>> check_output_dir("reports").name
+        'reports'
+    """
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--out {directory} is a file: name a folder for the reports")
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {directory} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {directory} cannot be written: {existing} is not writable")
+    return directory
+
 
 def write_reports(report: EvaluationReport, directory: str | Path) -> dict[str, Path]:
-    """Write report.json, report.csv, frontier.png and compression.png into ``directory``; return their paths."""
-    directory = Path(directory)
+    """Write report.json, report.csv, frontier.png and compression.png into ``directory``; return their paths.
+
+    The four are written as a set: into a hidden staging folder first, then moved into place
+    with Ctrl-C held back, so an interrupted run leaves the previous complete set, never a mix.
+    """
+    directory = check_output_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    paths = {name: directory / name for name in ("report.json", "report.csv", "frontier.png", "compression.png")}
-    paths["report.json"].write_text(json.dumps(report.__dict__, indent=2, ensure_ascii=False) + "\n")
-    columns = list(dict.fromkeys(key for row in report.strategies for key in row))
-    with paths["report.csv"].open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(report.strategies)
-    plot_frontier(report, paths["frontier.png"])
-    plot_compression(report, paths["compression.png"])
-    return paths
+    for stale in directory.glob(f"{STAGING_PREFIX}*"):  # left by a run that was killed outright
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory))
+    try:
+        staged = {name: staging / name for name in REPORT_FILES}
+        staged["report.json"].write_text(json.dumps(report.__dict__, indent=2, ensure_ascii=False) + "\n")
+        columns = list(dict.fromkeys(key for row in report.strategies for key in row))
+        with staged["report.csv"].open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(report.strategies)
+        plot_frontier(report, staged["frontier.png"])
+        plot_compression(report, staged["compression.png"])
+        with _interrupts_held():
+            for name, path in staged.items():
+                os.replace(path, directory / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {name: directory / name for name in REPORT_FILES}
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Delay Ctrl-C (SIGINT) until the block ends; a no-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _pyplot():

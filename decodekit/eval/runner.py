@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from decodekit._validation import check_int, check_real
 from decodekit.cache import CompressedCache
 from decodekit.eval import diversity
 from decodekit.eval.mauve import mauve, text_features
 from decodekit.eval.perplexity import continuation_perplexity, perplexity
-from decodekit.generation import generate_text
+from decodekit.generation import check_prompts, generate_text
 from decodekit.strategies import Strategy
 
 COMPRESSION_RATIOS = (0.0, 0.25, 0.5, 0.75)
@@ -144,6 +145,20 @@ def evaluate_strategies(
     labels = [strategy.label for strategy in strategies]
     if len(set(labels)) != len(labels):
         raise ValueError("strategies must have distinct labels: give each a name")
+    # Everything that can be checked is checked before the first generation.
+    check_prompts(prompts)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("batch_size", batch_size, 1)
+    check_int("context_tokens", context_tokens, 1)
+    check_int("continuation_tokens", continuation_tokens, 1)
+    ratios = [check_real("compression_ratios[]", ratio, 0, 1, high_open=True) for ratio in compression_ratios]
+    reference = reference if reference is not None else load_reference()
+    ids = tokenizer(reference, add_special_tokens=False)["input_ids"]
+    if len(ids) < context_tokens + continuation_tokens:
+        raise ValueError(
+            f"the reference text has {len(ids)} tokens; context_tokens + continuation_tokens = "
+            f"{context_tokens} + {continuation_tokens} needs that many: lower them or give a longer reference"
+        )
     state = PartialState(cpu=not torch.cuda.is_available())
     generations = _generate_all(
         model, tokenizer, list(prompts), strategies, max_new_tokens=max_new_tokens, batch_size=batch_size,
@@ -154,7 +169,6 @@ def evaluate_strategies(
         "prompts": len(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed,
         "context_tokens": context_tokens, "continuation_tokens": continuation_tokens, "processes": state.num_processes,
     }  # fmt: skip
-    reference = reference if reference is not None else load_reference()
     human = _reference_passages(reference, len(prompts))
     human_features = text_features(human, model, tokenizer) if len(human) >= 2 else None
     for strategy in strategies:
@@ -169,12 +183,9 @@ def evaluate_strategies(
             else None
         )
         report.strategies.append(row)
-    ids = tokenizer(reference, add_special_tokens=False)["input_ids"]
-    if len(ids) < context_tokens + continuation_tokens:
-        raise ValueError(f"the reference text has {len(ids)} tokens; it needs context_tokens + continuation_tokens")
     context = torch.tensor([ids[:context_tokens]], device=model.device)
     continuation = torch.tensor([ids[context_tokens : context_tokens + continuation_tokens]], device=model.device)
-    for ratio in compression_ratios:
+    for ratio in ratios:
         cache = DynamicCache() if ratio == 0 else CompressedCache(model, compression_ratio=ratio)
         value = continuation_perplexity(model, cache, context, continuation)
         report.compression.append({"compression_ratio": ratio, "perplexity": value})

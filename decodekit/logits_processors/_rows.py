@@ -10,9 +10,27 @@ from collections.abc import Sequence
 
 import torch
 
+from decodekit._validation import as_real, interval
+
 Number = float | int
 RowValues = Number | Sequence[Number] | torch.Tensor
 FLOAT32_MIN = float(torch.finfo(torch.float32).min)
+# Temperatures that float32 logits survive: logits / 1e-6 stay finite for any logit below 1e32,
+# and logits / 1e4 keep their order. Outside, sampling would divide into inf or NaN.
+TEMPERATURE_RANGE = (1e-6, 1e4)
+
+
+def check_scores(scores: torch.Tensor, owner: str) -> tuple[int, int]:
+    """``scores``' (rows, vocab), or a ValueError saying that ``owner`` needs ``[batch, vocab]`` scores.
+
+    Example:
+        >>> check_scores(torch.zeros(2, 5), "MinPLogitsProcessor")
+        (2, 5)
+    """
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"{owner}: scores must be a [batch, vocab] tensor; got {shape}")
+    return scores.shape[0], scores.shape[1]
 
 
 class RowParameter:
@@ -26,12 +44,13 @@ class RowParameter:
 
     def __init__(self, name: str, value: RowValues, *, low: float, high: float, low_open: bool = False) -> None:
         self.name = name
-        interval = f"{'(' if low_open else '['}{low}, {high}]"
-        if isinstance(value, bool):
-            raise TypeError(f"{name} must be a number or a 1-D tensor of numbers in {interval}; got {value!r}")
-        if isinstance(value, (int, float)):
-            self.scalar: float | None = float(value)
-            values = torch.tensor([self.scalar], dtype=torch.float64)
+        span = interval(low, high, low_open=low_open)
+        scalar = as_real(value)
+        if isinstance(value, bool) or _holds_bools(value):
+            raise TypeError(f"{name} must be a number or a 1-D tensor of numbers {span}; got {value!r}")
+        if scalar is not None:
+            self.scalar: float | None = scalar
+            values = torch.tensor([scalar], dtype=torch.float64)
         else:
             try:
                 values = torch.as_tensor(value, dtype=torch.float64)
@@ -45,7 +64,7 @@ class RowParameter:
         below = values <= low if low_open else values < low
         if not torch.isfinite(values).all() or below.any() or (values > high).any():
             shown = self.scalar if self.scalar is not None else values.tolist()
-            raise ValueError(f"{name} must be in {interval}; got {shown}")
+            raise ValueError(f"{name} must be {span}; got {shown}")
         self.values = values
         self._cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -62,6 +81,12 @@ class RowParameter:
         if key not in self._cache:
             self._cache[key] = expand_rows(self.values, rows, self.name).to(device=device, dtype=dtype)[:, None]
         return self._cache[key]
+
+
+def _holds_bools(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.bool
+    return isinstance(value, Sequence) and not isinstance(value, str) and any(isinstance(v, bool) for v in value)
 
 
 def expand_rows(values: torch.Tensor, rows: int, name: str) -> torch.Tensor:

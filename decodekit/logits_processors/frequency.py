@@ -6,7 +6,7 @@ import torch
 from transformers import LogitsProcessor
 
 from decodekit._validation import check_int
-from decodekit.logits_processors._rows import RowParameter, RowValues
+from decodekit.logits_processors._rows import RowParameter, RowValues, check_scores
 
 PENALTY_RANGE = (-2.0, 2.0)
 
@@ -44,7 +44,7 @@ class FrequencyPresencePenaltyLogitsProcessor(LogitsProcessor):
         self.prompt_length = check_int("prompt_length", prompt_length, 0, " (the padded prompt length)")
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows, vocab = scores.shape
+        rows, vocab = check_scores(scores, "FrequencyPresencePenaltyLogitsProcessor")
         generated = input_ids[:, self.prompt_length :]
         if generated.shape[1] == 0:
             return scores

@@ -7,8 +7,15 @@ import math
 import torch
 from transformers import LogitsProcessor
 
-from decodekit._validation import check_int
-from decodekit.logits_processors._rows import FLOAT32_MIN, RowParameter, RowValues, expand_rows
+from decodekit._validation import as_real, check_int
+from decodekit.logits_processors._rows import (
+    FLOAT32_MIN,
+    TEMPERATURE_RANGE,
+    RowParameter,
+    RowValues,
+    check_scores,
+    expand_rows,
+)
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -31,7 +38,7 @@ class MinPLogitsProcessor(LogitsProcessor):
         min_p: in [0, 1]; a float, or a 1-D tensor with one value per batch row (or per request
             when generate expands requests into beams / return sequences). 0 keeps every token.
         min_tokens_to_keep: always keep at least this many of the most likely tokens; >= 1.
-        temperature: the temperature of the distribution min-p is judged on; > 0, float or per row.
+        temperature: the temperature of the distribution min-p is judged on; in [1e-6, 1e4], float or per row.
         filter_value: the score given to removed tokens (never raises a score already below it).
 
     Example:
@@ -56,12 +63,13 @@ class MinPLogitsProcessor(LogitsProcessor):
         filter_value: float = -math.inf,
     ) -> None:
         self.min_p = RowParameter("min_p", min_p, low=0.0, high=1.0)
-        self.temperature = RowParameter("temperature", temperature, low=0.0, high=math.inf, low_open=True)
+        self.temperature = RowParameter("temperature", temperature, low=TEMPERATURE_RANGE[0], high=TEMPERATURE_RANGE[1])
         check_int("min_tokens_to_keep", min_tokens_to_keep, 1)
-        if not isinstance(filter_value, (int, float)) or math.isnan(filter_value):
+        filter_number = as_real(filter_value)
+        if filter_number is None or math.isnan(filter_number):
             raise ValueError(f"filter_value must be a number (usually -inf); got {filter_value!r}")
         self.min_tokens_to_keep = min_tokens_to_keep
-        self.filter_value = float(filter_value)
+        self.filter_value = filter_number
         # temperature * ln(min_p), the threshold's distance below the top logit; ln(0) floored to a finite value.
         self._log_min_p = torch.log(self.min_p.values).clamp(min=FLOAT32_MIN)
         self._scalar_offset: float | None = None
@@ -85,6 +93,7 @@ class MinPLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
         # Judge in float32 at least, so a half-precision threshold is not rounded onto the scores' grid;
         # clamped to finite values so that an infinite top score cannot produce inf - inf.
+        check_scores(scores, "MinPLogitsProcessor")
         top = scores.amax(dim=-1, keepdim=True).float()
         threshold = (top + self._offset(scores.shape[0], scores.device)).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
         # Float arithmetic instead of a boolean mask, which costs more on CPU. IEEE subtraction gives

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from decodekit._validation import check_int, is_int_at_least
-from decodekit.logits_processors._rows import expand_rows, integer_rows
+from decodekit._validation import as_integer, as_real, check_int, is_int_at_least
+from decodekit.logits_processors._rows import check_scores, expand_rows, integer_rows
 
 StageTable = Mapping[int, float]
 NO_STAGE = torch.iinfo(torch.int32).max  # pads the threshold rows of shorter per-row tables
@@ -49,7 +49,8 @@ def check_stage_table(table: Any, name: str = "stages") -> list[tuple[int, float
     for count, penalty in pairs:
         if not is_int_at_least(count, 1):
             raise ValueError(f"{name}: every count must be an integer >= 1; got {count!r}")
-        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
+        number = as_real(penalty)
+        if number is None or not 0 < number < float("inf"):
             raise ValueError(f"{name}: every penalty must be a finite number > 0; got {penalty!r} for count {count}")
     counts = [count for count, _ in pairs]
     if any(later <= earlier for earlier, later in itertools.pairwise(counts)):
@@ -57,7 +58,7 @@ def check_stage_table(table: Any, name: str = "stages") -> list[tuple[int, float
     penalties = [penalty for _, penalty in pairs]
     if any(later < earlier for earlier, later in itertools.pairwise(penalties)):
         raise ValueError(f"{name}: penalties must not decrease as the count grows; got {penalties}")
-    return [(count, float(penalty)) for count, penalty in pairs]
+    return [(as_integer(count), as_real(penalty)) for count, penalty in pairs]
 
 
 def punctuation_token_ids(tokenizer: Any) -> list[int]:
@@ -196,7 +197,7 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         return (input_ids != self.pad_token_id).to(torch.int8).argmax(dim=1)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows, vocab = scores.shape
+        rows, vocab = check_scores(scores, "StagedRepetitionPenaltyLogitsProcessor")
         start = 0 if self.window is None else max(input_ids.shape[1] - self.window, 0)
         ids = input_ids[:, start:]
         counted = ids < vocab  # ids past the output vocabulary (a larger embedding) cannot be generated

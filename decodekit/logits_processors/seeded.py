@@ -8,7 +8,7 @@ import torch
 from transformers import LogitsProcessor
 
 from decodekit._validation import check_int
-from decodekit.logits_processors._rows import expand_rows, integer_rows
+from decodekit.logits_processors._rows import check_scores, expand_rows, integer_rows
 
 MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31, so that a 32-bit value times one never leaves int64.
@@ -80,7 +80,7 @@ class GumbelSamplingLogitsProcessor(LogitsProcessor):
         return self.seeds.repeat_interleave(replicas) + replica * REPLICA_STRIDE
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows, vocab = scores.shape
+        rows, vocab = check_scores(scores, "GumbelSamplingLogitsProcessor")
         step = input_ids.shape[1] - self.prompt_length
         noise = gumbel_noise(self._row_seeds(rows), step, vocab, scores.device)
         return (scores.float() + noise).to(scores.dtype)
