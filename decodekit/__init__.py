@@ -1,5 +1,7 @@
 """decodekit: decoding strategies for Hugging Face transformers.
 
+Its names load on first use, so ``decodekit --help`` answers without importing torch.
+
 Example:
     >>> from decodekit import Strategy, load_model
     >>> model, tokenizer = load_model()  # doctest: +SKIP
@@ -7,19 +9,26 @@ Example:
     {'do_sample': True, 'temperature': 0.8, 'top_k': 0, 'top_p': 1.0}
 """
 
-from decodekit import logits_processors as processors
-from decodekit.cache import CompressedCache
-from decodekit.decoders import beam_search
-from decodekit.generation import encode_prompts, generate_text
-from decodekit.logits_processors import (
-    FrequencyPresencePenaltyLogitsProcessor,
-    GumbelSamplingLogitsProcessor,
-    MinPLogitsProcessor,
-    StagedRepetitionPenaltyLogitsProcessor,
-)
-from decodekit.models import ModelLoadError, load_model
-from decodekit.strategies import Strategy
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_HOMES = {
+    "CompressedCache": "decodekit.cache",
+    "FrequencyPresencePenaltyLogitsProcessor": "decodekit.logits_processors",
+    "GumbelSamplingLogitsProcessor": "decodekit.logits_processors",
+    "MinPLogitsProcessor": "decodekit.logits_processors",
+    "ModelLoadError": "decodekit.models",
+    "StagedRepetitionPenaltyLogitsProcessor": "decodekit.logits_processors",
+    "Strategy": "decodekit.strategies",
+    "beam_search": "decodekit.decoders",
+    "encode_prompts": "decodekit.generation",
+    "generate_text": "decodekit.generation",
+    "load_model": "decodekit.models",
+}
 __all__ = [
     "CompressedCache",
     "FrequencyPresencePenaltyLogitsProcessor",
@@ -32,6 +41,29 @@ __all__ = [
     "encode_prompts",
     "generate_text",
     "load_model",
-    "processors",
 ]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from decodekit.cache import CompressedCache
+    from decodekit.decoders import beam_search
+    from decodekit.generation import encode_prompts, generate_text
+    from decodekit.logits_processors import (
+        FrequencyPresencePenaltyLogitsProcessor,
+        GumbelSamplingLogitsProcessor,
+        MinPLogitsProcessor,
+        StagedRepetitionPenaltyLogitsProcessor,
+    )
+    from decodekit.models import ModelLoadError, load_model
+    from decodekit.strategies import Strategy
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'decodekit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any
 
-import torch
+
+def _tensor_type() -> type | None:
+    """torch.Tensor if torch is loaded (a value cannot be a tensor otherwise), without importing it."""
+    torch = sys.modules.get("torch")
+    return torch.Tensor if torch is not None else None
 
 
 def as_real(value: Any) -> float | None:
@@ -21,8 +26,9 @@ def as_real(value: Any) -> float | None:
         >>> as_real(0.5), as_real(np.float32(0.5)), as_real(torch.tensor(2)), as_real(True), as_real("1")
         (0.5, 0.5, 2.0, None, None)
     """
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+    tensor = _tensor_type()
+    if tensor is not None and isinstance(value, tensor):
+        if value.dim() != 0 or value.dtype is sys.modules["torch"].bool or value.is_complex():
             return None
         return float(value.item())
     if is_bool(value) or not isinstance(value, numbers.Real):
@@ -38,8 +44,11 @@ def as_integer(value: Any) -> int | None:
         >>> as_integer(3), as_integer(np.int64(3)), as_integer(torch.tensor(3)), as_integer(3.0), as_integer(False)
         (3, 3, 3, None, None)
     """
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+    tensor = _tensor_type()
+    if tensor is not None and isinstance(value, tensor):
+        if value.dim() != 0 or value.dtype is sys.modules["torch"].bool or value.is_floating_point():
+            return None
+        if value.is_complex():
             return None
         return int(value.item())
     if is_bool(value) or not isinstance(value, numbers.Integral):

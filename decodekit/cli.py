@@ -1,6 +1,7 @@
 """The ``decodekit`` command line: ``decodekit generate "PROMPT" [strategy flags]``.
 
 Bad input ends with a one-line message on stderr and a non-zero exit status, never a traceback.
+Arguments are parsed before torch is imported, so ``--help`` and usage errors answer at once.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from decodekit._validation import in_interval, interval
-from decodekit.cache.layer import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
-from decodekit.decoders import NORMALIZATIONS
-from decodekit.generation import DEFAULT_SYSTEM_PROMPT, check_prompts
-from decodekit.models import ModelLoadError
-from decodekit.strategies import INTEGER_FIELDS, REAL_FIELDS, Strategy
+from decodekit.settings import (
+    DEFAULT_RECENT_TOKENS,
+    DEFAULT_SINK_TOKENS,
+    DEFAULT_SYSTEM_PROMPT,
+    INTEGER_FIELDS,
+    NORMALIZATIONS,
+    REAL_FIELDS,
+)
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -156,8 +160,10 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def strategy_from_args(args: argparse.Namespace) -> Strategy:
+def strategy_from_args(args: argparse.Namespace) -> Any:
     """The Strategy that the strategy flags describe."""
+    from decodekit.strategies import Strategy
+
     return Strategy(
         do_sample=True if args.sample else None,
         temperature=args.temperature,
@@ -179,12 +185,30 @@ def strategy_from_args(args: argparse.Namespace) -> Strategy:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="decodekit", description="Decoding strategies for transformers models.")
+    from decodekit import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="decodekit",
+        description="Decoding strategies for transformers models.",
+        epilog=_examples(
+            'decodekit generate "The capital of France is" --max-new-tokens 16',
+            "decodekit eval --limit 12 --max-new-tokens 48 --out reports/",
+            "decodekit demo --port 7860",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"decodekit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = commands.add_parser(
         "generate",
         help="generate a continuation of one prompt, streamed as it comes",
         description="Generate a continuation of PROMPT, streamed to the terminal.",
+        epilog=_examples(
+            'decodekit generate "Write a haiku about the sea." --temperature 0.8 --min-p 0.05',
+            'decodekit generate "Explain gravity to a child." --num-beams 4 --length-normalization gnmt',
+            'decodekit generate "Summarize: ..." --kv-budget 256 --model ./my-model --device-map auto',
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     generate.add_argument("prompt", help="the prompt text")
     add_model_flags(generate)
@@ -202,10 +226,18 @@ def _build_parser() -> argparse.ArgumentParser:
     add_strategy_flags(generate)
     add_beam_flags(generate)
     add_cache_flags(generate)
-    generate.set_defaults(handler=_run_generate)
+    generate.set_defaults(handler=_run_generate, parser=generate)
     _add_eval_command(commands)
     demo = commands.add_parser(
-        "demo", help="start the Gradio demo (strategies side by side)", description="Start the Gradio demo."
+        "demo",
+        help="start the Gradio demo (strategies side by side)",
+        description="Start the Gradio demo: one prompt, two strategies side by side, streamed.",
+        epilog=_examples(
+            "decodekit demo                       # http://127.0.0.1:7860",
+            "decodekit demo --host 0.0.0.0 --port 8080 --max-concurrent 4",
+            "decodekit demo --model HuggingFaceTB/SmolLM2-360M-Instruct --dtype bfloat16",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     demo.add_argument("--port", type=_bounded(int, 1, 65535), default=7860, help="port (default 7860)")
@@ -258,6 +290,12 @@ def _add_eval_command(commands: Any) -> None:
         help="compare decoding strategies: diversity, perplexity, reports and plots",
         description="Generate with a grid of strategies, score the generations and write JSON/CSV reports and "
         "PNG plots. Runs on several processes under accelerate launch or torchrun.",
+        epilog=_examples(
+            "decodekit eval --limit 12 --max-new-tokens 48 --out reports/",
+            "decodekit eval --prompts my_prompts.jsonl --column question --batch-size 4",
+            "accelerate launch -m decodekit.eval --out reports/",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_flags(evaluation)
     evaluation.add_argument("--prompts", help="json/jsonl/csv/txt file of prompts (default: decodekit's own set)")
@@ -324,20 +362,57 @@ def _quiet_libraries() -> None:
         logger.propagate = False
 
 
+def _flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each Strategy field's flag as the user types it (``num_beams`` -> ``--num-beams``)."""
+    names = {"do_sample": "--sample", "kv_compression_ratio": "--kv-ratio"}
+    for action in parser._actions:
+        for group in getattr(action, "_group_actions", ()):  # mutually exclusive groups hold their own
+            names.setdefault(group.dest, group.option_strings[-1])
+        if action.option_strings and action.dest not in names:
+            names[action.dest] = action.option_strings[-1]
+    return names
+
+
+def in_flags(message: str, parser: argparse.ArgumentParser) -> str:
+    """A Strategy's message with its field names written as the flags a command-line user typed.
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> _ = parser.add_argument("--num-beams")
+        >>> in_flags("num_beams must be >= 1", parser)
+        '--num-beams must be >= 1'
+    """
+    import re
+
+    names = _flag_names(parser)
+    return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b|\bdo_sample\b", lambda match: names.get(match[0], match[0]), message)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer, set_seed
 
-    from decodekit.generation import generate_text
+    from decodekit.generation import check_prompts, generate_text
     from decodekit.models import load_model
 
     check_prompts([args.prompt])
-    strategy = strategy_from_args(args)
+    try:
+        strategy = strategy_from_args(args)
+    except (TypeError, ValueError) as error:
+        raise ValueError(in_flags(str(error), args.parser)) from None
     model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
     if args.seed is not None:
         set_seed(args.seed)
-    # A beam's text can still change until the search ends, so beam search prints at the end.
-    stream = not (args.no_stream or strategy.beam)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    extra: dict[str, Any] = {}
+    if strategy.beam and sys.stderr.isatty() and not args.no_stream:
+        extra["on_step"] = BeamProgressLine(tokenizer)  # a beam's text can still change: show it on one line
+    elif not (args.no_stream or strategy.beam):
+        extra["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    if strategy.compresses_cache:
+        from decodekit.cache import CompressedCache
+
+        extra["past_key_values"] = CompressedCache(
+            model, strategy.kv_budget, compression_ratio=strategy.kv_compression_ratio
+        )
     texts = generate_text(
         model,
         tokenizer,
@@ -346,26 +421,74 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         chat=False if args.raw else None,
         system_prompt=args.system,
-        **({"streamer": streamer} if streamer else {}),
+        **extra,
     )
-    if streamer is None:
+    if "streamer" not in extra:
         print(texts[0])
+    if "past_key_values" in extra:
+        print(cache_summary(model, extra["past_key_values"]), file=sys.stderr)
     return 0
+
+
+class BeamProgressLine:
+    """``on_step`` for beam search on a terminal: the best hypothesis so far, on one stderr line."""
+
+    def __init__(self, tokenizer: Any, interval: float = 0.1) -> None:
+        import shutil
+        import time
+
+        self.tokenizer, self.interval, self._clock = tokenizer, interval, time.monotonic
+        self.width = shutil.get_terminal_size().columns - 1
+        self._shown_at = 0.0
+
+    def __call__(self, step: Any) -> None:
+        if self._clock() - self._shown_at < self.interval:
+            return
+        self._shown_at = self._clock()
+        text = self.tokenizer.decode(step.sequences[0, step.prompt_length :], skip_special_tokens=True)
+        line = f"[beam step {step.step}] " + " ".join(text.split())
+        if len(line) > self.width:
+            line = line[: self.width - 1] + "…"
+        print(f"\r\033[K{line}", end="", file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+def cache_summary(model: Any, cache: Any) -> str:
+    """One line of a compressed cache's statistics against the full cache it replaced."""
+    from decodekit.cache import full_cache_bytes
+
+    seen = cache.get_seq_length()
+    full = full_cache_bytes(model, seen)
+    held = cache.memory_bytes()
+    return (
+        f"KV cache: {seen} tokens seen, {cache.kept_tokens} kept per layer and KV head; "
+        f"{held / 1024:.0f} KiB held against {full / 1024:.0f} KiB for the full cache ({held / full:.0%})"
+    )
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``decodekit`` console script and ``python -m decodekit``."""
     parser = _build_parser()
     args = parser.parse_args(argv)
-    _quiet_libraries()
     try:
+        _quiet_libraries()
         return args.handler(args)
-    except (ModelLoadError, ValueError, TypeError) as error:
-        print(f"decodekit {args.command}: error: {error}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(error, (ValueError, TypeError)) else EXIT_FAILURE
     except KeyboardInterrupt:
         print("\ndecodekit: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        from decodekit.models import ModelLoadError
+
+        if not isinstance(error, (ModelLoadError, ValueError, TypeError)):
+            raise
+        print(f"decodekit {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_FAILURE if isinstance(error, ModelLoadError) else EXIT_USAGE
 
 
 if __name__ == "__main__":

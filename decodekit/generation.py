@@ -11,9 +11,8 @@ import torch
 from transformers import LogitsProcessorList
 
 from decodekit._validation import check_int
+from decodekit.settings import DEFAULT_SYSTEM_PROMPT
 from decodekit.strategies import Strategy
-
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 
 def check_prompts(prompts: Sequence[str]) -> list[str]:

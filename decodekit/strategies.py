@@ -19,8 +19,6 @@ from decodekit._validation import check_int, check_real, is_bool
 from decodekit.cache.compressed import CompressedCache
 from decodekit.cache.layer import check_cache_size
 from decodekit.decoders import beam_search
-from decodekit.decoders.beam_search import MAX_BEAMS
-from decodekit.decoders.length_normalization import ALPHA_RANGE, NORMALIZATIONS, REWARD_RANGE
 from decodekit.logits_processors import (
     FrequencyPresencePenaltyLogitsProcessor,
     GumbelSamplingLogitsProcessor,
@@ -28,24 +26,11 @@ from decodekit.logits_processors import (
     StagedRepetitionPenaltyLogitsProcessor,
     parse_stages,
 )
-from decodekit.logits_processors._rows import TEMPERATURE_RANGE
-from decodekit.logits_processors.frequency import PENALTY_RANGE
 from decodekit.logits_processors.repetition import check_stage_table
+from decodekit.settings import INTEGER_FIELDS, NORMALIZATIONS, REAL_FIELDS
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 BEAM_FIELDS = ("length_normalization", "length_alpha", "length_reward", "early_stopping")
-# Numeric fields and their allowed values, as the components that use them define them:
-# real numbers (low, high, low_open) and integers (minimum, maximum).
-REAL_FIELDS = {
-    "temperature": (*TEMPERATURE_RANGE, False),
-    "top_p": (0.0, 1.0, True),
-    "min_p": (0.0, 1.0, False),
-    "frequency_penalty": (*PENALTY_RANGE, False),
-    "presence_penalty": (*PENALTY_RANGE, False),
-    "length_alpha": (*ALPHA_RANGE, False),
-    "length_reward": (*REWARD_RANGE, False),
-}
-INTEGER_FIELDS = {"top_k": (1, None), "penalty_window": (1, None), "num_beams": (1, MAX_BEAMS)}
 
 
 def _canonical_stages(stages: str | Mapping[int, float]) -> str:
@@ -150,9 +135,8 @@ class Strategy:
                 raise ValueError(f"{', '.join(named)}: beam search settings, set num_beams too")
             return
         if self.do_sample or self._sampling_fields():
-            raise ValueError(
-                "num_beams selects beam search, which does not sample: drop do_sample and the sampling fields"
-            )
+            named = (["do_sample"] if self.do_sample else []) + self._sampling_fields()
+            raise ValueError(f"num_beams selects beam search, which does not sample: drop {', '.join(named)}")
         if self.length_normalization is not None and self.length_normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"length_normalization must be one of {', '.join(NORMALIZATIONS)}; got {self.length_normalization!r}"

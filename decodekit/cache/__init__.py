@@ -3,5 +3,6 @@
 from decodekit.cache.compressed import CompressedCache
 from decodekit.cache.layer import CompressedLayer, EvictionPolicy
 from decodekit.cache.observer import unbind
+from decodekit.cache.size import full_cache_bytes
 
-__all__ = ["CompressedCache", "CompressedLayer", "EvictionPolicy", "unbind"]
+__all__ = ["CompressedCache", "CompressedLayer", "EvictionPolicy", "full_cache_bytes", "unbind"]

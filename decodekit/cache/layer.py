@@ -23,9 +23,7 @@ from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
 from decodekit._validation import check_int, check_real
-
-DEFAULT_SINK_TOKENS = 4
-DEFAULT_RECENT_TOKENS = 32
+from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 
 
 def check_cache_size(

@@ -25,13 +25,10 @@ from transformers.cache_utils import DynamicLayer, QuantizedLayer
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from decodekit._validation import check_int
-from decodekit.decoders.length_normalization import ALPHA_RANGE, LengthNormalization
+from decodekit.decoders.length_normalization import LengthNormalization
+from decodekit.settings import ALPHA_RANGE, EARLY_STOPPING, MAX_BEAMS
 
 DEAD = -1.0e9  # the score that rules a candidate out; finite so that sums and top-k stay well defined
-EARLY_STOPPING = (True, False, "never")
-# The most beams a search accepts. Each step ranks 2 x beams candidates per request over the whole
-# vocabulary; far beyond this the allocation fails before the first token.
-MAX_BEAMS = 256
 
 
 @dataclass(frozen=True)

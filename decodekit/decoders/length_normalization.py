@@ -18,13 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from decodekit._validation import check_real
+from decodekit.settings import ALPHA_RANGE, NORMALIZATIONS, REWARD_RANGE
 
-NORMALIZATIONS = ("none", "average", "gnmt")
-# Bounds within which float32 beam scores stay finite and ordered for any reachable length: a
-# length of a million tokens to the 5th power is 1e30, and a reward of 10 per token on top of
-# log-probabilities keeps their differences visible. Beyond them a score no longer ranks anything.
-ALPHA_RANGE = (0.0, 5.0)
-REWARD_RANGE = (0.0, 10.0)
+__all__ = ["ALPHA_RANGE", "NORMALIZATIONS", "REWARD_RANGE", "LengthNormalization"]
 
 
 @dataclass(frozen=True)

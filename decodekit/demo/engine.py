@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from decodekit.cache import CompressedCache
+from decodekit.cache import CompressedCache, full_cache_bytes
 from decodekit.decoders import BeamSearchStreamer
 from decodekit.generation import encode_prompts
 from decodekit.strategies import Strategy
@@ -112,14 +112,6 @@ class _Stop(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
-
-
-def full_cache_bytes(model: Any, tokens: int, rows: int = 1) -> int:
-    """The bytes a full KV cache of ``tokens`` tokens holds for this model."""
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * rows * element
 
 
 def _candidates(tokenizer, raw: torch.Tensor, processed: torch.Tensor) -> dict[str, Any]:

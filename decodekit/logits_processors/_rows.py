@@ -11,13 +11,12 @@ from collections.abc import Sequence
 import torch
 
 from decodekit._validation import as_real, interval
+from decodekit.settings import TEMPERATURE_RANGE
 
 Number = float | int
 RowValues = Number | Sequence[Number] | torch.Tensor
 FLOAT32_MIN = float(torch.finfo(torch.float32).min)
-# Temperatures that float32 logits survive: logits / 1e-6 stay finite for any logit below 1e32,
-# and logits / 1e4 keep their order. Outside, sampling would divide into inf or NaN.
-TEMPERATURE_RANGE = (1e-6, 1e4)
+__all__ = ["TEMPERATURE_RANGE", "RowParameter", "check_scores", "expand_rows", "integer_rows"]
 
 
 def check_scores(scores: torch.Tensor, owner: str) -> tuple[int, int]:

@@ -7,8 +7,7 @@ from transformers import LogitsProcessor
 
 from decodekit._validation import check_int
 from decodekit.logits_processors._rows import RowParameter, RowValues, check_scores
-
-PENALTY_RANGE = (-2.0, 2.0)
+from decodekit.settings import PENALTY_RANGE
 
 
 class FrequencyPresencePenaltyLogitsProcessor(LogitsProcessor):

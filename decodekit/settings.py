@@ -1,0 +1,45 @@
+"""The allowed values and defaults of every user-facing setting, in one place that imports no torch.
+
+The components check their arguments against these values, and the command line shows them in
+its help, so ``decodekit --help`` answers without loading torch and no range is written twice.
+"""
+
+from __future__ import annotations
+
+# Sampling. Temperatures that float32 logits survive: logits / 1e-6 stay finite for any logit below
+# 1e32, and logits / 1e4 keep their order. Outside, sampling would divide into inf or NaN.
+TEMPERATURE_RANGE = (1e-6, 1e4)
+
+# OpenAI-style frequency and presence penalties.
+PENALTY_RANGE = (-2.0, 2.0)
+
+# Beam search. Each step ranks 2 x beams candidates per request over the whole vocabulary; far
+# beyond MAX_BEAMS the allocation fails before the first token.
+MAX_BEAMS = 256
+NORMALIZATIONS = ("none", "average", "gnmt")
+# Length normalization bounds within which float32 beam scores stay finite for any reachable
+# length (a million tokens to the 5th power is 1e30) and a per-token reward stays on the scale of
+# log-probabilities. Beyond them a score no longer ranks anything.
+ALPHA_RANGE = (0.0, 5.0)
+REWARD_RANGE = (0.0, 10.0)
+EARLY_STOPPING = (True, False, "never")
+
+# The compressed cache always keeps its first (sink) tokens and a recent window.
+DEFAULT_SINK_TOKENS = 4
+DEFAULT_RECENT_TOKENS = 32
+
+# Strategy's numeric fields and their allowed values, from the ranges above:
+# real numbers (low, high, low_open) and integers (minimum, maximum).
+REAL_FIELDS = {
+    "temperature": (*TEMPERATURE_RANGE, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "frequency_penalty": (*PENALTY_RANGE, False),
+    "presence_penalty": (*PENALTY_RANGE, False),
+    "length_alpha": (*ALPHA_RANGE, False),
+    "length_reward": (*REWARD_RANGE, False),
+}
+INTEGER_FIELDS = {"top_k": (1, None), "penalty_window": (1, None), "num_beams": (1, MAX_BEAMS)}
+
+# Generation.
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
