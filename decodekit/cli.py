@@ -343,6 +343,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         for row in report.strategies:
             perplexity = "n/a" if row["perplexity"] is None else f"{row['perplexity']:.2f}"
             print(f"{row['strategy']:32s} distinct-2 {row['distinct_2']:.3f}  perplexity {perplexity}")
+        phases = ", ".join(f"{phase} {value:.0f} s" for phase, value in report.settings["seconds"].items())
+        print(f"time: {phases}")
         print("reports: " + ", ".join(str(path) for path in paths.values()))
     return 0
 

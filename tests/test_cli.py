@@ -144,3 +144,34 @@ def test_module_and_console_script_entry_points(tiny_model_dir):
         [sys.executable, "-m", "decodekit", "generate", ""], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_a_busy_port_is_reported_in_one_line_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    from decodekit import models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["demo", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in err and "Traceback" not in err
+    assert main(["demo", "--host", "no-such-host.invalid"]) == 2
+    assert "--host 'no-such-host.invalid' is not an address" in capsys.readouterr().err
+
+
+def test_demo_user_errors_log_one_line_not_a_traceback(caplog):
+    import gradio
+
+    from decodekit.demo.app import strategy_from_controls
+
+    with caplog.at_level("INFO", logger="decodekit.demo"), pytest.raises(gradio.Error) as raised:
+        strategy_from_controls("greedy", {"top_p": 5})
+    assert raised.value.print_exception is False  # Gradio prints no traceback for it
+    assert [record.getMessage() for record in caplog.records] == [f"request refused: {raised.value.message}"]

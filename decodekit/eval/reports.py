@@ -93,41 +93,79 @@ def _pyplot():
     return plt
 
 
-def plot_frontier(report: EvaluationReport, path: Path) -> None:
-    """Quality (perplexity of the generations, lower is better) against diversity (distinct-2):
-    top-p and min-p each as a line across temperatures, the other strategies as points."""
+FAMILIES = (("top_p", "o-", "top-p"), ("min_p", "s-", "min-p"))
+POINT_MARKERS = "xD^v<>P*hX"
+
+
+def frontier_figure(report: EvaluationReport):
+    """Quality against diversity: each strategy's perplexity (lower is better) over its distinct-2
+    (higher is more diverse). Top-p and min-p are lines across temperatures; every other strategy
+    is a point with its own legend entry, strategies that land on the same point sharing one."""
     plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(7, 5))
+    figure, axes = plt.subplots(figsize=(8, 5.5))
     rows = [row for row in report.strategies if row.get("perplexity") is not None]
-    for family, marker in (("top_p", "o-"), ("min_p", "s-")):
+    for offset, (family, marker, name) in zip((8, -12), FAMILIES, strict=True):
         series = sorted((row for row in rows if family in row), key=lambda row: row.get("temperature", 1.0))
-        if series:
-            axes.plot([r["distinct_2"] for r in series], [r["perplexity"] for r in series], marker, label=family)
-            for row in series:
-                axes.annotate(f"T={row.get('temperature', 1.0)}", (row["distinct_2"], row["perplexity"]), fontsize=7)
+        if not series:
+            continue
+        axes.plot([r["distinct_2"] for r in series], [r["perplexity"] for r in series], marker, label=name)
+        for row in series:  # top-p labels above their points, min-p labels below
+            axes.annotate(f"T={row.get('temperature', 1.0):g}", (row["distinct_2"], row["perplexity"]),
+                          textcoords="offset points", xytext=(0, offset), ha="center", fontsize=7)  # fmt: skip
+    points: dict[tuple[float, float], list[str]] = {}
     for row in rows:
-        if "top_p" not in row and "min_p" not in row:
-            axes.plot(row["distinct_2"], row["perplexity"], "x", color="gray")
-            axes.annotate(row["strategy"], (row["distinct_2"], row["perplexity"]), fontsize=7, color="gray")
-    axes.set_xlabel("diversity: distinct-2 (unique / all bigrams)")
-    axes.set_ylabel("perplexity of the generations under the model")
+        if not any(family in row for family, _, _ in FAMILIES):
+            points.setdefault((round(row["distinct_2"], 6), round(row["perplexity"], 6)), []).append(row["strategy"])
+    for index, ((x, y), labels) in enumerate(points.items()):
+        marker = POINT_MARKERS[index % len(POINT_MARKERS)]
+        axes.plot(x, y, marker, linestyle="none", markersize=8, label=" = ".join(labels))
+    axes.set_xlabel("diversity: distinct-2, unique / all bigrams (higher: more diverse)")
+    axes.set_ylabel("perplexity of the generations, log scale (lower: more fluent)")
     axes.set_yscale("log")
-    axes.set_title("Quality-diversity frontier")
-    axes.legend()
+    axes.set_title("Quality-diversity frontier (better: right and down)")
+    axes.legend(fontsize=7, loc="best")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    return figure
+
+
+def plot_frontier(report: EvaluationReport, path: Path) -> None:
+    """Save :func:`frontier_figure` as a PNG."""
+    _save(frontier_figure(report), path)
+
+
+def compression_figure(report: EvaluationReport):
+    """The reference continuation's perplexity against the share of the KV cache evicted, with the
+    full cache's value as a baseline and each point's change from it, on an axis spanning at least
+    +-5% of the baseline so that noise does not look like a trend."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6.5, 4.5))
+    points = sorted((row["compression_ratio"], row["perplexity"]) for row in report.compression)
+    ratios = [ratio for ratio, _ in points]
+    values = [value for _, value in points]
+    baseline = next((value for ratio, value in points if ratio == 0), None)
+    axes.plot(ratios, values, "o-", label="CompressedCache")
+    if baseline is not None:
+        axes.axhline(baseline, color="gray", linestyle="--", label=f"full cache ({baseline:.2f})")
+        for ratio, value in points:
+            if ratio > 0:
+                axes.annotate(f"{(value / baseline - 1):+.1%}", (ratio, value), textcoords="offset points",
+                              xytext=(0, 8), ha="center", fontsize=8)  # fmt: skip
+        low, high = min([*values, baseline * 0.95]), max([*values, baseline * 1.05])
+        margin = 0.05 * (high - low)
+        axes.set_ylim(low - margin, high + margin)
+    axes.set_xlabel("share of the context evicted (CompressedCache compression_ratio)")
+    axes.set_ylabel("perplexity of the reference continuation (lower: better)")
+    axes.set_title("Perplexity against KV-cache compression")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
 
 
 def plot_compression(report: EvaluationReport, path: Path) -> None:
-    """Perplexity of the reference continuation against the share of the KV cache evicted."""
-    plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(6, 4))
-    points = sorted((row["compression_ratio"], row["perplexity"]) for row in report.compression)
-    axes.plot([ratio for ratio, _ in points], [value for _, value in points], "o-")
-    axes.set_xlabel("share of the context evicted (CompressedCache compression_ratio)")
-    axes.set_ylabel("perplexity of the reference continuation")
-    axes.set_title("Perplexity against KV-cache compression")
-    figure.tight_layout()
+    """Save :func:`compression_figure` as a PNG."""
+    _save(compression_figure(report), path)
+
+
+def _save(figure, path: Path) -> None:
     figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _pyplot().close(figure)

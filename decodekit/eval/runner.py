@@ -8,6 +8,7 @@ again, so a run on N processes reports what a run on one does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,7 @@ def _diversity(texts: list[str]) -> dict[str, float]:
         "seq_rep_4": diversity.seq_rep_n(texts, 4),
         "rep_16": diversity.rep_window(texts, 16),
         "entropy_2": diversity.ngram_entropy(texts, 2),
-        "compression_ratio": diversity.compression_ratio(texts),
+        "gzip_ratio": diversity.compression_ratio(texts),
     }
 
 
@@ -94,7 +95,9 @@ def _generate_all(model, tokenizer, prompts, strategies, *, max_new_tokens, batc
     mine = [index for index in range(len(batches)) if index % state.num_processes == state.process_index]
     jobs = [(s, b) for s in range(len(strategies)) for b in mine]
     produced = []
-    for strategy_index, batch_index in tqdm(jobs, desc="generating", disable=not (progress and state.is_main_process)):
+    bar = tqdm(jobs, desc="1/3 generating", unit="batch", disable=not (progress and state.is_main_process))
+    for strategy_index, batch_index in bar:
+        bar.set_postfix_str(strategies[strategy_index].label)
         first = batch_index * batch_size
         row_seeds = [seed + 100_003 * strategy_index + first + row for row in range(len(batches[batch_index]))]
         texts = generate_text(
@@ -159,7 +162,10 @@ def evaluate_strategies(
             f"the reference text has {len(ids)} tokens; context_tokens + continuation_tokens = "
             f"{context_tokens} + {continuation_tokens} needs that many: lower them or give a longer reference"
         )
+    from tqdm.auto import tqdm
+
     state = PartialState(cpu=not torch.cuda.is_available())
+    started = time.perf_counter()
     generations = _generate_all(
         model, tokenizer, list(prompts), strategies, max_new_tokens=max_new_tokens, batch_size=batch_size,
         seed=seed, state=state, progress=progress,
@@ -169,24 +175,39 @@ def evaluate_strategies(
         "prompts": len(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed,
         "context_tokens": context_tokens, "continuation_tokens": continuation_tokens, "processes": state.num_processes,
     }  # fmt: skip
+    shown = progress and state.is_main_process
+    seconds = {"generation": time.perf_counter() - started, "perplexity": 0.0, "mauve": 0.0, "compression": 0.0}
     human = _reference_passages(reference, len(prompts))
+    clock = time.perf_counter()
     human_features = text_features(human, model, tokenizer) if len(human) >= 2 else None
-    for strategy in strategies:
+    seconds["mauve"] += time.perf_counter() - clock
+    bar = tqdm(strategies, desc="2/3 scoring", unit="strategy", disable=not shown)
+    for strategy in bar:
+        bar.set_postfix_str(strategy.label)
         texts = generations[strategy.label]
         row = {"strategy": strategy.label, **strategy.to_dict(), "generated_texts": len(texts)}
         row.update(_diversity(texts))
         scorable = [text for text in texts if tokenizer(text, add_special_tokens=False)["input_ids"]]
+        clock = time.perf_counter()
         row.update(_generation_perplexity(model, tokenizer, scorable))
+        seconds["perplexity"] += time.perf_counter() - clock
+        clock = time.perf_counter()
         row["mauve"] = (
             mauve(text_features(scorable, model, tokenizer), human_features)
             if human_features is not None and len(scorable) >= 2
             else None
         )
+        seconds["mauve"] += time.perf_counter() - clock
         report.strategies.append(row)
     context = torch.tensor([ids[:context_tokens]], device=model.device)
     continuation = torch.tensor([ids[context_tokens : context_tokens + continuation_tokens]], device=model.device)
-    for ratio in ratios:
+    clock = time.perf_counter()
+    bar = tqdm(ratios, desc="3/3 KV-cache compression", unit="ratio", disable=not shown)
+    for ratio in bar:
+        bar.set_postfix_str(f"{ratio:.0%} evicted")
         cache = DynamicCache() if ratio == 0 else CompressedCache(model, compression_ratio=ratio)
         value = continuation_perplexity(model, cache, context, continuation)
         report.compression.append({"compression_ratio": ratio, "perplexity": value})
+    seconds["compression"] = time.perf_counter() - clock
+    report.settings["seconds"] = {phase: round(value, 1) for phase, value in seconds.items()}
     return report

@@ -1,0 +1,72 @@
+"""The evaluation's plots read at a glance, and every report column is documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from decodekit import Strategy
+from decodekit.eval.reports import compression_figure, frontier_figure
+from decodekit.eval.runner import EvaluationReport, evaluate_strategies
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _report() -> EvaluationReport:
+    rows = [{"strategy": "greedy", "distinct_2": 0.60, "perplexity": 3.0}]
+    rows += [{"strategy": f"top-p T={t}", "top_p": 0.9, "temperature": t, "distinct_2": 0.6 + t / 5,
+              "perplexity": 3 + 4 * t} for t in (0.7, 1.0, 1.3)]  # fmt: skip
+    rows += [{"strategy": f"min-p T={t}", "min_p": 0.1, "temperature": t, "distinct_2": 0.6 + t / 6,
+              "perplexity": 3 + 3 * t} for t in (0.7, 1.0, 1.3)]  # fmt: skip
+    rows += [{"strategy": f"beam 4, {n}", "num_beams": 4, "distinct_2": 0.5, "perplexity": 2.0}
+             for n in ("none", "average", "gnmt")]  # fmt: skip
+    rows.append({"strategy": "greedy, kv budget 64", "kv_budget": 64, "distinct_2": 0.60, "perplexity": 3.0001})
+    compression = [{"compression_ratio": r, "perplexity": 18.5 + r / 10} for r in (0.0, 0.25, 0.5, 0.75)]
+    return EvaluationReport(strategies=rows, compression=compression)
+
+
+def _legend(figure) -> list[str]:
+    return [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+
+
+def test_every_frontier_point_has_a_legend_entry_and_shared_points_share_one():
+    figure = frontier_figure(_report())
+    legend = _legend(figure)
+    assert "top-p" in legend and "min-p" in legend
+    assert "beam 4, none = beam 4, average = beam 4, gnmt" in legend  # one point, one entry, all three named
+    assert "greedy" in legend and "greedy, kv budget 64" in legend  # near each other, each in the legend
+    axes = figure.axes[0]
+    assert axes.get_yscale() == "log" and "log scale" in axes.get_ylabel() and "lower" in axes.get_ylabel()
+    assert "higher" in axes.get_xlabel()
+    # Strategy names are no longer written beside points, where they overlapped.
+    annotations = [child.get_text() for child in axes.texts]
+    assert all(re.fullmatch(r"T=[0-9.]+", text) for text in annotations)
+
+
+def test_the_compression_plot_marks_the_baseline_and_does_not_magnify_noise():
+    figure = compression_figure(_report())
+    axes = figure.axes[0]
+    low, high = axes.get_ylim()
+    assert low <= 18.5 * 0.95 and high >= 18.5 * 1.05  # a 0.4% spread stays a flat line
+    assert any(text.startswith("full cache") for text in _legend(figure))
+    assert [child.get_text() for child in axes.texts] == ["+0.1%", "+0.3%", "+0.4%"]
+
+
+def test_the_readme_documents_every_report_column(tiny):
+    model, tokenizer = tiny
+    report = evaluate_strategies(
+        model, tokenizer, ["Hi", "Hello there"], [Strategy(name="greedy")], max_new_tokens=4, batch_size=2,
+        context_tokens=64, continuation_tokens=8, compression_ratios=(0.0, 0.5), progress=False,
+    )  # fmt: skip
+    text = README.read_text()
+    columns = {key for row in report.strategies for key in row} - set(Strategy.__dataclass_fields__)
+    missing = sorted(column for column in columns if f"`{column}`" not in text)
+    assert not missing, f"report columns missing from README.md: {missing}"
+    assert set(report.settings["seconds"]) == {"generation", "perplexity", "mauve", "compression"}
+
+
+@pytest.mark.parametrize("figure_of", [frontier_figure, compression_figure])
+def test_plots_survive_an_empty_report(figure_of):
+    figure_of(EvaluationReport())
