@@ -68,7 +68,7 @@ if [ -n "$dry_run" ] || ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   run "${pip[@]}" install --quiet "${index[@]}" "$spec"
 fi
 if [ -z "$dry_run" ]; then
-  step "torch installed: $("$venv/bin/python" -c 'import torch; print(torch.__version__, "CUDA" if torch.version.cuda else "CPU")')"
+  step "torch installed: $("$venv/bin/python" -c 'import torch; print(torch.__version__, "CUDA" if torch.version.cuda else "CPU")' 2>/dev/null)"
 fi
 
 step "decodekit and its dev tools"
