@@ -18,6 +18,10 @@ __version__ = "0.1.0"
 
 _HOMES = {
     "CompressedCache": "decodekit.cache",
+    "XTCLogitsProcessor": "decodekit.logits_processors",
+    "TopNSigmaLogitsProcessor": "decodekit.logits_processors",
+    "MirostatLogitsProcessor": "decodekit.logits_processors",
+    "DRYLogitsProcessor": "decodekit.logits_processors",
     "FrequencyPresencePenaltyLogitsProcessor": "decodekit.logits_processors",
     "GumbelSamplingLogitsProcessor": "decodekit.logits_processors",
     "MinPLogitsProcessor": "decodekit.logits_processors",
@@ -31,12 +35,16 @@ _HOMES = {
 }
 __all__ = [
     "CompressedCache",
+    "DRYLogitsProcessor",
     "FrequencyPresencePenaltyLogitsProcessor",
     "GumbelSamplingLogitsProcessor",
     "MinPLogitsProcessor",
+    "MirostatLogitsProcessor",
     "ModelLoadError",
     "StagedRepetitionPenaltyLogitsProcessor",
     "Strategy",
+    "TopNSigmaLogitsProcessor",
+    "XTCLogitsProcessor",
     "beam_search",
     "encode_prompts",
     "generate_text",
@@ -48,10 +56,14 @@ if TYPE_CHECKING:
     from decodekit.decoders import beam_search
     from decodekit.generation import encode_prompts, generate_text
     from decodekit.logits_processors import (
+        DRYLogitsProcessor,
         FrequencyPresencePenaltyLogitsProcessor,
         GumbelSamplingLogitsProcessor,
         MinPLogitsProcessor,
+        MirostatLogitsProcessor,
         StagedRepetitionPenaltyLogitsProcessor,
+        TopNSigmaLogitsProcessor,
+        XTCLogitsProcessor,
     )
     from decodekit.models import ModelLoadError, load_model
     from decodekit.strategies import Strategy

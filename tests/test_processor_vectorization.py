@@ -16,9 +16,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LogitsProcessor
 
 from decodekit import (
+    DRYLogitsProcessor,
     FrequencyPresencePenaltyLogitsProcessor,
     MinPLogitsProcessor,
+    MirostatLogitsProcessor,
     StagedRepetitionPenaltyLogitsProcessor,
+    TopNSigmaLogitsProcessor,
+    XTCLogitsProcessor,
 )
 
 VOCAB, LENGTH, PROMPT = 300, 40, 10
@@ -42,6 +46,12 @@ PROCESSORS: dict[str, Callable[[int], LogitsProcessor]] = {
     "frequency/presence": lambda rows: FrequencyPresencePenaltyLogitsProcessor(
         0.3, _row_values(rows, 0.0, 1.0), prompt_length=PROMPT
     ),
+    "DRY with breakers": lambda rows: DRYLogitsProcessor(0.8, sequence_breaker_ids=[3, 4], penalty_last_n=32),
+    "XTC per row, seeded": lambda rows: XTCLogitsProcessor(
+        _row_values(rows, 0.05, 0.2), 0.7, temperature=0.8, seeds=list(range(rows)), prompt_length=PROMPT
+    ),
+    "top-n-sigma per row": lambda rows: TopNSigmaLogitsProcessor(_row_values(rows, 0.5, 2.0)),
+    "mirostat": lambda rows: MirostatLogitsProcessor(5.0, 0.1, temperature=0.9),
 }
 
 

@@ -4,20 +4,29 @@ Each is vectorized over the batch, keeps the scores' dtype and device, accepts p
 parameters, and never removes every token of a row.
 """
 
+from decodekit.logits_processors.dry import DRYLogitsProcessor, breaker_token_ids
 from decodekit.logits_processors.frequency import FrequencyPresencePenaltyLogitsProcessor
 from decodekit.logits_processors.min_p import MinPLogitsProcessor
+from decodekit.logits_processors.mirostat import MirostatLogitsProcessor
 from decodekit.logits_processors.repetition import (
     StagedRepetitionPenaltyLogitsProcessor,
     parse_stages,
     punctuation_token_ids,
 )
 from decodekit.logits_processors.seeded import GumbelSamplingLogitsProcessor
+from decodekit.logits_processors.top_n_sigma import TopNSigmaLogitsProcessor
+from decodekit.logits_processors.xtc import XTCLogitsProcessor
 
 __all__ = [
+    "DRYLogitsProcessor",
     "FrequencyPresencePenaltyLogitsProcessor",
     "GumbelSamplingLogitsProcessor",
     "MinPLogitsProcessor",
+    "MirostatLogitsProcessor",
     "StagedRepetitionPenaltyLogitsProcessor",
+    "TopNSigmaLogitsProcessor",
+    "XTCLogitsProcessor",
+    "breaker_token_ids",
     "parse_stages",
     "punctuation_token_ids",
 ]

@@ -24,6 +24,22 @@ def _mix(values: torch.Tensor) -> torch.Tensor:
     return values ^ (values >> 16)
 
 
+def uniform_draws(seeds: torch.Tensor, step: int, device: torch.device, stream: int = 1) -> torch.Tensor:
+    """``[rows]`` float32 uniform draws in (0, 1), a pure function of (seed, step, stream).
+
+    ``stream`` separates independent uses of one seed (XTC's coin flips from sampling's noise).
+
+    Example:
+        >>> cpu = torch.device("cpu")
+        >>> a = uniform_draws(torch.tensor([1, 2]), 3, cpu)
+        >>> bool(((a > 0) & (a < 1)).all()), torch.equal(a[1:], uniform_draws(torch.tensor([2]), 3, cpu))
+        (True, True)
+    """
+    key = _mix((seeds.to(device=device, dtype=torch.int64) & MASK32) ^ _mix(torch.tensor(step, device=device)))
+    bits = _mix(key ^ _mix(torch.tensor(stream + MULTIPLIERS[1], device=device)))
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
 def gumbel_noise(seeds: torch.Tensor, step: int, vocab: int, device: torch.device) -> torch.Tensor:
     """``[rows, vocab]`` float32 Gumbel(0, 1) noise, a pure function of (seed, step, token).
 

@@ -1,0 +1,77 @@
+"""Mirostat v2: truncate each step's distribution so that the text's surprise tracks a target."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import LogitsProcessor
+
+from decodekit.logits_processors._rows import TEMPERATURE_RANGE, RowParameter, RowValues, check_scores
+
+
+class MirostatLogitsProcessor(LogitsProcessor):
+    r"""Mirostat 2.0 (Basu et al., 2021, "Mirostat: a neural text decoding algorithm that directly
+    controls perplexity"; the variant llama.cpp calls mirostat 2).
+
+    Each row keeps a bound ``mu`` on surprise (in bits), starting at ``2 * tau``. At every step the
+    tokens whose surprise ``-log2 p`` exceeds ``mu`` are removed (the most likely token always
+    stays), the sampler draws from what remains, and at the next step ``mu`` moves by
+    ``eta * (tau - s)``, where ``s`` is the surprise of the token drawn under the truncated,
+    renormalized distribution. ``p`` is judged at ``temperature`` (the one you sample at).
+
+    The state lives on the scores' device, one ``mu`` per row, and is updated without a host
+    sync from the token that generate appended to ``input_ids``. A new generation (a prompt of
+    another length, or another number of rows) starts from ``2 * tau`` again. Under greedy
+    decoding the filter never removes the token chosen, so it changes nothing. Under beam search
+    rows are reordered between steps and a row's ``mu`` would follow the wrong hypothesis, so
+    ``Strategy`` refuses Mirostat with ``num_beams``; use it for sampling.
+
+    Args:
+        tau: the target surprise in bits, > 0 (llama.cpp's default is 5.0).
+        eta: the learning rate of ``mu``, in (0, 1] (default 0.1).
+        temperature: the temperature the probabilities are judged at; float or per row.
+
+    Example:
+        >>> import torch
+        >>> mirostat = MirostatLogitsProcessor(tau=1.0)  # mu = 2 bits: keeps tokens with p >= 1/4
+        >>> scores = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+        >>> mirostat(torch.zeros(1, 3, dtype=torch.long), scores).isfinite().tolist()
+        [[True, True, False, False]]
+    """
+
+    supports_continuous_batching = False
+
+    def __init__(self, tau: RowValues, eta: RowValues = 0.1, *, temperature: RowValues = 1.0) -> None:
+        self.tau = RowParameter("mirostat_tau", tau, low=0.0, high=64.0, low_open=True)
+        self.eta = RowParameter("mirostat_eta", eta, low=0.0, high=1.0, low_open=True)
+        self.temperature = RowParameter("temperature", temperature, low=TEMPERATURE_RANGE[0], high=TEMPERATURE_RANGE[1])
+        self.mu: torch.Tensor | None = None  # [rows, 1]: each row's surprise bound, in bits
+        self._kept_log2: torch.Tensor | None = None  # last step's truncated distribution, log2 probabilities
+        self._length = -1  # input_ids length at the last call
+
+    def reset(self) -> None:
+        """Forget the state: the next call starts a new generation."""
+        self.mu, self._kept_log2, self._length = None, None, -1
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows, _ = check_scores(scores, "MirostatLogitsProcessor")
+        device = scores.device
+        tau = self.tau.for_rows(rows, device, torch.float32)
+        continues = (
+            self.mu is not None and self.mu.shape[0] == rows and input_ids.shape[1] == self._length + 1
+        )  # host-side shapes only
+        if continues:
+            drawn = input_ids[:, -1:].to(device)
+            surprise = -self._kept_log2.gather(1, drawn)  # of the token drawn, under the truncated distribution
+            self.mu = self.mu - self.eta.for_rows(rows, device, torch.float32) * (surprise - tau)
+        else:
+            self.mu = 2.0 * tau
+        self._length = input_ids.shape[1]
+        temperature = self.temperature.for_rows(rows, device, torch.float32)
+        log2_p = torch.log_softmax(scores.float() / temperature, dim=-1) / math.log(2.0)
+        best = log2_p.amax(dim=-1, keepdim=True)
+        keep = (-log2_p <= self.mu) | (log2_p == best)
+        kept = torch.where(keep, log2_p, -math.inf)
+        self._kept_log2 = kept - torch.logsumexp(kept * math.log(2.0), dim=-1, keepdim=True) / math.log(2.0)
+        return scores.masked_fill(~keep, -math.inf)

@@ -1,0 +1,58 @@
+"""Top-nσ: keep the tokens whose logit lies within n standard deviations of the row's best."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import LogitsProcessor
+
+from decodekit._validation import as_real
+from decodekit.logits_processors._rows import RowParameter, RowValues, check_scores
+
+
+class TopNSigmaLogitsProcessor(LogitsProcessor):
+    r"""Top-nσ sampling (Tang et al., 2024, "Top-nσ: Not All Logits Are You Need").
+
+    A token is kept when its logit is at least ``max - n * std``, the standard deviation (with
+    Bessel's correction, as ``torch.std``) taken over the row's finite logits (tokens an earlier
+    filter removed do not count).
+    Dividing logits by a temperature divides the maximum and the deviation alike, so the kept set
+    is the same at every sampling temperature: the filter is judged at the temperature you sample
+    at, whatever it is. The best token is always kept; ``n = 0`` keeps only it (and its ties).
+
+    Args:
+        n: how many standard deviations below the maximum a kept logit may lie; >= 0, one value
+            or one per batch row (or per request).
+        filter_value: the score given to removed tokens (default -inf).
+
+    Example:
+        >>> import torch
+        >>> scores = torch.tensor([[4.0, 3.5, 0.0, -1.0]])  # max 4, std 2.5: n=1 keeps logits >= 1.5
+        >>> TopNSigmaLogitsProcessor(1.0)(None, scores).isfinite().tolist()
+        [[True, True, False, False]]
+    """
+
+    supports_continuous_batching = False
+
+    def __init__(self, n: RowValues, filter_value: float = -math.inf) -> None:
+        self.n = RowParameter("top_n_sigma", n, low=0.0, high=1e4)
+        value = as_real(filter_value)
+        if value is None or math.isnan(value):
+            raise ValueError(f"filter_value must be a number (usually -inf); got {filter_value!r}")
+        self.filter_value = value
+        self.supports_continuous_batching = self.n.is_scalar
+
+    def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows, _ = check_scores(scores, "TopNSigmaLogitsProcessor")
+        logits = scores.float()
+        finite = torch.isfinite(logits)
+        count = finite.sum(dim=-1, keepdim=True).clamp(min=1)
+        zeroed = torch.where(finite, logits, 0.0)
+        mean = zeroed.sum(dim=-1, keepdim=True) / count
+        spread = torch.where(finite, logits - mean, 0.0)
+        std = (spread.square().sum(dim=-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # torch.std's
+        top = logits.amax(dim=-1, keepdim=True)
+        threshold = top - self.n.for_rows(rows, scores.device, torch.float32) * std
+        keep = (logits >= threshold) | (logits == top)  # the best token survives any rounding
+        return torch.where(keep, scores, torch.full((), self.filter_value, dtype=scores.dtype, device=scores.device))
