@@ -13,18 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from decodekit._validation import in_interval, interval
-from decodekit.settings import (
-    DEFAULT_RECENT_TOKENS,
-    DEFAULT_SINK_TOKENS,
-    DEFAULT_SYSTEM_PROMPT,
-    INTEGER_FIELDS,
-    NORMALIZATIONS,
-    REAL_FIELDS,
-)
+from decodekit.fields import BY_NAME, FIELDS, Field
+from decodekit.settings import DEFAULT_SYSTEM_PROMPT
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
-KV_FLOOR = DEFAULT_SINK_TOKENS + DEFAULT_RECENT_TOKENS
 
 
 def _bounded(
@@ -51,21 +44,17 @@ def _bounded(
     return parse
 
 
-def _field(name: str) -> Callable[[str], Any]:
-    """The argparse type of a Strategy field, with the range the Strategy enforces."""
-    if name in INTEGER_FIELDS:
-        minimum, maximum = INTEGER_FIELDS[name]
-        return _bounded(int, minimum, maximum)
-    low, high, low_open = REAL_FIELDS[name]
-    return _bounded(float, low, high, low_open)
+def _field_type(field: Field) -> Callable[[str], Any]:
+    """The argparse type of a Strategy field: the table's parsing, with its range in the message."""
 
+    def parse(text: str) -> Any:
+        try:
+            return field.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-def _span(name: str) -> str:
-    """A Strategy field's allowed values, as help texts show them."""
-    if name in INTEGER_FIELDS:
-        return interval(*INTEGER_FIELDS[name])
-    low, high, low_open = REAL_FIELDS[name]
-    return interval(low, high, low_open=low_open)
+    parse.__name__ = field.name
+    return parse
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -81,107 +70,34 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16 or auto")
 
 
+GROUPS = {
+    "sampling": "sampling (greedy unless one of these is given)",
+    "penalty": "repetition penalties (greedy or sampling)",
+    "beam": "beam search (instead of greedy or sampling)",
+    "cache": "compressed KV cache (evicts low-attention tokens)",
+}
+
+
 def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags that build a Strategy; greedy decoding unless a sampling flag is given."""
-    group = parser.add_argument_group("decoding strategy (greedy unless a sampling flag is given)")
-    group.add_argument(
-        "--temperature", type=_field("temperature"), help=f"sampling temperature, {_span('temperature')}"
-    )
-    group.add_argument("--top-k", type=_field("top_k"), help=f"sample among the k most likely tokens, {_span('top_k')}")
-    group.add_argument("--top-p", type=_field("top_p"), help=f"nucleus sampling mass, {_span('top_p')}")
-    group.add_argument(
-        "--min-p", type=_field("min_p"), help=f"min-p filter judged at the temperature, {_span('min_p')}"
-    )
-    group.add_argument("--sample", action="store_true", help="sample at temperature 1 with no filter")
-    penalties = parser.add_argument_group("repetition penalties (greedy or sampling)")
-    penalties.add_argument(
-        "--staged-penalty", metavar="STAGES", help='penalty by recurrence count in the window, e.g. "1:1.2,3:1.5,6:2.0"'
-    )
-    penalties.add_argument(
-        "--penalty-window",
-        type=_field("penalty_window"),
-        help="how many recent tokens the staged penalty counts (default: all)",
-    )
-    penalties.add_argument(
-        "--frequency-penalty",
-        type=_field("frequency_penalty"),
-        help=f"subtracted per occurrence in the generated text, {_span('frequency_penalty')}",
-    )
-    penalties.add_argument(
-        "--presence-penalty",
-        type=_field("presence_penalty"),
-        help=f"subtracted once a token was generated, {_span('presence_penalty')}",
-    )
-
-
-def _early_stopping(text: str) -> bool | str:
-    choices = {"true": True, "false": False, "never": "never"}
-    if text.lower() not in choices:
-        raise argparse.ArgumentTypeError(f"must be true, false or never; got {text!r}")
-    return choices[text.lower()]
-
-
-def add_beam_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags that select decodekit's length-normalized beam search."""
-    group = parser.add_argument_group("beam search (instead of greedy or sampling)")
-    group.add_argument(
-        "--num-beams", type=_field("num_beams"), help=f"search with this many beams, {_span('num_beams')}"
-    )
-    group.add_argument(
-        "--length-normalization",
-        choices=NORMALIZATIONS,
-        help="score of a finished hypothesis: none (sum of log-probs), average (sum / L^alpha, the default) "
-        "or gnmt (sum / ((5 + L) / 6)^alpha)",
-    )
-    group.add_argument(
-        "--length-alpha",
-        type=_field("length_alpha"),
-        help=f"exponent of the normalization, {_span('length_alpha')} (1.0)",
-    )
-    group.add_argument(
-        "--length-reward", type=_field("length_reward"), help=f"reward per generated token, {_span('length_reward')}"
-    )
-    group.add_argument(
-        "--early-stopping", type=_early_stopping, help="true, false (heuristic, the default) or never (exhaustive)"
-    )
-
-
-def add_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags that decode with decodekit's compressed KV cache."""
-    group = parser.add_argument_group("compressed KV cache (evicts low-attention tokens)")
-    choice = group.add_mutually_exclusive_group()
-    choice.add_argument(
-        "--kv-budget",
-        type=_bounded(int, KV_FLOOR),
-        help=f"keep this many tokens per layer and KV head (>= {KV_FLOOR}: the sinks and recent window)",
-    )
-    choice.add_argument(
-        "--kv-ratio", type=_bounded(float, 0, 1, high_open=True), help="evict this fraction of the tokens, in [0, 1)"
-    )
+    """One flag per field of ``decodekit.fields``, grouped by family, with its range in the help."""
+    groups = {family: parser.add_argument_group(title) for family, title in GROUPS.items()}
+    groups["sampling"].add_argument("--sample", action="store_true", help="sample at temperature 1 with no filter")
+    cache = groups["cache"].add_mutually_exclusive_group()
+    for field in FIELDS:
+        target = cache if field.family == "cache" else groups[field.family]
+        span = f", {field.span}" if field.span else ""
+        metavar = field.name.upper() if field.kind != "texts" else "JSON_LIST"
+        target.add_argument(
+            field.cli_flag, dest=field.name, type=_field_type(field), metavar=metavar, help=f"{field.help}{span}"
+        )
 
 
 def strategy_from_args(args: argparse.Namespace) -> Any:
     """The Strategy that the strategy flags describe."""
     from decodekit.strategies import Strategy
 
-    return Strategy(
-        do_sample=True if args.sample else None,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        staged_penalty=args.staged_penalty,
-        penalty_window=args.penalty_window,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        num_beams=getattr(args, "num_beams", None),
-        length_normalization=getattr(args, "length_normalization", None),
-        length_alpha=getattr(args, "length_alpha", None),
-        length_reward=getattr(args, "length_reward", None),
-        early_stopping=getattr(args, "early_stopping", None),
-        kv_budget=getattr(args, "kv_budget", None),
-        kv_compression_ratio=getattr(args, "kv_ratio", None),
-    )
+    values = {field.name: getattr(args, field.name, None) for field in FIELDS}
+    return Strategy(do_sample=True if getattr(args, "sample", False) else None, **values)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -224,8 +140,6 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     generate.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     add_strategy_flags(generate)
-    add_beam_flags(generate)
-    add_cache_flags(generate)
     generate.set_defaults(handler=_run_generate, parser=generate)
     _add_eval_command(commands)
     demo = commands.add_parser(
@@ -247,7 +161,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     demo.add_argument("--max-queue", type=_bounded(int, 1), default=64, help="requests waiting at most (default 64)")
     demo.add_argument(
-        "--max-beams", type=_field("num_beams"), default=8, help="largest beam count the page accepts (default 8)"
+        "--max-beams",
+        type=_field_type(BY_NAME["num_beams"]),
+        default=8,
+        help="largest beam count the page accepts (default 8)",
     )
     add_model_flags(demo)
     demo.set_defaults(handler=_run_demo)
@@ -391,9 +308,10 @@ def in_flags(message: str, parser: argparse.ArgumentParser) -> str:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    import torch
     from transformers import TextStreamer, set_seed
 
-    from decodekit.generation import check_prompts, generate_text
+    from decodekit.generation import check_max_new_tokens, check_prompts, prepare
     from decodekit.models import load_model
 
     check_prompts([args.prompt])
@@ -404,31 +322,22 @@ def _run_generate(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
     if args.seed is not None:
         set_seed(args.seed)
-    extra: dict[str, Any] = {}
-    if strategy.beam and sys.stderr.isatty() and not args.no_stream:
-        extra["on_step"] = BeamProgressLine(tokenizer)  # a beam's text can still change: show it on one line
-    elif not (args.no_stream or strategy.beam):
-        extra["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    if strategy.compresses_cache:
-        from decodekit.cache import CompressedCache
-
-        extra["past_key_values"] = CompressedCache(
-            model, strategy.kv_budget, compression_ratio=strategy.kv_compression_ratio
+    check_max_new_tokens(args.max_new_tokens)
+    batch, plan = prepare(model, tokenizer, [args.prompt], strategy, chat=False if args.raw else None,
+                          system_prompt=args.system)  # fmt: skip
+    kwargs = plan.generate_kwargs()
+    if not plan.streams and sys.stderr.isatty() and not args.no_stream:
+        kwargs["on_step"] = BeamProgressLine(tokenizer)  # a beam's text can still change: show it on one line
+    elif plan.streams and not args.no_stream:
+        kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    with torch.inference_mode():
+        output = model.generate(
+            **batch, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs
         )
-    texts = generate_text(
-        model,
-        tokenizer,
-        [args.prompt],
-        strategy,
-        max_new_tokens=args.max_new_tokens,
-        chat=False if args.raw else None,
-        system_prompt=args.system,
-        **extra,
-    )
-    if "streamer" not in extra:
-        print(texts[0])
-    if "past_key_values" in extra:
-        print(cache_summary(model, extra["past_key_values"]), file=sys.stderr)
+    if "streamer" not in kwargs:
+        print(tokenizer.decode(output[0, batch["input_ids"].shape[1] :], skip_special_tokens=True))
+    if plan.cache is not None:
+        print(cache_summary(model, plan.cache), file=sys.stderr)
     return 0
 
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList
 
 from decodekit._validation import check_int
+from decodekit.plan import GenerationPlan
 from decodekit.settings import DEFAULT_SYSTEM_PROMPT
 from decodekit.strategies import Strategy
 
@@ -77,6 +77,31 @@ def encode_prompts(
     return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
 
+def prepare(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    strategy: Strategy | None = None,
+    *,
+    chat: bool | None = None,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    row_seeds: Sequence[int] | None = None,
+) -> tuple[dict[str, torch.Tensor], GenerationPlan]:
+    """The encoded batch (on the model's device) and the strategy's plan for it.
+
+    Example (with ``model`` and ``tokenizer`` from ``load_model``)::
+
+        batch, plan = prepare(model, tokenizer, ["Hi"], Strategy(kv_budget=64))
+        output = model.generate(**batch, max_new_tokens=32, **plan.generate_kwargs())
+        print(plan.cache.memory_bytes())
+    """
+    strategy = strategy or Strategy()
+    batch = encode_prompts(tokenizer, prompts, chat=chat, system_prompt=system_prompt)
+    batch = {key: value.to(model.device) for key, value in batch.items()}
+    plan = strategy.plan(model, tokenizer=tokenizer, attention_mask=batch["attention_mask"], row_seeds=row_seeds)
+    return batch, plan
+
+
 def generate_text(
     model: Any,
     tokenizer: Any,
@@ -92,8 +117,9 @@ def generate_text(
     """Generate a continuation for each prompt with ``strategy`` and return the new text only.
 
     ``row_seeds`` (one integer per prompt) makes a sampling strategy draw each prompt from its
-    own seed, so its text does not depend on the batch (see ``Strategy.generate_kwargs``).
-    Extra keyword arguments go to ``model.generate`` (a ``streamer``, ``logits_processor``...).
+    own seed, so its text does not depend on the batch (see ``Strategy.plan``). Extra keyword
+    arguments go to ``model.generate`` (a ``streamer``, ``logits_processor``, which run after
+    the strategy's own...).
 
     Example:
         >>> from decodekit import Strategy, load_model
@@ -101,14 +127,11 @@ def generate_text(
         >>> generate_text(model, tokenizer, ["Name a color."], Strategy(), max_new_tokens=8)  # doctest: +SKIP
         ['Blue.']
     """
-    strategy = strategy or Strategy()
     check_max_new_tokens(max_new_tokens)
-    batch = encode_prompts(tokenizer, prompts, chat=chat, system_prompt=system_prompt)
-    batch = {key: value.to(model.device) for key, value in batch.items()}
-    kwargs = strategy.generate_kwargs(model, attention_mask=batch["attention_mask"], row_seeds=row_seeds)
-    if "logits_processor" in kwargs and "logits_processor" in generate_kwargs:
-        merged = [*kwargs["logits_processor"], *generate_kwargs["logits_processor"]]
-        generate_kwargs["logits_processor"] = LogitsProcessorList(merged)
+    batch, plan = prepare(
+        model, tokenizer, prompts, strategy, chat=chat, system_prompt=system_prompt, row_seeds=row_seeds
+    )
+    kwargs = plan.generate_kwargs(extra_processors=generate_kwargs.pop("logits_processor", None) or ())
     kwargs.update(generate_kwargs)
     with torch.inference_mode():
         output = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)

@@ -13,6 +13,17 @@ TEMPERATURE_RANGE = (1e-6, 1e4)
 # OpenAI-style frequency and presence penalties.
 PENALTY_RANGE = (-2.0, 2.0)
 
+# DRY: the penalty's scale and growth, and the longest match it measures (text-generation-webui's).
+DRY_MULTIPLIER_RANGE = (0.0, 100.0)  # open at 0: a zero multiplier is DRY switched off
+DRY_BASE_RANGE = (1.0, 10.0)
+DRY_MAX_MATCH = 50
+DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
+
+# Mirostat v2: the target surprise in bits (open at 0) and the learning rate (open at 0).
+MIROSTAT_TAU_RANGE = (0.0, 64.0)
+MIROSTAT_ETA_RANGE = (0.0, 1.0)
+TOP_N_SIGMA_RANGE = (0.0, 1e4)
+
 # Beam search. Each step ranks 2 x beams candidates per request over the whole vocabulary; far
 # beyond MAX_BEAMS the allocation fails before the first token.
 MAX_BEAMS = 256
@@ -27,19 +38,6 @@ EARLY_STOPPING = (True, False, "never")
 # The compressed cache always keeps its first (sink) tokens and a recent window.
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
-
-# Strategy's numeric fields and their allowed values, from the ranges above:
-# real numbers (low, high, low_open) and integers (minimum, maximum).
-REAL_FIELDS = {
-    "temperature": (*TEMPERATURE_RANGE, False),
-    "top_p": (0.0, 1.0, True),
-    "min_p": (0.0, 1.0, False),
-    "frequency_penalty": (*PENALTY_RANGE, False),
-    "presence_penalty": (*PENALTY_RANGE, False),
-    "length_alpha": (*ALPHA_RANGE, False),
-    "length_reward": (*REWARD_RANGE, False),
-}
-INTEGER_FIELDS = {"top_k": (1, None), "penalty_window": (1, None), "num_beams": (1, MAX_BEAMS)}
 
 # Generation.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."

@@ -1,36 +1,28 @@
-"""Strategy: one named decoding recipe, turned into the keyword arguments of ``model.generate``.
+"""Strategy: one named decoding recipe, turned into a typed plan for ``model.generate``.
 
 The CLI, the demo and the evaluation runner all build their generate calls from a Strategy, so
 each recipe is written once. A Strategy states the whole recipe: a filter it does not name is
 off, whatever defaults the model's ``generation_config`` carries (transformers would otherwise
-apply top-k 50 to every sampling call).
+apply top-k 50 to every sampling call). Its fields are the rows of ``decodekit.fields``: the
+validation, the label and the processors all come from that table.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decodekit._validation import check_int, check_real, is_bool
-from decodekit.cache.compressed import CompressedCache
+from decodekit._validation import is_bool
 from decodekit.cache.layer import check_cache_size
-from decodekit.decoders import beam_search
-from decodekit.logits_processors import (
-    FrequencyPresencePenaltyLogitsProcessor,
-    GumbelSamplingLogitsProcessor,
-    MinPLogitsProcessor,
-    StagedRepetitionPenaltyLogitsProcessor,
-    parse_stages,
-)
+from decodekit.fields import BEAM_FIELDS, BY_NAME, COMPONENTS, FIELDS, SAMPLING_FIELDS
+from decodekit.logits_processors import parse_stages
 from decodekit.logits_processors.repetition import check_stage_table
-from decodekit.settings import INTEGER_FIELDS, NORMALIZATIONS, REAL_FIELDS
+from decodekit.plan import GenerationPlan, PlanContext
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
-BEAM_FIELDS = ("length_normalization", "length_alpha", "length_reward", "early_stopping")
+__all__ = ["BEAM_FIELDS", "SAMPLING_FIELDS", "Strategy"]
 
 
 def _canonical_stages(stages: str | Mapping[int, float]) -> str:
@@ -39,35 +31,24 @@ def _canonical_stages(stages: str | Mapping[int, float]) -> str:
     return ",".join(f"{count}:{penalty:g}" for count, penalty in table)
 
 
-@dataclass(frozen=True)
 class Strategy:
-    """A decoding recipe: greedy or sampling, with filters and repetition penalties.
+    """A decoding recipe: greedy, sampling or beam search, with filters, penalties and a cache.
 
-    Args:
-        name: a label for reports and the demo; derived from the fields when omitted.
-        do_sample: sample instead of taking the most likely token. None (the default) means
-            "sample when any sampling field is set".
-        temperature: divides the logits before sampling; in [1e-6, 1e4].
-        top_k: keep only the k most likely tokens; >= 1.
-        top_p: keep the smallest set of tokens whose probability reaches p; in (0, 1].
-        min_p: keep the tokens at least min_p times as likely as the top one, judged at the
-            sampling temperature (``MinPLogitsProcessor``); in [0, 1].
-        staged_penalty: a stage table ``{count: penalty}`` or ``"1:1.2,3:1.5,6:2.0"``
-            (``StagedRepetitionPenaltyLogitsProcessor``); stored in that text form.
-        penalty_window: how many recent tokens the staged penalty counts; None for all.
-        frequency_penalty: OpenAI-style, per occurrence in the generated text; in [-2, 2].
-        presence_penalty: OpenAI-style, once a token has been generated; in [-2, 2].
-        num_beams: search with this many beams (decodekit's length-normalized beam search);
-            in [1, 256]. Beam search does not sample.
-        length_normalization: how beam search scores finished hypotheses: "none", "average"
-            (the default) or "gnmt" (see ``decodekit.decoders.LengthNormalization``).
-        length_alpha: the exponent of the length normalization, in [0, 5] (default 1.0).
-        length_reward: a reward per generated token added to beam scores, in [0, 10].
-        early_stopping: when beam search stops: True, False (the default heuristic) or "never".
-        kv_budget: decode with a ``CompressedCache`` that keeps this many tokens per layer and
-            KV head (>= 36 with its default sinks and recent window).
-        kv_compression_ratio: decode with a ``CompressedCache`` that evicts this fraction of the
-            tokens seen, in [0, 1).
+    Every field of ``decodekit.fields.FIELDS`` is a keyword argument (None or absent: unset), and
+    reads back as an attribute. ``name`` labels the recipe in reports and the demo (derived from
+    the fields when omitted); ``do_sample`` (None by default) means "sample when any sampling
+    field is set". The README lists the fields with their ranges; the main ones:
+
+    - sampling: ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``top_n_sigma``,
+      ``xtc_threshold`` / ``xtc_probability``, ``mirostat_tau`` / ``mirostat_eta``;
+    - penalties: ``staged_penalty`` (a stage table or ``"1:1.2,3:1.5"``) and ``penalty_window``,
+      ``frequency_penalty``, ``presence_penalty``, ``dry_multiplier`` and its ``dry_*`` settings;
+    - beam search: ``num_beams``, ``length_normalization``, ``length_alpha``, ``length_reward``,
+      ``early_stopping``;
+    - cache: ``kv_budget`` or ``kv_compression_ratio`` (a ``CompressedCache``).
+
+    Values are checked on construction (a ValueError names the field, its range and the value)
+    and stored as plain Python values; a Strategy is immutable and hashable.
 
     Example:
         >>> from decodekit import Strategy
@@ -81,238 +62,200 @@ class Strategy:
         'beam(num_beams=4, length_normalization=gnmt, length_alpha=0.6)'
     """
 
-    name: str | None = None
-    do_sample: bool | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    staged_penalty: str | None = None
-    penalty_window: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    num_beams: int | None = None
-    length_normalization: str | None = None
-    length_alpha: float | None = None
-    length_reward: float | None = None
-    early_stopping: bool | str | None = None
-    kv_budget: int | None = None
-    kv_compression_ratio: float | None = None
+    __slots__ = ("_do_sample", "_name", "_values")
 
-    def __post_init__(self) -> None:
-        if self.name is not None and not isinstance(self.name, str):
-            raise TypeError(f"name must be a string or None; got {self.name!r}")
-        for flag in ("do_sample", "early_stopping"):  # numpy's bool counts as a bool
-            if is_bool(getattr(self, flag)):
-                object.__setattr__(self, flag, bool(getattr(self, flag)))
-        if self.do_sample is not None and not isinstance(self.do_sample, bool):
-            raise TypeError(f"do_sample must be True, False or None; got {self.do_sample!r}")
-        for name, (low, high, low_open) in REAL_FIELDS.items():
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, check_real(name, getattr(self, name), low, high, low_open=low_open))
-        for name, (minimum, maximum) in INTEGER_FIELDS.items():
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, check_int(name, getattr(self, name), minimum, maximum=maximum))
-        if self.staged_penalty is not None:
-            object.__setattr__(self, "staged_penalty", _canonical_stages(self.staged_penalty))
-        if self.penalty_window is not None and self.staged_penalty is None:
-            raise ValueError("penalty_window applies to staged_penalty: set staged_penalty too")
-        self._check_beam_fields()
-        if self.kv_budget is not None or self.kv_compression_ratio is not None:
-            budget, ratio = check_cache_size(
-                self.kv_budget, self.kv_compression_ratio, names=("kv_budget", "kv_compression_ratio")
+    def __init__(self, name: str | None = None, do_sample: bool | None = None, **fields: Any) -> None:
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a string or None; got {name!r}")
+        unknown = sorted(set(fields) - set(BY_NAME))
+        if unknown:
+            raise TypeError(f"unknown Strategy field(s): {', '.join(unknown)}; known: {', '.join(sorted(BY_NAME))}")
+        if do_sample is not None:
+            if not is_bool(do_sample):
+                raise TypeError(f"do_sample must be True, False or None; got {do_sample!r}")
+            do_sample = bool(do_sample)
+        values: dict[str, Any] = {}
+        for field in FIELDS:  # table order, so that equal recipes hold equal dicts
+            value = fields.get(field.name)
+            if value is None:
+                continue
+            values[field.name] = _canonical_stages(value) if field.name == "staged_penalty" else field.check(value)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_do_sample", do_sample)
+        object.__setattr__(self, "_values", values)
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        values = self._values
+        for name in values:
+            requires = BY_NAME[name].requires
+            if requires and requires not in values:
+                raise ValueError(f"{name} applies to {requires}: set {requires} too")
+        if self.beam and (self._do_sample or self._sampling_fields()):
+            named = (["do_sample"] if self._do_sample else []) + self._sampling_fields()
+            raise ValueError(f"num_beams selects beam search, which does not sample: drop {', '.join(named)}")
+        if "kv_budget" in values and "kv_compression_ratio" in values:
+            check_cache_size(
+                values["kv_budget"], values["kv_compression_ratio"], names=("kv_budget", "kv_compression_ratio")
             )
-            object.__setattr__(self, "kv_budget", budget)
-            object.__setattr__(self, "kv_compression_ratio", ratio)
-        if self.do_sample is False and self._sampling_fields():
+        if self._do_sample is False and self._sampling_fields():
             names = ", ".join(self._sampling_fields())
             raise ValueError(f"{names} only apply when sampling: leave do_sample unset or set it to True")
 
-    def _check_beam_fields(self) -> None:
-        if self.num_beams is None:
-            named = [name for name in BEAM_FIELDS if getattr(self, name) is not None]
-            if named:
-                raise ValueError(f"{', '.join(named)}: beam search settings, set num_beams too")
-            return
-        if self.do_sample or self._sampling_fields():
-            named = (["do_sample"] if self.do_sample else []) + self._sampling_fields()
-            raise ValueError(f"num_beams selects beam search, which does not sample: drop {', '.join(named)}")
-        if self.length_normalization is not None and self.length_normalization not in NORMALIZATIONS:
-            raise ValueError(
-                f"length_normalization must be one of {', '.join(NORMALIZATIONS)}; got {self.length_normalization!r}"
-            )
-        if self.early_stopping is not None and not (
-            isinstance(self.early_stopping, bool) or self.early_stopping == "never"
-        ):
-            raise ValueError(f"early_stopping must be True, False or 'never'; got {self.early_stopping!r}")
+    def __getattr__(self, item: str) -> Any:
+        if item in BY_NAME:
+            return self._values.get(item)
+        raise AttributeError(f"'Strategy' has no attribute {item!r}")
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError("a Strategy is immutable: build a new one (Strategy.from_dict({**s.to_dict(), ...}))")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Strategy) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return (self._name, self._do_sample, tuple(self._values.items()))
+
+    def __repr__(self) -> str:
+        return f"Strategy({', '.join(f'{key}={value!r}' for key, value in self.to_dict().items())})"
+
+    @property
+    def name(self) -> str | None:
+        return self._name
+
+    @property
+    def do_sample(self) -> bool | None:
+        return self._do_sample
 
     def _sampling_fields(self) -> list[str]:
-        return [name for name in SAMPLING_FIELDS if getattr(self, name) is not None]
+        return [name for name in SAMPLING_FIELDS if name in self._values]
 
     @property
     def sampling(self) -> bool:
         """Whether this recipe samples (True) or decodes greedily (False)."""
-        return self.do_sample if self.do_sample is not None else bool(self._sampling_fields())
+        return self._do_sample if self._do_sample is not None else bool(self._sampling_fields())
 
     @property
     def beam(self) -> bool:
         """Whether this recipe is a beam search."""
-        return self.num_beams is not None
+        return "num_beams" in self._values
+
+    @property
+    def compresses_cache(self) -> bool:
+        """Whether this recipe decodes with a ``CompressedCache`` (a fresh one per generate call)."""
+        return "kv_budget" in self._values or "kv_compression_ratio" in self._values
 
     @property
     def label(self) -> str:
         """A short human-readable name: ``name`` if given, else one built from the fields."""
-        if self.name:
-            return self.name
-        penalties = [
-            f"{field}={getattr(self, field)}"
-            for field in (
-                "staged_penalty",
-                "penalty_window",
-                "frequency_penalty",
-                "presence_penalty",
-                "kv_budget",
-                "kv_compression_ratio",
-            )
-            if getattr(self, field) is not None
-        ]
+        if self._name:
+            return self._name
+
+        def shown(value: Any) -> str:
+            return f"[{', '.join(map(repr, value))}]" if isinstance(value, tuple) else str(value)
+
+        others = [f"{key}={shown(value)}" for key, value in self._values.items()
+                  if BY_NAME[key].family in ("penalty", "cache")]  # fmt: skip
         if self.beam:
-            fields_set = [field for field in ("num_beams", *BEAM_FIELDS) if getattr(self, field) is not None]
-            parts = [f"{field}={getattr(self, field)}" for field in fields_set]
-            return f"beam({', '.join(parts + penalties)})"
+            parts = [f"{key}={shown(value)}" for key, value in self._values.items() if BY_NAME[key].family == "beam"]
+            return f"beam({', '.join(parts + others)})"
         if not self.sampling:
-            return "greedy" + (f"({', '.join(penalties)})" if penalties else "")
-        parts = [f"{field}={getattr(self, field)}" for field in self._sampling_fields()]
-        return f"sample({', '.join(parts + penalties)})"
+            return "greedy" + (f"({', '.join(others)})" if others else "")
+        parts = [f"{key}={shown(self._values[key])}" for key in self._sampling_fields()]
+        return f"sample({', '.join(parts + others)})"
 
-    @property
-    def needs_prompt_length(self) -> bool:
-        """Whether ``generate_kwargs`` needs the prompt length (to count generated tokens only)."""
-        return self.frequency_penalty is not None or self.presence_penalty is not None
-
-    def logits_processors(
-        self,
-        prompt_length: int | None = None,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        pad_token_id: int | None = None,
-    ) -> LogitsProcessorList:
-        """decodekit's processors for this recipe, penalties first, then min-p.
-
-        generate runs them after its own penalties and before its temperature, top-k and top-p.
-        ``attention_mask`` (the batch's) tells the staged penalty each row's left padding, which
-        never counts; without it, a leading run of ``pad_token_id`` is taken as padding.
-        """
-        processors = LogitsProcessorList()
-        if attention_mask is not None and prompt_length is None:
-            prompt_length = attention_mask.shape[1]
-        if self.staged_penalty is not None:
-            padding = None if attention_mask is None else (attention_mask != 0).int().argmax(dim=1)
-            processors.append(
-                StagedRepetitionPenaltyLogitsProcessor(
-                    self.staged_penalty, window=self.penalty_window, pad_token_id=pad_token_id, padding_lengths=padding
-                )
-            )
-        if self.needs_prompt_length:
-            if prompt_length is None:
-                raise ValueError(
-                    "frequency_penalty and presence_penalty count generated tokens only: "
-                    "pass prompt_length (the padded prompt's input_ids.shape[1])"
-                )
-            processors.append(
-                FrequencyPresencePenaltyLogitsProcessor(
-                    self.frequency_penalty or 0.0, self.presence_penalty or 0.0, prompt_length=prompt_length
-                )
-            )
-        if self.min_p is not None:
-            processors.append(MinPLogitsProcessor(self.min_p, temperature=self.temperature or 1.0))
-        return processors
-
-    def generate_kwargs(
+    def plan(
         self,
         model: Any = None,
         *,
+        tokenizer: Any = None,
         prompt_length: int | None = None,
         attention_mask: torch.Tensor | None = None,
         row_seeds: Sequence[int] | torch.Tensor | None = None,
-    ) -> dict[str, Any]:
-        """The keyword arguments for ``model.generate`` that carry out this recipe.
+    ) -> GenerationPlan:
+        """The typed plan that carries out this recipe in ``model.generate``.
 
-        ``model`` is the model the call will run on; recipes that build per-call objects bound
-        to a model (a compressed cache) need it. ``attention_mask`` is the batch's: it gives each
-        row's left padding, which no penalty counts, and the prompt length, which recipes that
-        count generated tokens only need (or give ``prompt_length``, the padded prompt's
-        ``input_ids.shape[1]``). Without a mask, the model's pad token marks padding.
+        ``model`` is the model the call will run on (a compressed cache is bound to it).
+        ``attention_mask`` (the batch's) gives each row's left padding, which no penalty counts,
+        and the prompt length, which penalties that count generated tokens only need (or give
+        ``prompt_length``). ``tokenizer`` turns DRY's sequence breakers into token ids.
+        ``row_seeds`` (one integer per prompt) makes sampling draw each row from its own seed, so
+        a prompt samples the same text alone or in any batch (see ``GumbelSamplingLogitsProcessor``).
 
-        ``row_seeds`` (one integer per prompt) makes a sampling recipe draw each row from its own
-        seed, so a prompt samples the same text alone or in any batch: the filters and the
-        temperature then run as processors, ``GumbelSamplingLogitsProcessor`` adds seeded noise,
-        and generate decodes greedily. Greedy and beam recipes ignore it.
+        Example:
+            >>> plan = Strategy(temperature=0.7, min_p=0.1).plan(prompt_length=5)
+            >>> plan.sampling, [type(p).__name__ for p in plan.processors], plan.streams
+            ({'do_sample': True, 'temperature': 0.7, 'top_k': 0, 'top_p': 1.0}, ['MinPLogitsProcessor'], True)
+        """
+        if attention_mask is not None and prompt_length is None:
+            prompt_length = attention_mask.shape[1]
+        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+        context = PlanContext(
+            prompt_length=prompt_length,
+            padding_lengths=None if attention_mask is None else (attention_mask != 0).int().argmax(dim=1),
+            pad_token_id=pad_token_id if isinstance(pad_token_id, int) else None,
+            temperature=self.temperature or 1.0,
+            row_seeds=row_seeds,
+            tokenizer=tokenizer,
+        )
+        processors = [self._build(component, context) for component in COMPONENTS if self._uses(component)]
+        sampling: dict[str, Any] = {"do_sample": self.sampling}
+        if self.sampling:
+            sampling.update(
+                temperature=float(self.temperature or 1.0), top_k=self.top_k or 0, top_p=float(self.top_p or 1.0)
+            )
+        decoder_kwargs: dict[str, Any] = {}
+        if self.beam:
+            decoder_kwargs = {"num_beams": self.num_beams, **{name: self._values[name] for name in BEAM_FIELDS
+                                                               if name in self._values}}  # fmt: skip
+        cache = None
+        if self.compresses_cache:
+            if model is None:
+                raise ValueError("kv_budget and kv_compression_ratio need the model: call plan(model)")
+            from decodekit.cache.compressed import CompressedCache
+
+            cache = CompressedCache(model, self.kv_budget, compression_ratio=self.kv_compression_ratio)
+        plan = GenerationPlan(processors=processors, sampling=sampling, beam=self.beam,
+                              decoder_kwargs=decoder_kwargs, cache=cache)  # fmt: skip
+        return plan.with_row_seeds(row_seeds, prompt_length) if self.sampling and row_seeds is not None else plan
+
+    def _uses(self, component: Any) -> bool:
+        return any(field.name in self._values for field in component.fields)
+
+    def _build(self, component: Any, context: PlanContext) -> Any:
+        module, function = component.build.split(":")
+        values = {field.name: self._values[field.name] for field in component.fields if field.name in self._values}
+        return getattr(importlib.import_module(module), function)(values, context)
+
+    def logits_processors(self, prompt_length: int | None = None, **context: Any) -> list[Any]:
+        """decodekit's processors for this recipe, in the order they run (see ``plan``)."""
+        return list(self.plan(prompt_length=prompt_length, **context).processors)
+
+    def generate_kwargs(self, model: Any = None, **context: Any) -> dict[str, Any]:
+        """The keyword arguments for ``model.generate``: ``plan(model, ...).generate_kwargs()``.
 
         Example:
             >>> kwargs = Strategy(temperature=0.7, top_p=0.9).generate_kwargs(prompt_length=5, row_seeds=[1, 2])
             >>> kwargs["do_sample"], [type(p).__name__ for p in kwargs["logits_processor"]]
             (False, ['TemperatureLogitsWarper', 'TopPLogitsWarper', 'GumbelSamplingLogitsProcessor'])
         """
-        kwargs: dict[str, Any] = {"do_sample": self.sampling}
-        if self.beam:
-            kwargs.update(custom_generate=beam_search, num_beams=self.num_beams)
-            kwargs.update({name: getattr(self, name) for name in BEAM_FIELDS if getattr(self, name) is not None})
-        if self.sampling:
-            kwargs["temperature"] = float(self.temperature if self.temperature is not None else 1.0)
-            kwargs["top_k"] = self.top_k if self.top_k is not None else 0
-            kwargs["top_p"] = float(self.top_p if self.top_p is not None else 1.0)
-        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-        if not isinstance(pad_token_id, int):
-            pad_token_id = None
-        processors = self.logits_processors(prompt_length, attention_mask=attention_mask, pad_token_id=pad_token_id)
-        if self.sampling and row_seeds is not None:
-            processors.extend(self._seeded_sampling(kwargs, row_seeds, prompt_length, attention_mask))
-        if processors:
-            kwargs["logits_processor"] = processors
-        if self.compresses_cache:
-            if model is None:
-                raise ValueError("kv_budget and kv_compression_ratio need the model: call generate_kwargs(model)")
-            kwargs["past_key_values"] = CompressedCache(
-                model, self.kv_budget, compression_ratio=self.kv_compression_ratio
-            )
-        return kwargs
-
-    @staticmethod
-    def _seeded_sampling(
-        kwargs: dict[str, Any],
-        row_seeds: Sequence[int] | torch.Tensor,
-        prompt_length: int | None,
-        attention_mask: torch.Tensor | None,
-    ) -> list[Any]:
-        """Move the sampling settings out of ``kwargs`` into processors ending in seeded Gumbel noise."""
-        if prompt_length is None and attention_mask is None:
-            raise ValueError("row_seeds needs the prompt length: pass attention_mask (or prompt_length)")
-        prompt_length = prompt_length if prompt_length is not None else attention_mask.shape[1]
-        temperature, top_k, top_p = kwargs.pop("temperature"), kwargs.pop("top_k"), kwargs.pop("top_p")
-        kwargs["do_sample"] = False
-        warpers: list[Any] = []
-        if temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p))
-        return [*warpers, GumbelSamplingLogitsProcessor(row_seeds, prompt_length=prompt_length)]
-
-    @property
-    def compresses_cache(self) -> bool:
-        """Whether this recipe decodes with a ``CompressedCache`` (a fresh one per generate call)."""
-        return self.kv_budget is not None or self.kv_compression_ratio is not None
+        return self.plan(model, **context).generate_kwargs()
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that are set, for reports; ``Strategy(**s.to_dict())`` rebuilds it."""
-        return {key: value for key, value in asdict(self).items() if value is not None}
+        head = {
+            key: value for key, value in (("name", self._name), ("do_sample", self._do_sample)) if value is not None
+        }
+        return {**head, **{key: list(value) if isinstance(value, tuple) else value
+                           for key, value in self._values.items()}}  # fmt: skip
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Strategy:
         """Build a Strategy from a mapping, rejecting unknown keys by name."""
-        known = {field.name for field in fields(cls)}
+        known = {"name", "do_sample", *BY_NAME}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown Strategy field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")

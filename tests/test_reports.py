@@ -10,6 +10,7 @@ import pytest
 from decodekit import Strategy
 from decodekit.eval.reports import compression_figure, frontier_figure
 from decodekit.eval.runner import EvaluationReport, evaluate_strategies
+from decodekit.fields import BY_NAME
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -61,7 +62,7 @@ def test_the_readme_documents_every_report_column(tiny):
         context_tokens=64, continuation_tokens=8, compression_ratios=(0.0, 0.5), progress=False,
     )  # fmt: skip
     text = README.read_text()
-    columns = {key for row in report.strategies for key in row} - set(Strategy.__dataclass_fields__)
+    columns = {key for row in report.strategies for key in row} - set(BY_NAME)
     missing = sorted(column for column in columns if f"`{column}`" not in text)
     assert not missing, f"report columns missing from README.md: {missing}"
     assert set(report.settings["seconds"]) == {"generation", "perplexity", "mauve", "compression"}

@@ -35,7 +35,7 @@ def test_sampling_names_every_filter_so_model_defaults_cannot_sneak_in():
         ({"num_beams": 2, "length_normalization": "log"}, "length_normalization must be one of"),
         ({"num_beams": 2, "length_alpha": -1.0}, "length_alpha must be"),
         ({"num_beams": 2, "early_stopping": "soon"}, "early_stopping must be"),
-        ({"length_alpha": 0.6}, "length_alpha: beam search settings, set num_beams too"),
+        ({"length_alpha": 0.6}, "length_alpha applies to num_beams: set num_beams too"),
         ({"kv_budget": 8}, "kv_budget must be an integer >= 36"),
         ({"kv_compression_ratio": 1.0}, r"kv_compression_ratio must be a number in \[0, 1\)"),
         ({"kv_budget": 64, "kv_compression_ratio": 0.5}, "exactly one of kv_budget"),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 from decodekit.cache import CompressedCache, full_cache_bytes
 from decodekit.decoders import BeamSearchStreamer
@@ -142,10 +142,10 @@ def stream(
     stop = stop or threading.Event()
     batch = {key: value.to(model.device) for key, value in encode_prompts(tokenizer, [prompt]).items()}
     prompt_length = batch["input_ids"].shape[1]
-    kwargs = strategy.generate_kwargs(model, attention_mask=batch["attention_mask"])
-    tracker = _Tracker(kwargs.get("past_key_values"))
-    kwargs["logits_processor"] = LogitsProcessorList([*kwargs.get("logits_processor", []), tracker])
-    beam_progress = BeamSearchStreamer(tokenizer) if strategy.beam else None
+    plan = strategy.plan(model, tokenizer=tokenizer, attention_mask=batch["attention_mask"])
+    tracker = _Tracker(plan.cache)
+    kwargs = plan.generate_kwargs(extra_processors=[tracker])
+    beam_progress = None if plan.streams else BeamSearchStreamer(tokenizer)
     if beam_progress is not None:
         kwargs["on_step"] = _BeamSteps(tracker, beam_progress)
     else:

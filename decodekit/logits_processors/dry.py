@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -10,11 +10,9 @@ from transformers import LogitsProcessor
 
 from decodekit._validation import check_int, check_real
 from decodekit.logits_processors._rows import check_scores
+from decodekit.settings import DRY_BASE_RANGE, DRY_MAX_MATCH, DRY_MULTIPLIER_RANGE, DRY_SEQUENCE_BREAKERS
 
-DEFAULT_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")  # text-generation-webui's defaults
-# The longest match measured. A longer one scores as this long: its penalty, multiplier *
-# base ** (48 - allowed_length) with the default base, already exceeds any logit gap.
-MAX_MATCH = 50
+MAX_MATCH = DRY_MAX_MATCH  # a longer match scores as this long: its penalty already exceeds any logit gap
 
 
 def breaker_token_ids(tokenizer: Any, breakers: Iterable[str]) -> list[int]:
@@ -71,8 +69,8 @@ class DRYLogitsProcessor(LogitsProcessor):
         sequence_breaker_ids: Sequence[int] | torch.Tensor = (),
         penalty_last_n: int = 1024,
     ) -> None:
-        self.multiplier = check_real("dry_multiplier", multiplier, 0.0, 100.0, low_open=True)
-        self.base = check_real("dry_base", base, 1.0, 10.0)
+        self.multiplier = check_real("dry_multiplier", multiplier, *DRY_MULTIPLIER_RANGE, low_open=True)
+        self.base = check_real("dry_base", base, *DRY_BASE_RANGE)
         self.allowed_length = check_int("dry_allowed_length", allowed_length, 1, maximum=MAX_MATCH)
         self.penalty_last_n = check_int("dry_penalty_last_n", penalty_last_n, 1)
         breakers = torch.as_tensor(list(sequence_breaker_ids) if not isinstance(sequence_breaker_ids, torch.Tensor)
@@ -117,3 +115,14 @@ class DRYLogitsProcessor(LogitsProcessor):
         worst = torch.zeros(rows, vocab, device=device, dtype=torch.float32)
         worst.scatter_reduce_(1, tokens.clamp(max=vocab - 1), penalty, reduce="amax")
         return (scores.float() - worst).to(scores.dtype)
+
+
+def from_strategy(values: Mapping[str, Any], context: Any) -> DRYLogitsProcessor:
+    """The processor for a Strategy's ``dry_*`` fields; the breakers are tokenized with the context's tokenizer."""
+    breakers = values.get("dry_sequence_breakers", DRY_SEQUENCE_BREAKERS)
+    tokenizer = context.require_tokenizer("dry_sequence_breakers (DRY)")
+    return DRYLogitsProcessor(
+        values["dry_multiplier"], values.get("dry_base", 1.75), values.get("dry_allowed_length", 2),
+        sequence_breaker_ids=breaker_token_ids(tokenizer, breakers),
+        penalty_last_n=values.get("dry_penalty_last_n", 1024),
+    )  # fmt: skip

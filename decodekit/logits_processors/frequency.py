@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from transformers import LogitsProcessor
 
@@ -58,3 +61,11 @@ class FrequencyPresencePenaltyLogitsProcessor(LogitsProcessor):
         penalty = torch.where(occurrences > 0, occurrences * frequency + presence, 0.0)
         selected = scores.gather(1, generated)
         return scores.scatter(1, generated, (selected.float() - penalty).to(scores.dtype))
+
+
+def from_strategy(values: Mapping[str, Any], context: Any) -> FrequencyPresencePenaltyLogitsProcessor:
+    """The processor for a Strategy's ``frequency_penalty`` and ``presence_penalty``."""
+    prompt_length = context.require_prompt_length("frequency_penalty and presence_penalty")
+    return FrequencyPresencePenaltyLogitsProcessor(
+        values.get("frequency_penalty", 0.0), values.get("presence_penalty", 0.0), prompt_length=prompt_length
+    )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor
@@ -110,3 +112,8 @@ class MinPLogitsProcessor(LogitsProcessor):
             bound.clamp_(min=self.filter_value)
         # The element-wise minimum returns kept scores bit for bit and lowers removed ones to the bound.
         return torch.minimum(scores, bound, out=bound).to(scores.dtype)
+
+
+def from_strategy(values: Mapping[str, Any], context: Any) -> MinPLogitsProcessor:
+    """The processor for a Strategy's ``min_p``, judged at its temperature."""
+    return MinPLogitsProcessor(values["min_p"], temperature=context.temperature)

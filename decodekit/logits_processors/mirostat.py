@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor
 
 from decodekit.logits_processors._rows import TEMPERATURE_RANGE, RowParameter, RowValues, check_scores
+from decodekit.settings import MIROSTAT_ETA_RANGE, MIROSTAT_TAU_RANGE
 
 
 class MirostatLogitsProcessor(LogitsProcessor):
@@ -43,8 +46,12 @@ class MirostatLogitsProcessor(LogitsProcessor):
     supports_continuous_batching = False
 
     def __init__(self, tau: RowValues, eta: RowValues = 0.1, *, temperature: RowValues = 1.0) -> None:
-        self.tau = RowParameter("mirostat_tau", tau, low=0.0, high=64.0, low_open=True)
-        self.eta = RowParameter("mirostat_eta", eta, low=0.0, high=1.0, low_open=True)
+        self.tau = RowParameter(
+            "mirostat_tau", tau, low=MIROSTAT_TAU_RANGE[0], high=MIROSTAT_TAU_RANGE[1], low_open=True
+        )
+        self.eta = RowParameter(
+            "mirostat_eta", eta, low=MIROSTAT_ETA_RANGE[0], high=MIROSTAT_ETA_RANGE[1], low_open=True
+        )
         self.temperature = RowParameter("temperature", temperature, low=TEMPERATURE_RANGE[0], high=TEMPERATURE_RANGE[1])
         self.mu: torch.Tensor | None = None  # [rows, 1]: each row's surprise bound, in bits
         self._kept_log2: torch.Tensor | None = None  # last step's truncated distribution, log2 probabilities
@@ -75,3 +82,10 @@ class MirostatLogitsProcessor(LogitsProcessor):
         kept = torch.where(keep, log2_p, -math.inf)
         self._kept_log2 = kept - torch.logsumexp(kept * math.log(2.0), dim=-1, keepdim=True) / math.log(2.0)
         return scores.masked_fill(~keep, -math.inf)
+
+
+def from_strategy(values: Mapping[str, Any], context: Any) -> MirostatLogitsProcessor:
+    """The processor for a Strategy's ``mirostat_tau`` and ``mirostat_eta`` (0.1 by default)."""
+    return MirostatLogitsProcessor(
+        values["mirostat_tau"], values.get("mirostat_eta", 0.1), temperature=context.temperature
+    )

@@ -233,3 +233,11 @@ def _token_ids(name: str, values: int | Iterable[int] | None) -> list[int]:
         if not is_int_at_least(value, 0):
             raise ValueError(f"{name} must hold token ids (integers >= 0); got {value!r}")
     return items
+
+
+def from_strategy(values: Mapping[str, Any], context: Any) -> StagedRepetitionPenaltyLogitsProcessor:
+    """The processor for a Strategy's ``staged_penalty`` and ``penalty_window`` (see ``decodekit.fields``)."""
+    return StagedRepetitionPenaltyLogitsProcessor(
+        values["staged_penalty"], window=values.get("penalty_window"), pad_token_id=context.pad_token_id,
+        padding_lengths=context.padding_lengths,
+    )  # fmt: skip

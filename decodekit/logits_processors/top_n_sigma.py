@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor
 
 from decodekit._validation import as_real
 from decodekit.logits_processors._rows import RowParameter, RowValues, check_scores
+from decodekit.settings import TOP_N_SIGMA_RANGE
 
 
 class TopNSigmaLogitsProcessor(LogitsProcessor):
@@ -36,7 +39,7 @@ class TopNSigmaLogitsProcessor(LogitsProcessor):
     supports_continuous_batching = False
 
     def __init__(self, n: RowValues, filter_value: float = -math.inf) -> None:
-        self.n = RowParameter("top_n_sigma", n, low=0.0, high=1e4)
+        self.n = RowParameter("top_n_sigma", n, low=TOP_N_SIGMA_RANGE[0], high=TOP_N_SIGMA_RANGE[1])
         value = as_real(filter_value)
         if value is None or math.isnan(value):
             raise ValueError(f"filter_value must be a number (usually -inf); got {filter_value!r}")
@@ -56,3 +59,8 @@ class TopNSigmaLogitsProcessor(LogitsProcessor):
         threshold = top - self.n.for_rows(rows, scores.device, torch.float32) * std
         keep = (logits >= threshold) | (logits == top)  # the best token survives any rounding
         return torch.where(keep, scores, torch.full((), self.filter_value, dtype=scores.dtype, device=scores.device))
+
+
+def from_strategy(values: Mapping[str, Any], context: Any) -> TopNSigmaLogitsProcessor:
+    """The processor for a Strategy's ``top_n_sigma``."""
+    return TopNSigmaLogitsProcessor(values["top_n_sigma"])

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor
@@ -85,3 +86,11 @@ class XTCLogitsProcessor(LogitsProcessor):
         enough = top.sum(dim=-1, keepdim=True) >= 2
         removed = removed & acts & enough
         return scores.masked_fill(removed, -math.inf)
+
+
+def from_strategy(values: Mapping[str, Any], context: Any) -> XTCLogitsProcessor:
+    """The processor for a Strategy's ``xtc_threshold`` and ``xtc_probability`` (0.5 by default)."""
+    return XTCLogitsProcessor(
+        values["xtc_threshold"], values.get("xtc_probability", 0.5), temperature=context.temperature,
+        seeds=context.row_seeds, prompt_length=context.prompt_length or 0,
+    )  # fmt: skip
