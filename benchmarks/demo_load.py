@@ -26,14 +26,17 @@ import urllib.request
 
 import psutil
 
+from decodekit.demo.app import unset_controls
+
 PRESETS = ("greedy", "min-p 0.1, T=1.0", "beam 4, gnmt", "greedy, KV budget 64")
-CONTROLS_UNSET = [0, 0, 0, 0, "", 0, "", 0, 0]
+CONTROLS_UNSET = unset_controls()  # every setting left to the preset
 IDLE_CPU = 10.0  # percent of one core
 LONG_RUN = """
 import sys, time
 from gradio_client import Client
+from decodekit.demo.app import unset_controls
 Client(sys.argv[1], verbose=False).submit(
-    "Tell me a long story about the sea.", 256, "greedy", *[0, 0, 0, 0, "", 0, "", 0, 0], api_name="/run_a"
+    "Tell me a long story about the sea.", 256, "greedy", *unset_controls(), api_name="/run_a"
 )
 time.sleep(600)
 """

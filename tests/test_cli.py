@@ -175,3 +175,15 @@ def test_demo_user_errors_log_one_line_not_a_traceback(caplog):
         strategy_from_controls("greedy", {"top_p": 5})
     assert raised.value.print_exception is False  # Gradio prints no traceback for it
     assert [record.getMessage() for record in caplog.records] == [f"request refused: {raised.value.message}"]
+
+
+def test_help_and_version_answer_without_importing_torch():
+    import subprocess
+    import sys
+
+    probe = "import sys, decodekit.cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+    version = subprocess.run([sys.executable, "-m", "decodekit", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("decodekit ")
+    helped = subprocess.run([sys.executable, "-m", "decodekit", "generate", "--help"], capture_output=True, text=True)
+    assert "examples:" in helped.stdout and "--dry-multiplier" in helped.stdout

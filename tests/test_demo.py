@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from decodekit import Strategy, encode_prompts, generate_text
-from decodekit.demo.app import candidates_plot, launch
+from decodekit.demo.app import candidates_plot, launch, unset_controls
 from decodekit.demo.engine import GENERATION_THREAD, stream
 
-CONTROLS_UNSET = [0, 0, 0, 0, "", 0, "", 0, 0]
+CONTROLS_UNSET = unset_controls()
 
 
 def test_the_stream_ends_with_the_librarys_text_and_the_models_probabilities(tiny):

@@ -40,9 +40,15 @@ from decodekit.eval.data_sources import DataFileError, load_prompts
 from decodekit.eval.runner import EvaluationReport, evaluate_strategies
 
 gradio = pytest.importorskip("gradio")
-from decodekit.demo.app import DemoLimits, DemoSession, launch, strategy_from_controls  # noqa: E402
+from decodekit.demo.app import (  # noqa: E402
+    DemoLimits,
+    DemoSession,
+    launch,
+    strategy_from_controls,
+    unset_controls,
+)
 
-CONTROLS_UNSET = [0, 0, 0, 0, "", 0, "", 0, 0]
+CONTROLS_UNSET = unset_controls()
 
 
 def _generation_threads() -> int:
@@ -121,7 +127,8 @@ CLIENT = """
 import sys, time
 from gradio_client import Client
 client = Client(sys.argv[1], verbose=False)
-client.submit("Tell me a story", 400, "greedy", *[0, 0, 0, 0, "", 0, "", 0, 0], api_name="/run_a")
+from decodekit.demo.app import unset_controls
+client.submit("Tell me a story", 400, "greedy", *unset_controls(), api_name="/run_a")
 time.sleep(600)
 """
 

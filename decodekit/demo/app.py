@@ -19,6 +19,7 @@ import pandas as pd
 
 from decodekit._validation import as_integer, as_real, check_int
 from decodekit.demo.engine import stream
+from decodekit.fields import BY_NAME, FIELDS, SAMPLING_FIELDS
 from decodekit.strategies import Strategy
 
 logger = logging.getLogger("decodekit.demo")
@@ -32,9 +33,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "beam 4, gnmt": {"num_beams": 4, "length_normalization": "gnmt", "length_alpha": 0.6},
     "greedy, KV budget 64": {"kv_budget": 64},
 }
-CONTROLS = ("temperature", "top_k", "top_p", "min_p", "staged_penalty", "num_beams", "length_normalization",
-            "length_alpha", "kv_budget")  # fmt: skip
-INTEGER_CONTROLS = ("top_k", "num_beams", "kv_budget")
+CONTROLS = tuple(field.name for field in FIELDS if field.widget)  # the table's fields with a demo widget
+INTEGER_CONTROLS = tuple(name for name in CONTROLS if BY_NAME[name].kind == "integer")
 MAX_PROMPT_TOKENS = 2048
 
 
@@ -98,7 +98,7 @@ def strategy_from_controls(preset: str, overrides: dict[str, Any], *, max_beams:
     if fields.get("num_beams") == 1:
         fields.pop("num_beams")
     if "num_beams" in fields:
-        for sampling in ("temperature", "top_k", "top_p", "min_p"):
+        for sampling in SAMPLING_FIELDS:
             fields.pop(sampling, None)
     try:
         return Strategy(name=preset, **fields)
@@ -134,35 +134,20 @@ class DemoSession:
         with self._lock:
             return sum(len(runs) for runs in self._runs.values())
 
-    def run(
-        self,
-        prompt: str,
-        max_new_tokens: int,
-        preset: str,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        min_p: float,
-        staged_penalty: str,
-        num_beams: int,
-        length_normalization: str,
-        length_alpha: float,
-        kv_budget: int,
-        request: gr.Request,
-    ):
+    def run(self, prompt: str, max_new_tokens: int, preset: str, *controls: Any, request: gr.Request = None):
         """Stream one panel: highlighted tokens, stats, and the per-step candidates.
 
-        The generation stops within a step when the visitor presses Stop or goes away (Gradio
-        then closes this generator).
+        ``controls`` are the values of ``CONTROLS``, in order. The generation stops within a step
+        when the visitor presses Stop or goes away (Gradio then closes this generator).
         """
-        values = (temperature, top_k, top_p, min_p, staged_penalty, num_beams, length_normalization, length_alpha,
-                  kv_budget)  # fmt: skip
+        if len(controls) != len(CONTROLS):
+            raise _user_error(f"expected {len(CONTROLS)} settings ({', '.join(CONTROLS)}); got {len(controls)}")
         if not isinstance(prompt, str) or not prompt.strip():
             raise _user_error("Type a prompt first.")
         if len(self.tokenizer(prompt)["input_ids"]) > MAX_PROMPT_TOKENS:
             raise _user_error(f"The prompt is too long: at most {MAX_PROMPT_TOKENS} tokens.")
         max_new_tokens = whole_number("max new tokens", max_new_tokens, 1, self.limits.max_new_tokens)
-        overrides = dict(zip(CONTROLS, values, strict=True))
+        overrides = dict(zip(CONTROLS, controls, strict=True))
         strategy = strategy_from_controls(preset, overrides, max_beams=self.limits.max_beams)
         session = request.session_hash if request is not None else "local"
         stop = self._begin(session)
@@ -202,22 +187,30 @@ def candidates_plot(candidates: list[dict[str, Any]], step: int) -> pd.DataFrame
     return pd.DataFrame(rows, columns=["token", "probability", "stage"])
 
 
+def unset_controls() -> list[Any]:
+    """The values of ``CONTROLS`` that leave every setting to the preset (for API clients)."""
+    return ["" if BY_NAME[name].widget in ("text", "choice") else 0 for name in CONTROLS]
+
+
+def _control(field: Any) -> Any:
+    """The demo widget of a table field, labelled with its help and range."""
+    label = f"{field.name.replace('_', ' ')}: {field.help}" + (f", {field.span}" if field.span else "")
+    if field.widget == "choice":
+        return gr.Dropdown(["", *map(str, field.choices)], value="", label=label)
+    if field.widget == "text":
+        return gr.Textbox("", label=label)
+    return gr.Number(
+        0, label=label, precision=0 if field.kind == "integer" else None, minimum=0 if field.kind == "integer" else None
+    )
+
+
 def _panel(title: str, preset: str) -> dict[str, Any]:
     with gr.Column():
         gr.Markdown(f"### {title}")
         parts: dict[str, Any] = {"preset": gr.Dropdown(list(PRESETS), value=preset, label="Preset")}
         with gr.Accordion("Settings (0 or empty: the preset's)", open=False):
-            parts["temperature"] = gr.Number(0, label="temperature")
-            parts["top_k"] = gr.Number(0, label="top-k", precision=0)
-            parts["top_p"] = gr.Number(0, label="top-p")
-            parts["min_p"] = gr.Number(0, label="min-p")
-            parts["staged_penalty"] = gr.Textbox("", label="staged penalty, e.g. 1:1.2,3:1.5")
-            parts["num_beams"] = gr.Number(0, label="beams", precision=0, minimum=0)
-            parts["length_normalization"] = gr.Dropdown(
-                ["", "none", "average", "gnmt"], value="", label="normalization"
-            )
-            parts["length_alpha"] = gr.Number(0, label="length alpha")
-            parts["kv_budget"] = gr.Number(0, label="KV budget (tokens)", precision=0)
+            for name in CONTROLS:
+                parts[name] = _control(BY_NAME[name])
         parts["output"] = gr.HighlightedText(label="Output (shade: token probability)", combine_adjacent=False)
         parts["stats"] = gr.JSON(label="Stats")
         parts["candidates"] = gr.State([])
