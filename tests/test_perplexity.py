@@ -87,9 +87,16 @@ def test_the_evaluate_module_gives_the_same_values(tiny):
     assert result["corpus_perplexity"] == direct.corpus_perplexity
 
 
-def test_a_model_path_is_loaded_with_its_tokenizer(tiny, tiny_model_dir):
+def test_the_evaluate_module_loads_a_model_path_with_its_tokenizer(tiny, tiny_model_dir):
+    import evaluate
+
+    from decodekit.eval import metric_path
+
     model, tokenizer = tiny
-    by_path = perplexity(TEXTS, str(tiny_model_dir), max_length=32, stride=16)
-    assert by_path.perplexities == pytest.approx(
+    module = evaluate.load(metric_path("perplexity"))
+    by_path = module.compute(predictions=TEXTS, model=str(tiny_model_dir), max_length=32, stride=16)
+    assert by_path["perplexities"] == pytest.approx(
         perplexity(TEXTS, model, tokenizer, max_length=32, stride=16).perplexities
     )
+    with pytest.raises(TypeError, match="model must be a loaded causal LM"):
+        perplexity(TEXTS, str(tiny_model_dir))

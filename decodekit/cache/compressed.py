@@ -80,6 +80,8 @@ class CompressedCache(Cache):
         print(cache.get_seq_length(), cache.kept_tokens, cache.memory_bytes())
     """
 
+    observes_attention = True  # the observer hooks feed this cache (and only caches that say so)
+
     def __init__(
         self,
         model: nn.Module,

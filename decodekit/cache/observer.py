@@ -79,10 +79,9 @@ def unbind(model: nn.Module) -> None:
 
 
 def _compressed_cache(kwargs: dict[str, Any]):
-    from decodekit.cache.compressed import CompressedCache
-
+    """The call's cache if it is one that observes attention (a ``CompressedCache``), else None."""
     cache = kwargs.get("past_key_values")
-    return cache if isinstance(cache, CompressedCache) else None
+    return cache if getattr(cache, "observes_attention", False) else None
 
 
 def _rotate_half(tensor: torch.Tensor) -> torch.Tensor:

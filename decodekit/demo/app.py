@@ -1,13 +1,12 @@
 """The Gradio app: one prompt, two strategies side by side, streamed with token probabilities.
 
-decodekit demo [--port 7860] [--host 127.0.0.1] [--model ID_OR_DIR]
+Started by ``decodekit demo [--port 7860] [--host 127.0.0.1] [--model ID_OR_DIR]``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -269,14 +268,3 @@ def launch(
         theme=LOCAL_THEME,
     )  # fmt: skip
     return app
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python demo/app.py [flags]``: the same as ``decodekit demo [flags]``."""
-    from decodekit.cli import main as cli_main
-
-    return cli_main(["demo", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -62,8 +62,9 @@ def perplexity(
 
     Args:
         texts: the texts to score (non-empty strings).
-        model: a causal LM, or a name/path that ``decodekit.load_model`` accepts.
-        tokenizer: the model's tokenizer (needed when ``model`` is a model object).
+        model: a causal LM (the evaluate module ``metric_path("perplexity")`` also takes a name
+            or path and loads it).
+        tokenizer: the model's tokenizer.
         max_length: tokens per window; default the model's context length (at most 1024).
         stride: how far a window advances, 1..max_length; default ``max_length // 2``.
         add_bos: put the tokenizer's BOS token first (when it has one and does not add it
@@ -76,12 +77,13 @@ def perplexity(
         result = perplexity(["The sea is calm tonight."], model, tokenizer)
         print(result.perplexities[0], result.corpus_perplexity)
     """
-    if isinstance(model, (str, type(None))):
-        from decodekit.models import load_model
-
-        model, tokenizer = load_model(model)
+    if model is None or isinstance(model, str) or not hasattr(model, "config"):
+        raise TypeError(
+            "model must be a loaded causal LM (from decodekit.load_model or from_pretrained); to score with a "
+            "model given by name, use the evaluate module metric_path('perplexity')"
+        )
     if tokenizer is None:
-        raise ValueError("tokenizer is required when model is a model object")
+        raise ValueError("tokenizer is required: pass the model's tokenizer")
     if isinstance(texts, str) or not isinstance(texts, Sequence) or not texts:
         raise ValueError("texts must be a non-empty list of strings")
     context = min(getattr(model.config, "max_position_embeddings", 1024) or 1024, 1024)

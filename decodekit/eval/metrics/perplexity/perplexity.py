@@ -23,6 +23,10 @@ class Perplexity(evaluate.Metric):
         )
 
     def _compute(self, predictions: list[str], model: Any = None, **settings: Any) -> dict[str, Any]:
+        if model is None or isinstance(model, str):  # a name or path: load it (None is the default model)
+            from decodekit.models import load_model
+
+            model, settings["tokenizer"] = load_model(model)
         result = perplexity(predictions, model, **settings)
         return {
             "perplexities": result.perplexities,
