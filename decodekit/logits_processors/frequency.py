@@ -9,6 +9,7 @@ import torch
 from transformers import LogitsProcessor
 
 from decodekit._validation import check_int
+from decodekit.logits_processors._counting import occurrence_counts
 from decodekit.logits_processors._rows import RowParameter, RowValues, check_scores
 from decodekit.settings import PENALTY_RANGE
 
@@ -50,12 +51,7 @@ class FrequencyPresencePenaltyLogitsProcessor(LogitsProcessor):
         generated = input_ids[:, self.prompt_length :]
         if generated.shape[1] == 0:
             return scores
-        counted = (generated < vocab).to(torch.float32)
-        generated = generated.clamp(max=vocab - 1)
-        counts = torch.zeros((rows, vocab), dtype=torch.float32, device=scores.device)
-        counts.scatter_add_(1, generated, counted)
-        # Every occurrence of a token looks up the same count, so all writes of one token agree.
-        occurrences = counts.gather(1, generated)
+        generated, occurrences = occurrence_counts(generated, vocab, dtype=torch.float32)
         frequency = self.frequency_penalty.for_rows(rows, scores.device, torch.float32)
         presence = self.presence_penalty.for_rows(rows, scores.device, torch.float32)
         penalty = torch.where(occurrences > 0, occurrences * frequency + presence, 0.0)

@@ -11,6 +11,7 @@ import torch
 from transformers import LogitsProcessor
 
 from decodekit._validation import as_integer, as_real, check_int, is_int_at_least
+from decodekit.logits_processors._counting import occurrence_counts
 from decodekit.logits_processors._rows import check_scores, expand_rows, integer_rows
 
 StageTable = Mapping[int, float]
@@ -200,7 +201,7 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         rows, vocab = check_scores(scores, "StagedRepetitionPenaltyLogitsProcessor")
         start = 0 if self.window is None else max(input_ids.shape[1] - self.window, 0)
         ids = input_ids[:, start:]
-        counted = ids < vocab  # ids past the output vocabulary (a larger embedding) cannot be generated
+        counted = torch.ones_like(ids, dtype=torch.bool)
         if self.uncounted_ids.numel():
             self.uncounted_ids = self.uncounted_ids.to(ids.device)
             counted &= ~torch.isin(ids, self.uncounted_ids)
@@ -210,11 +211,7 @@ class StagedRepetitionPenaltyLogitsProcessor(LogitsProcessor):
         if padding is not None:
             column = torch.arange(start, input_ids.shape[1], device=ids.device)
             counted &= column >= padding[:, None]
-        ids = ids.clamp(max=vocab - 1)
-        counts = torch.zeros((rows, vocab), dtype=torch.int32, device=scores.device)
-        counts.scatter_add_(1, ids, counted.to(torch.int32))
-        # Every occurrence of a token looks up the same count, so all writes of one token agree.
-        occurrences = counts.gather(1, ids)
+        ids, occurrences = occurrence_counts(ids, vocab, counted)
         # Penalize in float32 at least, as transformers does when it divides half-precision scores.
         compute_dtype = torch.promote_types(scores.dtype, torch.float32)
         thresholds, factors = self._row_tables(rows, scores.device, compute_dtype)
