@@ -93,7 +93,14 @@ def _pyplot():
     return plt
 
 
-FAMILIES = (("top_p", "o-", "top-p"), ("min_p", "s-", "min-p"))
+FAMILIES = (
+    ("top_p", "o-", "top-p"),
+    ("min_p", "s-", "min-p"),
+    ("top_n_sigma", "^-", "top-n-sigma"),
+    ("xtc_threshold", "v-", "XTC"),
+    ("mirostat_tau", "D-", "mirostat"),
+    ("dry_multiplier", "P-", "DRY"),
+)
 POINT_MARKERS = "xD^v<>P*hX"
 
 
@@ -104,12 +111,13 @@ def frontier_figure(report: EvaluationReport):
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(8, 5.5))
     rows = [row for row in report.strategies if row.get("perplexity") is not None]
-    for offset, (family, marker, name) in zip((8, -12), FAMILIES, strict=True):
+    for index, (family, marker, name) in enumerate(FAMILIES):
+        offset = 8 if index % 2 == 0 else -12
         series = sorted((row for row in rows if family in row), key=lambda row: row.get("temperature", 1.0))
         if not series:
             continue
         axes.plot([r["distinct_2"] for r in series], [r["perplexity"] for r in series], marker, label=name)
-        for row in series:  # top-p labels above their points, min-p labels below
+        for row in series:  # alternate families label above and below their points
             axes.annotate(f"T={row.get('temperature', 1.0):g}", (row["distinct_2"], row["perplexity"]),
                           textcoords="offset points", xytext=(0, offset), ha="center", fontsize=7)  # fmt: skip
     points: dict[tuple[float, float], list[str]] = {}

@@ -29,11 +29,19 @@ COMPRESSION_RATIOS = (0.0, 0.25, 0.5, 0.75)
 
 def default_strategies() -> list[Strategy]:
     """The grid a plain ``decodekit eval`` compares: greedy, top-p and min-p across temperatures,
-    the staged penalty, beam search with each normalization, and the compressed cache."""
+    top-n-sigma, XTC, Mirostat and DRY at T=1.0 and 1.5, the staged penalty, beam search with
+    each normalization, and the compressed cache."""
     grid = [Strategy(name="greedy")]
-    for temperature in (0.7, 1.0, 1.3):
+    for temperature in (0.7, 1.0, 1.3, 1.5):
         grid.append(Strategy(name=f"top-p 0.9, T={temperature}", temperature=temperature, top_p=0.9))
         grid.append(Strategy(name=f"min-p 0.1, T={temperature}", temperature=temperature, min_p=0.1))
+    for temperature in (1.0, 1.5):  # the llama.cpp samplers, at the temperatures where they matter
+        grid.append(Strategy(name=f"top-n-sigma 1.0, T={temperature}", temperature=temperature, top_n_sigma=1.0))
+        grid.append(Strategy(name=f"XTC 0.1/0.5, T={temperature}", temperature=temperature, xtc_threshold=0.1,
+                             xtc_probability=0.5))  # fmt: skip
+        grid.append(Strategy(name=f"mirostat 5/0.1, T={temperature}", temperature=temperature, mirostat_tau=5.0,
+                             mirostat_eta=0.1))  # fmt: skip
+        grid.append(Strategy(name=f"DRY 0.8, T={temperature}", temperature=temperature, dry_multiplier=0.8))
     grid.append(Strategy(name="greedy, staged penalty", staged_penalty="1:1.2,3:1.5,6:2.0", penalty_window=64))
     for normalization in ("none", "average", "gnmt"):
         alpha = None if normalization == "none" else (1.0 if normalization == "average" else 0.6)
