@@ -1,6 +1,6 @@
 """Per-call time of decodekit's processors against transformers' built-ins, and their end-to-end cost.
 
-    python benchmarks/processors.py [--rounds 15] [--generate-rounds 5]
+    python benchmarks/processors.py [--rounds 15] [--generate-rounds 5] [--device cpu|cuda]
 
 Prints ratios measured side by side in one run, and each candidate's page faults per call. The
 script first asks glibc to keep freed memory for reuse, as a long-running process does: left to
@@ -10,8 +10,11 @@ and a candidate that then pays fresh pages on every call looks up to twice as sl
 Ratios:
   1. min-p vs MinPLogitsWarper on scores [32, 49152]            (target: ours >= 5x faster)
   2. staged penalty (512-token window) vs RepetitionPenalty      (target: ours <= 2x its time)
-  3. generate on the default model, batch 8, 64 new tokens, sampling with and without our
-     processors                                                  (target: <= 3% slower)
+  3. DRY, XTC, top-n-sigma and Mirostat against naive per-row references written from their
+     definitions (the same results, checked before timing)    (no target: how far vectorizing goes)
+  4. generate on the default model, batch 8, 64 new tokens, sampling with and without each
+     recipe's processors: min-p + staged + frequency/presence; DRY + top-n-sigma + XTC; Mirostat
+                                                                 (target: each <= 3% slower)
 """
 
 from __future__ import annotations
@@ -28,12 +31,18 @@ from _timing import (  # benchmarks/ is on sys.path when a script in it runs
 from transformers import LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from decodekit import (
+    DRYLogitsProcessor,
     FrequencyPresencePenaltyLogitsProcessor,
     MinPLogitsProcessor,
+    MirostatLogitsProcessor,
     StagedRepetitionPenaltyLogitsProcessor,
+    TopNSigmaLogitsProcessor,
+    XTCLogitsProcessor,
     encode_prompts,
     load_model,
 )
+from decodekit.logits_processors.dry import breaker_token_ids
+from decodekit.logits_processors.seeded import uniform_draws
 
 BATCH, VOCAB, WINDOW = 32, 49152, 512
 PROMPTS = [
@@ -48,10 +57,10 @@ PROMPTS = [
 ]
 
 
-def per_call(rounds: int, allocator_pinned: bool) -> None:
+def per_call(rounds: int, allocator_pinned: bool, device: str) -> None:
     generator = torch.Generator().manual_seed(0)
-    scores = torch.randn(BATCH, VOCAB, generator=generator) * 4
-    input_ids = torch.randint(0, VOCAB, (BATCH, WINDOW), generator=generator)
+    scores = (torch.randn(BATCH, VOCAB, generator=generator) * 4).to(device)
+    input_ids = torch.randint(0, VOCAB, (BATCH, WINDOW), generator=generator).to(device)
     ours_min_p, theirs_min_p = MinPLogitsProcessor(0.1), MinPLogitsWarper(0.1)
     assert torch.equal(ours_min_p(input_ids, scores), theirs_min_p(input_ids, scores))
     staged = StagedRepetitionPenaltyLogitsProcessor({1: 1.2, 3: 1.5, 6: 2.0}, window=WINDOW)
@@ -75,17 +84,104 @@ def per_call(rounds: int, allocator_pinned: bool) -> None:
     print(f"  staged penalty / RepetitionPenalty:  {ratio:.2f}x  (target <= 2x: {verdict(ratio <= 2)})")
 
 
-def end_to_end(rounds: int, new_tokens: int) -> None:
-    model, tokenizer = load_model()
-    batch = encode_prompts(tokenizer, PROMPTS)
+def naive_dry(input_ids, scores, breakers, multiplier=0.8, base=1.75, allowed=2, last_n=WINDOW):
+    """text-generation-webui's loop, row by row."""
+    out = scores.clone()
+    for row, ids in enumerate(input_ids[:, -last_n:].tolist()):
+        last, lengths = ids[-1], {}
+        if last in breakers:
+            continue
+        for index in (i for i, token in enumerate(ids[:-1]) if token == last):
+            following, length = ids[index + 1], 1
+            if following in breakers:
+                continue
+            while length < 50 and index - length >= 0:
+                previous = ids[-(length + 1)]
+                if ids[index - length] != previous or previous in breakers:
+                    break
+                length += 1
+            lengths[following] = max(length, lengths.get(following, 0))
+        for token, length in lengths.items():
+            if length >= allowed:
+                out[row, token] -= multiplier * base ** (length - allowed)
+    return out
+
+
+def naive_xtc(scores, threshold, probability, seeds, step):
+    draws = uniform_draws(seeds, step, scores.device, 2)
+    out = scores.clone()
+    for row in range(scores.shape[0]):
+        if draws[row] >= probability:
+            continue
+        probabilities = torch.softmax(scores[row].float(), dim=-1)
+        tops = (probabilities >= threshold).nonzero().flatten()
+        if len(tops) >= 2:
+            least = probabilities[tops].min()
+            out[row, tops[probabilities[tops] > least]] = float("-inf")
+    return out
+
+
+def naive_top_n_sigma(scores, n):
+    out = scores.clone()
+    for row in range(scores.shape[0]):
+        threshold = scores[row].max() - n * scores[row].std()
+        out[row, scores[row] < threshold] = float("-inf")
+    return out
+
+
+def naive_mirostat(scores, tau):
+    """The first step of Mirostat 2 (mu = 2 tau), llama.cpp style: sort, then cut by surprise."""
+    out = torch.full_like(scores, float("-inf"))
+    for row in range(scores.shape[0]):
+        probabilities, order = torch.softmax(scores[row], dim=-1).sort(descending=True)
+        keep = max(1, int((-torch.log2(probabilities) <= 2 * tau).sum()))
+        out[row, order[:keep]] = scores[row, order[:keep]]
+    return out
+
+
+def samplers_per_call(rounds: int, device: str) -> None:
+    generator = torch.Generator().manual_seed(1)
+    scores = (torch.randn(BATCH, VOCAB, generator=generator) * 4).to(device)
+    input_ids = torch.randint(0, 64, (BATCH, WINDOW), generator=generator).to(device)  # repetitive text
+    breakers = {3, 4}
+    seeds = torch.arange(BATCH)
+    dry = DRYLogitsProcessor(0.8, sequence_breaker_ids=sorted(breakers), penalty_last_n=WINDOW)
+    xtc = XTCLogitsProcessor(0.01, 0.5, seeds=seeds, prompt_length=WINDOW)
+    sigma = TopNSigmaLogitsProcessor(1.0)
+    pairs = {
+        "DRY": (lambda: dry(input_ids, scores), lambda: naive_dry(input_ids, scores, breakers)),
+        "XTC": (lambda: xtc(input_ids, scores), lambda: naive_xtc(scores, 0.01, 0.5, seeds, 0)),
+        "top-n-sigma": (lambda: sigma(None, scores), lambda: naive_top_n_sigma(scores, 1.0)),
+        "Mirostat": (lambda: MirostatLogitsProcessor(3.0)(input_ids, scores), lambda: naive_mirostat(scores, 3.0)),
+    }
+    for name, (ours, naive) in pairs.items():
+        assert torch.allclose(ours(), naive(), rtol=1e-5, atol=1e-4), f"{name} differs from its reference"
+    candidates = {f"{name} {kind}": function for name, pair in pairs.items()
+                  for kind, function in zip(("(decodekit)", "(naive)"), pair, strict=True)}  # fmt: skip
+    times = interleaved_medians(candidates, rounds=max(3, rounds // 3), calls=3, warmup=1)
+    print(f"\nNew samplers per call on scores [{BATCH}, {VOCAB}] ({WINDOW}-token history for DRY), same results:")
+    for name in pairs:
+        ours, naive = times[f"{name} (decodekit)"], times[f"{name} (naive)"]
+        print(f"  {name:<12} {ours * 1e3:9.3f} ms   naive per-row loop {naive * 1e3:10.3f} ms   {naive / ours:7.1f}x")
+
+
+def end_to_end(rounds: int, new_tokens: int, device: str) -> None:
+    model, tokenizer = load_model(device_map=None if device == "cpu" else device)
+    batch = {key: value.to(model.device) for key, value in encode_prompts(tokenizer, PROMPTS).items()}
     prompt_length = batch["input_ids"].shape[1]
-    processors = LogitsProcessorList(
-        [
+    recipes = {
+        "min-p + staged + frequency/presence": [
             StagedRepetitionPenaltyLogitsProcessor({1: 1.2, 3: 1.5, 6: 2.0}, window=WINDOW),
             FrequencyPresencePenaltyLogitsProcessor(0.3, 0.2, prompt_length=prompt_length),
             MinPLogitsProcessor(0.05, temperature=0.8),
-        ]
-    )
+        ],
+        "DRY + top-n-sigma + XTC": [
+            DRYLogitsProcessor(0.8, sequence_breaker_ids=breaker_token_ids(tokenizer, ["\n", ":", '"', "*"])),
+            TopNSigmaLogitsProcessor(1.0),
+            XTCLogitsProcessor(0.1, 0.5, temperature=0.8, prompt_length=prompt_length),
+        ],
+        "Mirostat": [MirostatLogitsProcessor(5.0, 0.1, temperature=0.8)],
+    }
     common = dict(
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
@@ -100,14 +196,17 @@ def end_to_end(rounds: int, new_tokens: int) -> None:
         with torch.inference_mode():
             model.generate(**batch, logits_processor=logits_processor, **common)
 
-    times = interleaved_medians({"without": run, "with": lambda: run(processors)}, rounds=rounds)
-    overhead = times["with"] / times["without"] - 1
+    candidates = {"without": run}
+    candidates.update({name: (lambda chain=chain: run(LogitsProcessorList(chain))) for name, chain in recipes.items()})
+    times = interleaved_medians(candidates, rounds=rounds)
     print(
-        f"\ngenerate on {len(PROMPTS)} prompts x {new_tokens} new tokens (default model, sampling T=0.8), "
-        f"median of {rounds} rounds:"
+        f"\ngenerate on {len(PROMPTS)} prompts x {new_tokens} new tokens (default model on {device}, sampling "
+        f"T=0.8), median of {rounds} rounds: without decodekit's processors {times['without']:.3f} s"
     )
-    print(f"  without our processors {times['without']:.3f} s, with all three {times['with']:.3f} s")
-    print(f"  overhead: {overhead * 100:+.2f}%  (target <= +3%: {verdict(overhead <= 0.03)})")
+    for name in recipes:
+        overhead = times[name] / times["without"] - 1
+        print(f"  with {name:<38} {times[name]:.3f} s  overhead {overhead * 100:+.2f}%  "
+              f"(target <= +3%: {verdict(overhead <= 0.03)})")  # fmt: skip
 
 
 def main() -> None:
@@ -116,10 +215,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--generate-rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    per_call(args.rounds, allocator_pinned)
+    per_call(args.rounds, allocator_pinned, args.device)
+    samplers_per_call(args.rounds, args.device)
     if args.generate_rounds > 0:
-        end_to_end(args.generate_rounds, args.new_tokens)
+        end_to_end(args.generate_rounds, args.new_tokens, args.device)
 
 
 if __name__ == "__main__":

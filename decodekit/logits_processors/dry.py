@@ -85,7 +85,7 @@ class DRYLogitsProcessor(LogitsProcessor):
         )
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows, vocab = check_scores(scores, "DRYLogitsProcessor")
+        _, vocab = check_scores(scores, "DRYLogitsProcessor")
         window = min(input_ids.shape[1], self.penalty_last_n)
         if window < 2:
             return scores
@@ -112,9 +112,11 @@ class DRYLogitsProcessor(LogitsProcessor):
         tokens = ids[:, 1:]
         counted = (tokens < vocab) & ~broken[:, 1:]  # a breaker is never penalized
         penalty = self._penalties.to(device=device, dtype=torch.float32)[lengths.long()] * counted
-        worst = torch.zeros(rows, vocab, device=device, dtype=torch.float32)
-        worst.scatter_reduce_(1, tokens.clamp(max=vocab - 1), penalty, reduce="amax")
-        return (scores.float() - worst).to(scores.dtype)
+        tokens = tokens.clamp(max=vocab - 1)
+        # A token's score drops by its largest penalty: the smallest of (score - penalty) over its
+        # occurrences, written in one scatter (a penalty of 0 leaves the score as it is).
+        lowered = (scores.gather(1, tokens).float() - penalty).to(scores.dtype)
+        return scores.scatter_reduce(1, tokens, lowered, reduce="amin", include_self=True)
 
 
 def from_strategy(values: Mapping[str, Any], context: Any) -> DRYLogitsProcessor:

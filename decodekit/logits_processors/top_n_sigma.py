@@ -50,15 +50,16 @@ class TopNSigmaLogitsProcessor(LogitsProcessor):
         rows, _ = check_scores(scores, "TopNSigmaLogitsProcessor")
         logits = scores.float()
         finite = torch.isfinite(logits)
-        count = finite.sum(dim=-1, keepdim=True).clamp(min=1)
+        count = finite.sum(dim=-1, keepdim=True, dtype=torch.float64)
         zeroed = torch.where(finite, logits, 0.0)
-        mean = zeroed.sum(dim=-1, keepdim=True) / count
-        spread = torch.where(finite, logits - mean, 0.0)
-        std = (spread.square().sum(dim=-1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # torch.std's
+        # The variance from the sum and the sum of squares, accumulated in float64 (no cancellation).
+        total = zeroed.sum(dim=-1, keepdim=True, dtype=torch.float64)
+        squares = torch.linalg.vector_norm(zeroed, dim=-1, keepdim=True, dtype=torch.float64).square()
+        variance = ((squares - total.square() / count.clamp(min=1)) / (count - 1).clamp(min=1)).clamp(min=0)
         top = logits.amax(dim=-1, keepdim=True)
-        threshold = top - self.n.for_rows(rows, scores.device, torch.float32) * std
-        keep = (logits >= threshold) | (logits == top)  # the best token survives any rounding
-        return torch.where(keep, scores, torch.full((), self.filter_value, dtype=scores.dtype, device=scores.device))
+        threshold = top - self.n.for_rows(rows, scores.device, torch.float32) * variance.sqrt().float()
+        threshold = torch.minimum(threshold, top)  # the best token survives any rounding
+        return scores.masked_fill(logits < threshold, self.filter_value)
 
 
 def from_strategy(values: Mapping[str, Any], context: Any) -> TopNSigmaLogitsProcessor:

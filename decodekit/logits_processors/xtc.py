@@ -70,22 +70,26 @@ class XTCLogitsProcessor(LogitsProcessor):
             seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=None).item())]  # built once, on the host
         self.seeds = integer_rows("seeds", seeds)
         self.prompt_length = check_int("prompt_length", prompt_length, 0)
+        self._lowest_threshold = float(self.threshold.values.min())
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows, _ = check_scores(scores, "XTCLogitsProcessor")
+        rows, vocab = check_scores(scores, "XTCLogitsProcessor")
         device = scores.device
-        temperature = self.temperature.for_rows(rows, device, torch.float32)
-        probabilities = torch.softmax(scores.float() / temperature, dim=-1)
+        # At most 1 / threshold tokens reach the threshold: only the k best can be top choices.
+        k = vocab if self._lowest_threshold <= 0 else min(vocab, int(1.0 / self._lowest_threshold) + 1)
+        scaled = scores.float() / self.temperature.for_rows(rows, device, torch.float32)
+        best, index = scaled.topk(k, dim=-1)
+        probabilities = (best - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp()
         top = probabilities >= self.threshold.for_rows(rows, device, torch.float32)
         # The least likely top choice stays: the smallest probability among the top ones.
         least = torch.where(top, probabilities, math.inf).amin(dim=-1, keepdim=True)
-        removed = top & (probabilities > least)
         step = input_ids.shape[1] - self.prompt_length
         flips = uniform_draws(expand_rows(self.seeds, rows, "seeds"), step, device, XTC_STREAM)
         acts = flips[:, None] < self.probability.for_rows(rows, device, torch.float32)
         enough = top.sum(dim=-1, keepdim=True) >= 2
-        removed = removed & acts & enough
-        return scores.masked_fill(removed, -math.inf)
+        removed = top & (probabilities > least) & acts & enough
+        kept = scores.gather(1, index).masked_fill(removed, -math.inf)
+        return scores.scatter(1, index, kept)
 
 
 def from_strategy(values: Mapping[str, Any], context: Any) -> XTCLogitsProcessor:
