@@ -29,7 +29,7 @@ def test_the_stream_ends_with_the_librarys_text_and_the_models_probabilities(tin
         logits = model(new_ids[None]).logits[0, prompt_length - 1 : -1]
     expected = torch.softmax(logits, -1)[torch.arange(len(new_ids) - prompt_length), new_ids[prompt_length:]]
     assert [p for _, p in final.tokens] == pytest.approx(expected.tolist(), rel=1e-4)
-    assert len(final.candidates) == 10 and final.stats["new tokens"] == 10
+    assert len(final.candidates) == 10 and final.stats.new_tokens == 10
 
 
 def test_candidates_show_what_min_p_removed(tiny):
@@ -50,9 +50,11 @@ def test_candidates_show_what_min_p_removed(tiny):
 def test_a_compressed_cache_and_beam_search_report_their_stats(tiny):
     model, tokenizer = tiny
     cached = list(stream(model, tokenizer, "Hello " * 30, Strategy(kv_budget=40), max_new_tokens=12))[-1]
-    assert cached.stats["compressed KV cache (KiB)"] < cached.stats["full KV cache (KiB)"]
+    assert cached.stats.compressed_cache_bytes < cached.stats.full_cache_bytes
     beams = list(stream(model, tokenizer, "Hello", Strategy(num_beams=3), max_new_tokens=6))
-    assert [update.stats.get("step") for update in beams[:-1]] == list(range(1, 7))
+    steps = [update.stats.steps for update in beams[:-1]]
+    assert steps == sorted(steps) and steps[-1] == 6 and len(steps) == 6  # one update per step
+    assert all(update.stats.best_score is not None for update in beams[:-1])
     assert beams[-1].text == generate_text(model, tokenizer, ["Hello"], Strategy(num_beams=3), max_new_tokens=6)[0]
 
 

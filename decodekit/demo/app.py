@@ -17,7 +17,7 @@ import gradio as gr
 import pandas as pd
 
 from decodekit._validation import as_integer, as_real, check_int
-from decodekit.demo.engine import stream
+from decodekit.demo.engine import Stats, stream
 from decodekit.fields import BY_NAME, FIELDS, SAMPLING_FIELDS
 from decodekit.strategies import Strategy
 
@@ -157,7 +157,8 @@ class DemoSession:
                 if stop.is_set():
                     break
                 shaded = update.tokens or [(update.text, None)]
-                yield shaded, update.stats, update.candidates, gr.update(maximum=max(2, len(update.candidates)))
+                stats = format_stats(update.stats, beam=strategy.beam)
+                yield shaded, stats, update.candidates, gr.update(maximum=max(2, len(update.candidates)))
         except (TypeError, ValueError) as error:
             raise _user_error(str(error)) from None
         finally:
@@ -184,6 +185,25 @@ def candidates_plot(candidates: list[dict[str, Any]], step: int) -> pd.DataFrame
         rows.append((f"{rank + 1}a {token!r}", entry["before"][rank], "before processors"))
         rows.append((f"{rank + 1}b {token!r}", entry["after"][rank], "after processors"))
     return pd.DataFrame(rows, columns=["token", "probability", "stage"])
+
+
+def format_stats(stats: Stats, *, beam: bool = False) -> dict[str, Any]:
+    """The page's stats panel: labelled, rounded, in KiB and seconds; absent numbers left out."""
+    shown: dict[str, Any] = {"new tokens": stats.new_tokens}
+    if beam:
+        shown["beam steps"] = stats.steps
+    if stats.first_token_seconds is not None:
+        shown["time to first token (s)"] = round(stats.first_token_seconds, 3)
+    if stats.tokens_per_second is not None:
+        shown["steps/s" if beam else "tokens/s"] = round(stats.tokens_per_second, 2)
+    shown["full KV cache (KiB)"] = round(stats.full_cache_bytes / 1024, 1)
+    if stats.compressed_cache_bytes is not None:
+        shown["compressed KV cache (KiB)"] = round(stats.compressed_cache_bytes / 1024, 1)
+    if stats.best_score is not None:
+        shown["best score"] = round(stats.best_score, 4)
+    if stats.total_seconds is not None:
+        shown["total time (s)"] = round(stats.total_seconds, 3)
+    return shown
 
 
 def unset_controls() -> list[Any]:

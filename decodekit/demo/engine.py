@@ -25,6 +25,31 @@ TOP_CANDIDATES = 8
 GENERATION_THREAD = "decodekit-generate"
 
 
+@dataclass(frozen=True)
+class Stats:
+    """A generation's numbers, in plain units (the app formats them for the page).
+
+    Attributes:
+        new_tokens: tokens generated (a beam search's final hypothesis length at the end).
+        steps: decoding steps completed (one token each; a beam search step otherwise).
+        first_token_seconds: from the start to the first step's end, or None before it.
+        tokens_per_second: steps after the first over the time since it, or None.
+        full_cache_bytes: what a full KV cache of the prompt and the steps holds.
+        compressed_cache_bytes: what the compressed cache holds, or None without one.
+        total_seconds: the whole generation, at the end only.
+        best_score: beam search's best normalized score so far, or None.
+    """
+
+    new_tokens: int = 0
+    steps: int = 0
+    first_token_seconds: float | None = None
+    tokens_per_second: float | None = None
+    full_cache_bytes: int = 0
+    compressed_cache_bytes: int | None = None
+    total_seconds: float | None = None
+    best_score: float | None = None
+
+
 @dataclass
 class Update:
     """The state of a generation so far."""
@@ -32,7 +57,7 @@ class Update:
     tokens: list[tuple[str, float]] = field(default_factory=list)  # (text, probability) per new token
     text: str = ""
     done: bool = False
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: Stats = field(default_factory=lambda: Stats())
     candidates: list[dict[str, Any]] = field(default_factory=list)  # per step: top tokens before/after
 
 
@@ -173,8 +198,7 @@ def stream(
         if beam_progress is not None:
             for progress in beam_progress:
                 stats = _stats(model, tracker.snapshot, started, time.perf_counter(), prompt_length)
-                stats.update({"step": progress.step, "best score": round(progress.scores[0], 4)})
-                yield Update(text=progress.texts[0], stats=stats)
+                yield Update(text=progress.texts[0], stats=replace(stats, best_score=progress.scores[0]))
         else:
             while worker.is_alive():
                 worker.join(interval)
@@ -210,17 +234,18 @@ def _shade(tokenizer: Any, snapshot: Snapshot) -> list[tuple[str, float]]:
     return list(zip(texts, snapshot.probabilities, strict=True))
 
 
-def _stats(model: Any, snapshot: Snapshot, started: float, now: float, prompt_length: int) -> dict[str, Any]:
+def _stats(model: Any, snapshot: Snapshot, started: float, now: float, prompt_length: int) -> Stats:
     """Numbers a stopwatch would agree with: a step is one token (one beam search step)."""
-    stats: dict[str, Any] = {"new tokens": snapshot.steps}
+    first = rate = None
     if snapshot.first_step_at is not None:
-        stats["time to first token (s)"] = round(snapshot.first_step_at - started, 3)
+        first = snapshot.first_step_at - started
         if snapshot.steps > 1 and now > snapshot.first_step_at:
-            stats["tokens/s"] = round((snapshot.steps - 1) / (now - snapshot.first_step_at), 2)
-    stats["full KV cache (KiB)"] = round(full_cache_bytes(model, prompt_length + snapshot.steps) / 1024, 1)
-    if snapshot.cache_bytes is not None:
-        stats["compressed KV cache (KiB)"] = round(snapshot.cache_bytes / 1024, 1)
-    return stats
+            rate = (snapshot.steps - 1) / (now - snapshot.first_step_at)
+    return Stats(
+        new_tokens=snapshot.steps, steps=snapshot.steps, first_token_seconds=first, tokens_per_second=rate,
+        full_cache_bytes=full_cache_bytes(model, prompt_length + snapshot.steps),
+        compressed_cache_bytes=snapshot.cache_bytes,
+    )  # fmt: skip
 
 
 def _final(model, tokenizer, batch, result, snapshot, started, strategy) -> Update:
@@ -239,12 +264,11 @@ def _final(model, tokenizer, batch, result, snapshot, started, strategy) -> Upda
     else:
         update.tokens = _shade(tokenizer, snapshot)
     update.text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    update.stats = _stats(model, snapshot, started, result["ended_at"], prompt_length)
-    update.stats["total time (s)"] = round(result["ended_at"] - started, 3)
-    if strategy.beam:
-        update.stats["new tokens"] = len(new_ids)
-        update.stats["beam steps"] = snapshot.steps
-    else:
+    update.stats = replace(
+        _stats(model, snapshot, started, result["ended_at"], prompt_length),
+        total_seconds=result["ended_at"] - started, new_tokens=len(new_ids),
+    )  # fmt: skip
+    if not strategy.beam:
         update.candidates = [
             _candidates(tokenizer, raw[0], processed[0])
             for raw, processed in zip(output.logits, output.scores, strict=False)
