@@ -54,12 +54,13 @@ class MirostatLogitsProcessor(LogitsProcessor):
         )
         self.temperature = RowParameter("temperature", temperature, low=TEMPERATURE_RANGE[0], high=TEMPERATURE_RANGE[1])
         self.mu: torch.Tensor | None = None  # [rows, 1]: each row's surprise bound, in bits
-        self._kept_log2: torch.Tensor | None = None  # last step's truncated distribution, log2 probabilities
+        self._kept_log2: torch.Tensor | None = None  # last step's log2 probabilities
+        self._log2_norm: torch.Tensor | None = None  # log2 of the kept tokens' total, to renormalize
         self._length = -1  # input_ids length at the last call
 
     def reset(self) -> None:
         """Forget the state: the next call starts a new generation."""
-        self.mu, self._kept_log2, self._length = None, None, -1
+        self.mu, self._kept_log2, self._log2_norm, self._length = None, None, None, -1
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         rows, _ = check_scores(scores, "MirostatLogitsProcessor")
@@ -70,18 +71,23 @@ class MirostatLogitsProcessor(LogitsProcessor):
         )  # host-side shapes only
         if continues:
             drawn = input_ids[:, -1:].to(device)
-            surprise = -self._kept_log2.gather(1, drawn)  # of the token drawn, under the truncated distribution
+            # The drawn token's surprise under last step's truncated, renormalized distribution.
+            surprise = self._log2_norm - self._kept_log2.gather(1, drawn)
             self.mu = self.mu - self.eta.for_rows(rows, device, torch.float32) * (surprise - tau)
         else:
             self.mu = 2.0 * tau
         self._length = input_ids.shape[1]
         temperature = self.temperature.for_rows(rows, device, torch.float32)
-        log2_p = torch.log_softmax(scores.float() / temperature, dim=-1) / math.log(2.0)
-        best = log2_p.amax(dim=-1, keepdim=True)
-        keep = (-log2_p <= self.mu) | (log2_p == best)
-        kept = torch.where(keep, log2_p, -math.inf)
-        self._kept_log2 = kept - torch.logsumexp(kept * math.log(2.0), dim=-1, keepdim=True) / math.log(2.0)
-        return scores.masked_fill(~keep, -math.inf)
+        probabilities = torch.softmax(scores.float() / temperature, dim=-1)
+        log2_p = torch.log2(probabilities)
+        # Keep log2 p >= -mu, and always the best token. Float arithmetic instead of boolean masks
+        # (cheaper on CPU): the sign of (log2 p - cut) onto infinity is +inf to keep, -inf to remove.
+        cut = torch.minimum(-self.mu, log2_p.amax(dim=-1, keepdim=True))
+        cut = torch.where(cut == 0, -0.0, cut)  # so that a log2 p of -0 equal to a cut of 0 is kept
+        bound = torch.copysign(torch.full((), math.inf, device=device), log2_p - cut)
+        kept_mass = torch.linalg.vecdot(probabilities, bound.clamp(min=0.0, max=1.0)).unsqueeze(-1)
+        self._kept_log2, self._log2_norm = log2_p, torch.log2(kept_mass)  # drawn tokens are always kept ones
+        return torch.minimum(scores, bound.to(scores.dtype))
 
 
 def from_strategy(values: Mapping[str, Any], context: Any) -> MirostatLogitsProcessor:
