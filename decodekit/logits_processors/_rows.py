@@ -32,6 +32,20 @@ def check_scores(scores: torch.Tensor, owner: str) -> tuple[int, int]:
     return scores.shape[0], scores.shape[1]
 
 
+def fast_logsumexp(values: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the last dimension, kept ``[rows, 1]``, that stays fast when most entries
+    are -inf (a filtered row): on CPU, ``exp`` of -inf takes a slow path, about 8x the time. Terms
+    more than 80 below the maximum (each under 2e-35 of it) are clamped to that, which changes no
+    float32 result.
+
+    Example:
+        >>> fast_logsumexp(torch.tensor([[0.0, 0.0, float("-inf")]])).item() == torch.log(torch.tensor(2.0)).item()
+        True
+    """
+    top = values.amax(dim=-1, keepdim=True).clamp(min=FLOAT32_MIN)
+    return (values - top).clamp_(min=-80.0).exp_().sum(dim=-1, keepdim=True).log_() + top
+
+
 class RowParameter:
     """A validated scalar or 1-D tensor, handed out per call on the scores' device and dtype.
 

@@ -16,6 +16,7 @@ from decodekit.logits_processors._rows import (
     RowValues,
     check_scores,
     expand_rows,
+    fast_logsumexp,
     integer_rows,
 )
 from decodekit.logits_processors.seeded import uniform_draws
@@ -79,7 +80,7 @@ class XTCLogitsProcessor(LogitsProcessor):
         k = vocab if self._lowest_threshold <= 0 else min(vocab, int(1.0 / self._lowest_threshold) + 1)
         scaled = scores.float() / self.temperature.for_rows(rows, device, torch.float32)
         best, index = scaled.topk(k, dim=-1)
-        probabilities = (best - torch.logsumexp(scaled, dim=-1, keepdim=True)).exp()
+        probabilities = (best - fast_logsumexp(scaled)).exp()
         top = probabilities >= self.threshold.for_rows(rows, device, torch.float32)
         # The least likely top choice stays: the smallest probability among the top ones.
         least = torch.where(top, probabilities, math.inf).amin(dim=-1, keepdim=True)
