@@ -66,3 +66,11 @@ def test_the_readme_documents_every_command_line_flag():
         if flag.startswith("--") and flag != "--help" and f"`{flag}" not in text
     ]
     assert not missing, f"flags missing from README.md: {', '.join(missing)}"
+
+
+def test_the_readme_lists_every_decoding_field_with_its_flag():
+    from decodekit.fields import FIELDS
+
+    text = README.read_text()
+    missing = [field.name for field in FIELDS if f"`{field.name}` (`{field.cli_flag}`)" not in text]
+    assert not missing, f"decoding fields missing from README.md's table: {missing}"
