@@ -187,3 +187,20 @@ def test_help_and_version_answer_without_importing_torch():
     assert version.returncode == 0 and version.stdout.startswith("decodekit ")
     helped = subprocess.run([sys.executable, "-m", "decodekit", "generate", "--help"], capture_output=True, text=True)
     assert "examples:" in helped.stdout and "--dry-multiplier" in helped.stdout
+
+
+def test_the_demo_says_where_it_serves_without_a_share_hint(tiny, capsys):
+    import socket
+
+    from decodekit.demo.app import launch
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    model, tokenizer = tiny
+    app = launch(model, tokenizer, port=port, block=False)
+    try:
+        out = capsys.readouterr().out
+        assert f"serving on http://127.0.0.1:{port}" in out and "share=True" not in out
+    finally:
+        app.close()

@@ -283,8 +283,12 @@ def launch(
     """Serve the demo on ``host:port`` (no share link, no analytics)."""
     limits = limits or DemoLimits()
     app = build_app(model, tokenizer, limits).queue(max_size=limits.max_queue)
+    # quiet: Gradio's banner suggests share=True, which the command line does not offer; say where instead.
     app.launch(
-        server_name=host, server_port=port, share=False, show_error=False, prevent_thread_lock=not block,
-        theme=LOCAL_THEME,
+        server_name=host, server_port=port, share=False, show_error=False, prevent_thread_lock=True,
+        theme=LOCAL_THEME, quiet=True,
     )  # fmt: skip
+    print(f"decodekit demo: serving on http://{host}:{port} (Ctrl-C stops it)", flush=True)
+    if block:
+        app.block_thread()
     return app
