@@ -6,6 +6,7 @@ expanded each request into several consecutive rows (``num_beams``, ``num_return
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +31,30 @@ def check_scores(scores: torch.Tensor, owner: str) -> tuple[int, int]:
         shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise ValueError(f"{owner}: scores must be a [batch, vocab] tensor; got {shape}")
     return scores.shape[0], scores.shape[1]
+
+
+def keep_bound(values: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """+inf where ``values >= threshold`` and -inf below it, by float arithmetic (a boolean mask
+    costs more on CPU); ``minimum(scores, bound)`` then keeps scores bit for bit and removes the rest.
+
+    IEEE subtraction gives +0 for equal operands, so the sign bit of ``values - threshold`` is set
+    exactly where a value is below the threshold, once a +0 threshold is made -0 (else a -0 value
+    equal to it would give -0). Copying that sign onto infinity gives the bound.
+
+    Example:
+        >>> keep_bound(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[2.0]])).tolist()
+        [[-inf, inf, inf]]
+    """
+    bound = values - torch.where(threshold == 0, -0.0, threshold)
+    return torch.copysign(torch.full((), math.inf, device=bound.device), bound, out=bound)
+
+
+def check_filter_value(value: object) -> float:
+    """``filter_value`` as a float (any number but NaN; usually -inf), or ValueError naming it."""
+    number = as_real(value)
+    if number is None or math.isnan(number):
+        raise ValueError(f"filter_value must be a number (usually -inf); got {value!r}")
+    return number
 
 
 def fast_logsumexp(values: torch.Tensor) -> torch.Tensor:

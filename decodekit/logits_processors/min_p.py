@@ -9,14 +9,16 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from decodekit._validation import as_real, check_int
+from decodekit._validation import check_int
 from decodekit.logits_processors._rows import (
     FLOAT32_MIN,
     TEMPERATURE_RANGE,
     RowParameter,
     RowValues,
+    check_filter_value,
     check_scores,
     expand_rows,
+    keep_bound,
 )
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -67,11 +69,8 @@ class MinPLogitsProcessor(LogitsProcessor):
         self.min_p = RowParameter("min_p", min_p, low=0.0, high=1.0)
         self.temperature = RowParameter("temperature", temperature, low=TEMPERATURE_RANGE[0], high=TEMPERATURE_RANGE[1])
         check_int("min_tokens_to_keep", min_tokens_to_keep, 1)
-        filter_number = as_real(filter_value)
-        if filter_number is None or math.isnan(filter_number):
-            raise ValueError(f"filter_value must be a number (usually -inf); got {filter_value!r}")
         self.min_tokens_to_keep = min_tokens_to_keep
-        self.filter_value = filter_number
+        self.filter_value = check_filter_value(filter_value)
         # temperature * ln(min_p), the threshold's distance below the top logit; ln(0) floored to a finite value.
         self._log_min_p = torch.log(self.min_p.values).clamp(min=FLOAT32_MIN)
         self._scalar_offset: float | None = None
@@ -98,13 +97,7 @@ class MinPLogitsProcessor(LogitsProcessor):
         check_scores(scores, "MinPLogitsProcessor")
         top = scores.amax(dim=-1, keepdim=True).float()
         threshold = (top + self._offset(scores.shape[0], scores.device)).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
-        # Float arithmetic instead of a boolean mask, which costs more on CPU. IEEE subtraction gives
-        # +0 for equal operands, so the sign bit of ``scores - threshold`` is set exactly where a
-        # score is below the threshold, once a +0 threshold is made -0 (else a -0 score equal to it
-        # would give -0). Copying that sign onto infinity gives +inf to keep and -inf to remove.
-        threshold = torch.where(threshold == 0, -0.0, threshold)
-        bound = scores - threshold
-        torch.copysign(torch.full((), math.inf, device=bound.device), bound, out=bound)
+        bound = keep_bound(scores, threshold)  # +inf to keep, -inf to remove
         if self.min_tokens_to_keep > 1:
             k = min(self.min_tokens_to_keep, scores.shape[-1])
             bound.scatter_(-1, torch.topk(scores, k, dim=-1).indices, math.inf)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor
 
-from decodekit.logits_processors._rows import TEMPERATURE_RANGE, RowParameter, RowValues, check_scores
+from decodekit.logits_processors._rows import TEMPERATURE_RANGE, RowParameter, RowValues, check_scores, keep_bound
 from decodekit.settings import MIROSTAT_ETA_RANGE, MIROSTAT_TAU_RANGE
 
 
@@ -80,11 +79,9 @@ class MirostatLogitsProcessor(LogitsProcessor):
         temperature = self.temperature.for_rows(rows, device, torch.float32)
         probabilities = torch.softmax(scores.float() / temperature, dim=-1)
         log2_p = torch.log2(probabilities)
-        # Keep log2 p >= -mu, and always the best token. Float arithmetic instead of boolean masks
-        # (cheaper on CPU): the sign of (log2 p - cut) onto infinity is +inf to keep, -inf to remove.
+        # Keep log2 p >= -mu, and always the best token.
         cut = torch.minimum(-self.mu, log2_p.amax(dim=-1, keepdim=True))
-        cut = torch.where(cut == 0, -0.0, cut)  # so that a log2 p of -0 equal to a cut of 0 is kept
-        bound = torch.copysign(torch.full((), math.inf, device=device), log2_p - cut)
+        bound = keep_bound(log2_p, cut)  # +inf to keep, -inf to remove
         kept_mass = torch.linalg.vecdot(probabilities, bound.clamp(min=0.0, max=1.0)).unsqueeze(-1)
         self._kept_log2, self._log2_norm = log2_p, torch.log2(kept_mass)  # drawn tokens are always kept ones
         return torch.minimum(scores, bound.to(scores.dtype))

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from decodekit._validation import as_real
-from decodekit.logits_processors._rows import RowParameter, RowValues, check_scores
+from decodekit.logits_processors._rows import RowParameter, RowValues, check_filter_value, check_scores, keep_bound
 from decodekit.settings import TOP_N_SIGMA_RANGE
 
 
@@ -40,10 +39,7 @@ class TopNSigmaLogitsProcessor(LogitsProcessor):
 
     def __init__(self, n: RowValues, filter_value: float = -math.inf) -> None:
         self.n = RowParameter("top_n_sigma", n, low=TOP_N_SIGMA_RANGE[0], high=TOP_N_SIGMA_RANGE[1])
-        value = as_real(filter_value)
-        if value is None or math.isnan(value):
-            raise ValueError(f"filter_value must be a number (usually -inf); got {filter_value!r}")
-        self.filter_value = value
+        self.filter_value = check_filter_value(filter_value)
         self.supports_continuous_batching = self.n.is_scalar
 
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -62,11 +58,7 @@ class TopNSigmaLogitsProcessor(LogitsProcessor):
         top = logits.amax(dim=-1, keepdim=True)
         threshold = top - self.n.for_rows(rows, scores.device, torch.float32) * variance.sqrt()
         threshold = torch.minimum(threshold, top)  # the best token survives any rounding
-        # As in MinPLogitsProcessor: the sign of (logit - threshold) onto infinity gives +inf to keep
-        # and -inf to remove (a +0 threshold made -0 so that an equal -0 logit is kept).
-        threshold = torch.where(threshold == 0, -0.0, threshold)
-        bound = logits - threshold
-        torch.copysign(torch.full((), math.inf, device=bound.device), bound, out=bound)
+        bound = keep_bound(logits, threshold)  # +inf to keep, -inf to remove
         if self.filter_value != -math.inf:
             bound.clamp_(min=self.filter_value)
         return torch.minimum(scores.float(), bound, out=bound).to(scores.dtype)
