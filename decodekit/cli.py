@@ -140,7 +140,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     generate.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     add_strategy_flags(generate)
-    generate.set_defaults(handler=_run_generate, parser=generate)
+    generate.set_defaults(handler=_run_generate)
     _add_eval_command(commands)
     demo = commands.add_parser(
         "demo",
@@ -281,30 +281,17 @@ def _quiet_libraries() -> None:
         logger.propagate = False
 
 
-def _flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """Each Strategy field's flag as the user types it (``num_beams`` -> ``--num-beams``)."""
-    names = {"do_sample": "--sample", "kv_compression_ratio": "--kv-ratio"}
-    for action in parser._actions:
-        for group in getattr(action, "_group_actions", ()):  # mutually exclusive groups hold their own
-            names.setdefault(group.dest, group.option_strings[-1])
-        if action.option_strings and action.dest not in names:
-            names[action.dest] = action.option_strings[-1]
-    return names
-
-
-def in_flags(message: str, parser: argparse.ArgumentParser) -> str:
+def in_flags(message: str) -> str:
     """A Strategy's message with its field names written as the flags a command-line user typed.
 
     Example:
-        >>> parser = argparse.ArgumentParser()
-        >>> _ = parser.add_argument("--num-beams")
-        >>> in_flags("num_beams must be >= 1", parser)
-        '--num-beams must be >= 1'
+        >>> in_flags("num_beams selects beam search, which does not sample: drop do_sample, kv_compression_ratio")
+        '--num-beams selects beam search, which does not sample: drop --sample, --kv-ratio'
     """
     import re
 
-    names = _flag_names(parser)
-    return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b|\bdo_sample\b", lambda match: names.get(match[0], match[0]), message)
+    flags = {"do_sample": "--sample", **{field.name: field.cli_flag for field in FIELDS}}
+    return re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda match: flags.get(match[0], match[0]), message)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -318,7 +305,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     try:
         strategy = strategy_from_args(args)
     except (TypeError, ValueError) as error:
-        raise ValueError(in_flags(str(error), args.parser)) from None
+        raise ValueError(in_flags(str(error))) from None
     model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
     if args.seed is not None:
         set_seed(args.seed)
