@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from decodekit._validation import as_integer, as_real, check_int, check_real, in_interval, interval, is_bool
+from decodekit._validation import check_int, check_real, in_interval, interval, is_bool
 from decodekit.settings import (
     ALPHA_RANGE,
     DEFAULT_RECENT_TOKENS,
@@ -112,7 +112,7 @@ class Field:
     def parse(self, text: str) -> Any:
         """A command-line value: ValueError (without the flag's name, argparse adds it) when bad."""
         if self.kind in ("real", "integer"):
-            number = as_integer(_int_or_none(text)) if self.kind == "integer" else as_real(_float_or_none(text))
+            number = _int_or_none(text) if self.kind == "integer" else _float_or_none(text)
             if number is None:
                 raise ValueError(f"expected {'an integer' if self.kind == 'integer' else 'a number'}, got {text!r}")
             if not in_interval(number, self.low, self.high, low_open=self.low_open, high_open=self.high_open):

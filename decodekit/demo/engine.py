@@ -57,7 +57,7 @@ class Update:
     tokens: list[tuple[str, float]] = field(default_factory=list)  # (text, probability) per new token
     text: str = ""
     done: bool = False
-    stats: Stats = field(default_factory=lambda: Stats())
+    stats: Stats = field(default_factory=Stats)
     candidates: list[dict[str, Any]] = field(default_factory=list)  # per step: top tokens before/after
 
 

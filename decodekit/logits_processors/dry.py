@@ -82,7 +82,7 @@ class DRYLogitsProcessor(LogitsProcessor):
         lengths = torch.arange(MAX_MATCH + 1, dtype=torch.float64)
         self._penalties = torch.where(
             lengths >= self.allowed_length, self.multiplier * self.base ** (lengths - self.allowed_length), 0.0
-        )
+        ).to(torch.float32)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         _, vocab = check_scores(scores, "DRYLogitsProcessor")
@@ -111,7 +111,8 @@ class DRYLogitsProcessor(LogitsProcessor):
         lengths = agree.to(torch.int32).cumprod(dim=-1).sum(dim=-1)  # [rows, window-1]: leading agreements
         tokens = ids[:, 1:]
         counted = (tokens < vocab) & ~broken[:, 1:]  # a breaker is never penalized
-        penalty = self._penalties.to(device=device, dtype=torch.float32)[lengths.long()] * counted
+        self._penalties = self._penalties.to(device)  # moved once; a no-op afterwards
+        penalty = self._penalties[lengths.long()] * counted
         tokens = tokens.clamp(max=vocab - 1)
         # A token's score drops by its largest penalty: the smallest of (score - penalty) over its
         # occurrences, written in one scatter (a penalty of 0 leaves the score as it is).
