@@ -29,6 +29,7 @@ $KVPRESS_PYTHON, else .venv-kvpress/ (created with torch==2.13.0 and kvpress==0.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -263,44 +264,68 @@ def shaped_model(shape: str, device: torch.device) -> LlamaForCausalLM:
     return model.eval()
 
 
+def _prefill(model, prompt, cache, cuda: bool) -> tuple[float, float]:
+    """Seconds and peak MiB above what was allocated before (NaN off CUDA) of one prefill into ``cache``."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    started = time.perf_counter()
+    with torch.no_grad():
+        model(prompt, past_key_values=cache, logits_to_keep=1)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    return seconds, (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+
+
 def gpu_mode(args, device: torch.device) -> None:
     model = shaped_model(args.shape, device)
     cuda = device.type == "cuda"
     candidates = {
         "DynamicCache": lambda length: DynamicCache(),
         "CompressedCache": lambda length: CompressedCache(model, budget=length // 4),
+        "CompressedCache scoring_backend='torch'": lambda length: CompressedCache(
+            model, budget=length // 4, scoring_backend="torch"
+        ),
         "CompressedCache observation_window=64": lambda length: CompressedCache(
             model, budget=length // 4, observation_window=64
         ),
     }
-    print(f"{args.shape}-shaped random model on {device}, batch 1, 25% budget")
+    scoring = "Triton kernels" if cuda and importlib.util.find_spec("triton") else "blocked PyTorch"
+    print(f"{args.shape}-shaped random model on {device}, batch 1, 25% budget; median of {args.gpu_rounds} prefills"
+          f" after a warm-up; decode: {args.gpu_tokens} greedy tokens; default scoring: {scoring}")  # fmt: skip
     print(f"   {'length':>7s} {'cache':40s}{'prefill s':>10s}{'vs full':>8s}{'peak MiB':>10s}{'vs full':>8s}"
           f"{'tok/s':>8s}{'vs full':>8s}{'cache MiB':>10s}")  # fmt: skip
+    warm_up = torch.randint(0, model.config.vocab_size, (1, 1024), device=device)
+    for make in candidates.values():  # kernel compilation and library start-up stay out of the timings
+        _prefill(model, warm_up, make(1024), cuda)
+        decode(model, warm_up[:, :256], make(256), 4)
     for length in (int(value) for value in args.lengths.split(",")):
         if length // 4 < 36:
             raise SystemExit(f"--lengths: {length} is too short for a 25% budget (at least 144 tokens)")
         prompt = torch.randint(0, model.config.vocab_size, (1, length), device=device)
         results = {}
         for name, make in candidates.items():
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated() if cuda else 0
-            cache = make(length)
-            started = time.perf_counter()
-            with torch.no_grad():
-                model(prompt, past_key_values=cache, logits_to_keep=1)
-            if cuda:
-                torch.cuda.synchronize()
-            prefill = time.perf_counter() - started
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+            runs = []
+            for _ in range(args.gpu_rounds):
+                cache = make(length)
+                runs.append(_prefill(model, prompt, cache, cuda))
+            prefill = statistics.median(seconds for seconds, _ in runs)
+            peak = max(peak for _, peak in runs)
             clock = decode(model, prompt, make(length), args.gpu_tokens)
             results[name] = (prefill, peak, clock.tokens_per_second(), cache_bytes(cache) / 2**20)
+            del cache
         full = results["DynamicCache"]
         for name, (prefill, peak, rate, size) in results.items():
             peak_ratio = peak / full[1] if cuda else float("nan")
             print(f"   {length:7d} {name:40s}{prefill:10.3f}{prefill / full[0]:7.2f}x{peak:10.0f}"
                   f"{peak_ratio:7.2f}x{rate:8.1f}{rate / full[2]:7.2f}x{size:10.1f}")  # fmt: skip
+        (prefill, peak, rate, _), (full_prefill, full_peak, full_rate, _) = results["CompressedCache"], full
+        memory = f"{peak / full_peak:.2f}x ({verdict(peak <= full_peak)} <= 1.0x)" if cuda else "not measured"
+        print(f"   {length:7d} targets: prefill {prefill / full_prefill:.2f}x ({verdict(prefill <= 1.3 * full_prefill)}"
+              f" <= 1.3x), peak memory {memory}, decode {rate / full_rate:.2f}x"
+              f" ({verdict(rate >= 1.5 * full_rate)} >= 1.5x at 8k)")  # fmt: skip
 
 
 def main() -> None:
@@ -323,7 +348,8 @@ def main() -> None:
     parser.add_argument("--kvpress-python", help="python of a virtualenv that has kvpress installed")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="GPU mode: a random model of this shape")
     parser.add_argument("--lengths", default="8192,32768", help="GPU mode: prompt lengths")
-    parser.add_argument("--gpu-tokens", type=int, default=64, help="GPU mode: tokens decoded per measurement")
+    parser.add_argument("--gpu-tokens", type=int, default=128, help="GPU mode: tokens decoded per measurement")
+    parser.add_argument("--gpu-rounds", type=int, default=3, help="GPU mode: prefills timed per cache (median)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     device = torch.device(args.device)

@@ -9,6 +9,12 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels run in Triton's interpreter on the CPU (tests/test_cache_triton.py).
+# Triton reads this once, when it is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny import save_tiny_model
 

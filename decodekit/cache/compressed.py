@@ -52,7 +52,7 @@ class CompressedCache(Cache):
     across devices. Positions stay logical: ``get_seq_length()`` is the number of tokens seen.
 
     Scoring with every query of a long prompt costs about as much as the prompt's own attention
-    (prefill takes up to twice as long on a CPU); ``observation_window=64`` scores with the last
+    (prefill takes up to 1.5 times as long on a CPU); ``observation_window=64`` scores with the last
     64 queries only (SnapKV-style), cheaper and somewhat less accurate.
 
     Args:
@@ -71,6 +71,11 @@ class CompressedCache(Cache):
             most attention any replay query pays them (query-agnostic; about one more prompt pass
             of cost; prompts without padding).
         reconstruction_chunk: prompt tokens replayed per forward pass, >= 1.
+        scoring_backend: "auto" (the default: Triton kernels for a pass's scores when the cache is on
+            CUDA and Triton is installed, else blocked PyTorch), "triton" or "torch". The kernels hold
+            one tile of logits at a time (flash-attention style), so scoring a long prompt needs no
+            memory beyond a float per query and per key; padded, masked, sliding-window and
+            soft-capped passes use the PyTorch path.
 
     Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
 
@@ -96,10 +101,11 @@ class CompressedCache(Cache):
         value_norm: bool = True,
         scoring: str = "attention",
         reconstruction_chunk: int = 2048,
+        scoring_backend: str = "auto",
     ) -> None:
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
-            value_norm, scoring, reconstruction_chunk,
+            value_norm, scoring, reconstruction_chunk, scoring_backend,
         )  # fmt: skip
         modules = bind(model)
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}

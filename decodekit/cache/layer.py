@@ -16,7 +16,10 @@ When one token arrives and a row has a dead slot, the newcomer takes it and noth
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
 
 import torch
 from torch.nn import functional
@@ -49,17 +52,26 @@ def check_cache_size(
     """
     budget_name, ratio_name = names
     if (budget is None) == (compression_ratio is None):
-        raise ValueError(
-            f"give exactly one of {budget_name} (tokens kept) and {ratio_name} (fraction evicted)"
-        )
+        raise ValueError(f"give exactly one of {budget_name} (tokens kept) and {ratio_name} (fraction evicted)")
     if budget is not None:
         hint = floor_hint or " (the sink and recent tokens it always keeps)"
         return check_int(budget_name, budget, floor, hint), None
     return None, check_real(ratio_name, compression_ratio, 0, 1, high_open=True)
 
 
+@cache
+def _triton_scoring() -> ModuleType | None:
+    """The Triton scoring kernels, or None where Triton is not installed."""
+    try:
+        import decodekit.cache._triton_scoring as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
 SCORINGS = ("attention", "reconstruction")
+SCORING_BACKENDS = ("auto", "triton", "torch")
 QUERY_BLOCK = 128  # observed queries scored at once
 LOGIT_ELEMENTS = 1 << 25  # at most this many logits (128 MiB in float32) held at once while scoring
 
@@ -94,10 +106,15 @@ class EvictionPolicy:
     value_norm: bool = True
     scoring: str = "attention"
     reconstruction_chunk: int = 2048
+    scoring_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}; got {self.scoring!r}")
+        if self.scoring_backend not in SCORING_BACKENDS:
+            raise ValueError(
+                f"scoring_backend must be one of {', '.join(map(repr, SCORING_BACKENDS))}; got {self.scoring_backend!r}"
+            )
         checked = {
             "reconstruction_chunk": check_int("reconstruction_chunk", self.reconstruction_chunk, 1),
             "sink_tokens": check_int("sink_tokens", self.sink_tokens, 0),
@@ -364,6 +381,9 @@ class CompressedLayer(DynamicLayer):
             logits = torch.matmul(grouped, keys_t)  # [batch, kv_heads, group, 1, slots]
             return logits.softmax(dim=-1).mean(dim=(2, 3))
         causal_only = appended and unmasked
+        if causal_only and self.softcap is None and not self.replaying and self._on_triton():
+            received = _triton_scoring().attention_received(queries.to(self.keys.dtype), self.keys, scaling)
+            return self._per_query(received, window, group)
         first_slot, first_position = slots - window, self.seen - window
         received = grouped.new_zeros((batch, kv_heads, slots))
         block = max(1, min(QUERY_BLOCK, LOGIT_ELEMENTS // (batch * kv_heads * group * slots)))
@@ -389,6 +409,12 @@ class CompressedLayer(DynamicLayer):
             received[..., :visible] += torch.matmul(inverse, rows).squeeze(2)
         if self.replaying:
             return received
+        return self._per_query(received, window, group)
+
+    def _per_query(self, received: torch.Tensor, window: int, group: int) -> torch.Tensor:
+        """Attention summed over the observed queries and a KV head's group, as a mean per query that sees
+        each entry, smoothed over neighbours when the policy says so."""
+        batch, kv_heads, slots = received.shape
         # How many observed queries see each entry: entries among the new tokens are seen by fewer,
         # and under a sliding window so are entries that leave it.
         last_seer = self.seen
@@ -402,6 +428,22 @@ class CompressedLayer(DynamicLayer):
             received = functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
             received = received.reshape(batch, kv_heads, slots)
         return received
+
+    def _on_triton(self) -> bool:
+        """Whether this layer's scores run on the Triton kernels (see ``scoring_backend``)."""
+        backend = self.policy.scoring_backend
+        if backend == "torch":
+            return False
+        if backend == "auto":
+            return self.keys.is_cuda and _triton_scoring() is not None
+        if _triton_scoring() is None:
+            raise ValueError("scoring_backend='triton' needs the triton package (pip install triton)")
+        if not self.keys.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"scoring_backend='triton' needs the cache on a CUDA device; it is on {self.keys.device}: "
+                "use scoring_backend='auto' or 'torch'"
+            )
+        return True
 
     def _hidden(self, first_query: int, stop_query: int, visible: int) -> torch.Tensor:
         """``[batch, kv_heads, 1, queries, visible]``: True where a query at a position in

@@ -1,0 +1,137 @@
+"""The attention each cached key receives, exactly, at flash-attention cost: two Triton kernels.
+
+A key's score is the softmax probability every observed query gives it, summed over those queries
+and over the query heads that share its KV head. Summing the columns of the attention matrix would
+hold ``queries x keys`` logits; instead:
+
+1. ``_row_log_sum_exp``: per query, the log-sum-exp of its logits over the keys it sees, computed
+   block by block with a running maximum, as flash attention does (without the values);
+2. ``_column_sums``: per block of keys, a loop over the blocks of queries that see them, adding
+   ``exp(logit - lse)``: each query's probability of each key (the roles of queries and keys
+   swapped, as in flash attention's backward pass for the keys).
+
+Each program holds one ``[BLOCK_M, BLOCK_N]`` tile of logits; memory beyond the inputs is one float
+per query and per key. Logits are accumulated in float32 (fp32 inputs multiply in full precision,
+not TF32). Only the common case runs here: the observed queries are the pass's last ``window``
+tokens, appended after every stored key, every stored entry live, causal visibility, no logit cap.
+``CompressedLayer`` sends anything else (padding, dead slots, sliding windows, soft caps,
+reconstruction replay) to its blocked PyTorch path. Importing this module needs Triton.
+
+Example (on a CUDA machine)::
+
+    queries = torch.randn(1, 8, 300, 64, device="cuda")  # [batch, heads, window, head_dim]
+    keys = torch.randn(1, 2, 300, 64, device="cuda")  # [batch, kv_heads, slots, head_dim]
+    received = attention_received(queries, keys, scaling=0.125)  # [1, 2, 300]: column sums per KV head
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64  # queries per tile
+BLOCK_N = 64  # keys per tile
+LOG2_E = math.log2(math.e)
+
+
+@triton.jit
+def _row_log_sum_exp(
+    queries, keys, lse,
+    q_batch, q_head, q_row, k_batch, k_head, k_row,
+    heads, group, window, first_slot, qk_scale,
+    HEAD_DIM: tl.constexpr, DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """lse[b, h, i] = log2 of the sum over the keys query i sees of 2 ** (logit * qk_scale)."""
+    block, row_head = tl.program_id(0), tl.program_id(1)
+    batch, head = row_head // heads, row_head % heads
+    kv_head = head // group
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, DIM)
+    in_rows, in_dims = rows[:, None] < window, dims[None, :] < HEAD_DIM
+    query_tile = queries + batch * q_batch + head * q_head + rows[:, None] * q_row + dims[None, :]
+    query = tl.load(query_tile, mask=in_rows & in_dims, other=0.0)
+    key_base = keys + batch * k_batch + kv_head * k_head
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    visible = first_slot + tl.minimum((block + 1) * BLOCK_M, window)  # keys the block's last query sees
+    for start in range(0, visible, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        in_cols = cols[:, None] < visible
+        key = tl.load(key_base + cols[:, None] * k_row + dims[None, :], mask=in_cols & in_dims, other=0.0)
+        logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
+        logits = tl.where(cols[None, :] <= first_slot + rows[:, None], logits, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(logits, 1))
+        total = total * tl.exp2(running_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), 1)
+        running_max = new_max
+    tl.store(lse + row_head * window + rows, running_max + tl.log2(total), mask=rows < window)
+
+
+@triton.jit
+def _column_sums(
+    queries, keys, lse, received,
+    q_batch, q_head, q_row, k_batch, k_head, k_row,
+    heads, group, window, first_slot, slots, qk_scale,
+    HEAD_DIM: tl.constexpr, DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """received[b, kv_head, j] = sum over the group's heads and the queries that see key j of its probability."""
+    block, row_head = tl.program_id(0), tl.program_id(1)
+    kv_heads = heads // group
+    batch, kv_head = row_head // kv_heads, row_head % kv_heads
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, DIM)
+    in_dims = dims[None, :] < HEAD_DIM
+    key_tile = keys + batch * k_batch + kv_head * k_head + cols[:, None] * k_row + dims[None, :]
+    key = tl.load(key_tile, mask=(cols[:, None] < slots) & in_dims, other=0.0)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    # The first query that sees any key of this block sits at block * BLOCK_N - first_slot.
+    begin = (tl.maximum(block * BLOCK_N - first_slot, 0) // BLOCK_M) * BLOCK_M
+    for member in range(group):
+        head = kv_head * group + member
+        query_base = queries + batch * q_batch + head * q_head
+        lse_base = lse + (batch * heads + head) * window
+        for start in range(begin, window, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            in_rows = rows < window
+            query_tile = query_base + rows[:, None] * q_row + dims[None, :]
+            query = tl.load(query_tile, mask=in_rows[:, None] & in_dims, other=0.0)
+            row_lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
+            logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
+            probabilities = tl.exp2(logits - row_lse[:, None])
+            seen = (cols[None, :] <= first_slot + rows[:, None]) & in_rows[:, None]
+            total += tl.sum(tl.where(seen, probabilities, 0.0), 0)
+    tl.store(received + row_head * slots + cols, total, mask=cols < slots)
+
+
+def attention_received(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Per row, KV head and key, the attention the observed queries pay it, summed over queries and group.
+
+    ``queries`` ``[batch, heads, window, head_dim]`` are the last ``window`` of ``keys``' ``slots``
+    positions (``[batch, kv_heads, slots, head_dim]``, same dtype), already rotated; query ``i`` sees
+    keys ``0 .. slots - window + i``. Returns float32 ``[batch, kv_heads, slots]``.
+    """
+    batch, heads, window, head_dim = queries.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    if not keys.is_cuda:  # Triton's interpreter (tests on a CPU) multiplies half-precision tiles wrongly
+        queries, keys = queries.float(), keys.float()
+    if queries.stride(-1) != 1:
+        queries = queries.contiguous()
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    group, first_slot = heads // kv_heads, slots - window
+    dim = max(16, triton.next_power_of_2(head_dim))
+    qk_scale = scaling * LOG2_E
+    strides = (*queries.stride()[:3], *keys.stride()[:3])
+    lse = torch.empty((batch, heads, window), dtype=torch.float32, device=queries.device)
+    _row_log_sum_exp[(triton.cdiv(window, BLOCK_M), batch * heads)](
+        queries, keys, lse, *strides, heads, group, window, first_slot, qk_scale,
+        HEAD_DIM=head_dim, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    received = torch.empty((batch, kv_heads, slots), dtype=torch.float32, device=queries.device)
+    _column_sums[(triton.cdiv(slots, BLOCK_N), batch * kv_heads)](
+        queries, keys, lse, received, *strides, heads, group, window, first_slot, slots, qk_scale,
+        HEAD_DIM=head_dim, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    return received
