@@ -27,14 +27,26 @@ Example (on a CUDA machine)::
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64  # queries per tile
-BLOCK_N = 64  # keys per tile
 LOG2_E = math.log2(math.e)
+
+
+class Tiling(NamedTuple):
+    """How a kernel is cut: queries and keys per tile, warps per program, pipeline stages."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+ROW_TILING = Tiling()  # _row_log_sum_exp: one program per block of queries
+COLUMN_TILING = Tiling()  # _column_sums: one program per block of keys
 
 
 @triton.jit
@@ -105,12 +117,20 @@ def _column_sums(
     tl.store(received + row_head * slots + cols, total, mask=cols < slots)
 
 
-def attention_received(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+def attention_received(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    *,
+    row_tiling: Tiling = ROW_TILING,
+    column_tiling: Tiling = COLUMN_TILING,
+) -> torch.Tensor:
     """Per row, KV head and key, the attention the observed queries pay it, summed over queries and group.
 
     ``queries`` ``[batch, heads, window, head_dim]`` are the last ``window`` of ``keys``' ``slots``
     positions (``[batch, kv_heads, slots, head_dim]``, same dtype), already rotated; query ``i`` sees
-    keys ``0 .. slots - window + i``. Returns float32 ``[batch, kv_heads, slots]``.
+    keys ``0 .. slots - window + i``. Returns float32 ``[batch, kv_heads, slots]``. The tilings are
+    for benchmarks that compare them.
     """
     batch, heads, window, head_dim = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
@@ -121,17 +141,20 @@ def attention_received(queries: torch.Tensor, keys: torch.Tensor, scaling: float
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
     group, first_slot = heads // kv_heads, slots - window
-    dim = max(16, triton.next_power_of_2(head_dim))
+    shape = {"HEAD_DIM": head_dim, "DIM": max(16, triton.next_power_of_2(head_dim))}
     qk_scale = scaling * LOG2_E
     strides = (*queries.stride()[:3], *keys.stride()[:3])
     lse = torch.empty((batch, heads, window), dtype=torch.float32, device=queries.device)
-    _row_log_sum_exp[(triton.cdiv(window, BLOCK_M), batch * heads)](
-        queries, keys, lse, *strides, heads, group, window, first_slot, qk_scale,
-        HEAD_DIM=head_dim, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    rows = row_tiling
+    _row_log_sum_exp[(triton.cdiv(window, rows.block_m), batch * heads)](
+        queries, keys, lse, *strides, heads, group, window, first_slot, qk_scale, **shape,
+        BLOCK_M=rows.block_m, BLOCK_N=rows.block_n, num_warps=rows.num_warps, num_stages=rows.num_stages,
     )  # fmt: skip
     received = torch.empty((batch, kv_heads, slots), dtype=torch.float32, device=queries.device)
-    _column_sums[(triton.cdiv(slots, BLOCK_N), batch * kv_heads)](
-        queries, keys, lse, received, *strides, heads, group, window, first_slot, slots, qk_scale,
-        HEAD_DIM=head_dim, DIM=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    columns = column_tiling
+    _column_sums[(triton.cdiv(slots, columns.block_n), batch * kv_heads)](
+        queries, keys, lse, received, *strides, heads, group, window, first_slot, slots, qk_scale, **shape,
+        BLOCK_M=columns.block_m, BLOCK_N=columns.block_n, num_warps=columns.num_warps,
+        num_stages=columns.num_stages,
     )  # fmt: skip
     return received

@@ -370,20 +370,21 @@ class CompressedLayer(DynamicLayer):
         entries nothing.
         """
         batch, kv_heads, slots, head_dim = self.keys.shape
-        window = queries.shape[2]
-        grouped = (queries.float() * scaling).reshape(batch, kv_heads, -1, window, head_dim)
-        group = grouped.shape[2]
-        keys_t = self.keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
+        window, group = queries.shape[2], queries.shape[1] // kv_heads
         appended = window > 1  # a pass of several tokens is appended; one token may fill a free slot
         unmasked = self.pad_range[1] == 0 and self.live_range[0] == slots and self.sliding_window is None
         if window == 1 and unmasked and not self.replaying and self.softcap is None and self.policy.pool_kernel == 1:
-            # One decoding step that sees every entry: a softmax per query head, averaged over the group.
-            logits = torch.matmul(grouped, keys_t)  # [batch, kv_heads, group, 1, slots]
-            return logits.softmax(dim=-1).mean(dim=(2, 3))
+            # One decoding step that sees every entry: logits in the cache's dtype, as eager attention
+            # computes them, then a float32 softmax per query head, averaged over the group.
+            grouped = queries.to(self.keys.dtype).reshape(batch, kv_heads, group, head_dim)
+            logits = torch.matmul(grouped, self.keys.transpose(-1, -2))  # [batch, kv_heads, group, slots]
+            return logits.float().mul_(scaling).softmax(dim=-1).mean(dim=2)
         causal_only = appended and unmasked
         if causal_only and self.softcap is None and not self.replaying and self._on_triton():
             received = _triton_scoring().attention_received(queries.to(self.keys.dtype), self.keys, scaling)
             return self._per_query(received, window, group)
+        grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, window, head_dim)
+        keys_t = self.keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
         first_slot, first_position = slots - window, self.seen - window
         received = grouped.new_zeros((batch, kv_heads, slots))
         block = max(1, min(QUERY_BLOCK, LOGIT_ELEMENTS // (batch * kv_heads * group * slots)))
