@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -93,17 +94,29 @@ class _RecordCache(LogitsProcessor):
         return scores
 
 
-def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh):
+def _expected_kept(prompt: int, steps: int, budget: int, interval: int, floor: int) -> list[int]:
+    """The spec, step by step: the prompt's pass evicts to the budget; a decoding step that goes over
+    it evicts down to ``budget - interval + 1`` (never below the sinks and recent window)."""
+    kept = [min(prompt, budget)]
+    for _ in range(steps):
+        live = kept[-1] + 1
+        kept.append(live if live <= budget else max(budget - interval + 1, floor))
+    return kept
+
+
+@pytest.mark.parametrize("interval", [1, 8])
+def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh, interval):
     model, tokenizer = fresh
     budget = 40
-    cache = CompressedCache(model, budget=budget, recent_tokens=8)
+    cache = CompressedCache(model, budget=budget, recent_tokens=8, eviction_interval=interval)
     recorder = _RecordCache(cache)
     batch = _batch(tokenizer)
     output = _greedy(model, tokenizer, batch, cache, max_new_tokens=80, logits_processor=[recorder])
     assert output.shape[1] == batch["input_ids"].shape[1] + 80
     assert recorder.seen[-1] > budget
-    for seen, kept in zip(recorder.seen, recorder.kept, strict=True):
-        assert kept == [min(budget, seen)] * len(cache.layers)
+    expected = _expected_kept(batch["input_ids"].shape[1], 79, budget, interval, floor=4 + 8)
+    assert [kept[0] for kept in recorder.kept] == expected
+    assert all(kept == [kept[0]] * len(cache.layers) for kept in recorder.kept)
     assert all(max(slots) <= budget + 1 for slots in recorder.slots)  # + the slot the next token takes
     assert cache.get_seq_length() == batch["input_ids"].shape[1] + 79
     stored = sum(
@@ -114,18 +127,46 @@ def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh):
     assert cache.memory_bytes() == stored
 
 
-def test_a_ratio_keeps_that_share_of_the_tokens_seen(fresh):
+@pytest.mark.parametrize("interval", [1, 8])
+def test_decoding_one_prompt_holds_budget_plus_one_slots_and_matches_the_padded_path(fresh, interval):
+    """A prompt alone decodes into reserved room (no dead slots, no mask); in a left-padded batch the same
+    row fills dead slots under a mask. Both must keep the same tokens and give the same text."""
+    model, tokenizer = fresh
+    budget, prompt = 40, " ".join(PROMPTS * 2)
+    make = partial(CompressedCache, model, budget=budget, recent_tokens=8, eviction_interval=interval)
+    alone_cache, batch_cache = make(), make()
+    recorder = _RecordCache(alone_cache)
+    alone = _greedy(model, tokenizer, _batch(tokenizer, [prompt]), alone_cache, max_new_tokens=60,
+                    logits_processor=[recorder])  # fmt: skip
+    batched = _greedy(model, tokenizer, _batch(tokenizer, [prompt, "x"]), batch_cache, max_new_tokens=60)
+    assert torch.equal(alone[0], batched[0, -alone.shape[1] :])
+    for ours, theirs in zip(alone_cache.layers, batch_cache.layers, strict=True):
+        assert ours.kept_positions()[0].tolist() == theirs.kept_positions()[0].tolist()
+    assert all(max(slots) <= budget + 1 for slots in recorder.slots)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_slot = config.num_key_value_heads * (2 * head_dim * 4 + 4 + 4 + 4 + 1)  # fp32 keys, values; bookkeeping
+    assert alone_cache.memory_bytes() <= config.num_hidden_layers * (budget + 1) * per_slot
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_a_ratio_keeps_that_share_of_the_tokens_seen(fresh, interval):
     model, tokenizer = fresh
     ids = _batch(tokenizer, [" ".join(PROMPTS * 6)])["input_ids"]
     length = ids.shape[1]
-    cache = CompressedCache(model, compression_ratio=0.5, sink_tokens=2, recent_tokens=8)
+    cache = CompressedCache(model, compression_ratio=0.5, sink_tokens=2, recent_tokens=8, eviction_interval=interval)
     model(ids, past_key_values=cache)
     assert cache.get_seq_length() == length
-    assert cache.kept_tokens == math.ceil(0.5 * length)
+    expected = math.ceil(0.5 * length)
+    assert cache.kept_tokens == expected
     for step in range(10):
         position = torch.tensor([[length + step]])
         model(ids[:, -1:], past_key_values=cache, position_ids=position)
-    assert cache.kept_tokens == math.ceil(0.5 * (length + 10))
+        target = math.ceil(0.5 * (length + step + 1))  # the spec: over the target, evict to target - interval + 1
+        expected = expected + 1 if expected + 1 <= target else target - interval + 1
+        assert cache.kept_tokens == expected
+    if interval == 1:
+        assert cache.kept_tokens == math.ceil(0.5 * (length + 10))
 
 
 def test_scores_equal_the_eager_attention_each_token_receives(tiny, tiny_model_dir):

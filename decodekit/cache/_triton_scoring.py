@@ -45,8 +45,8 @@ class Tiling(NamedTuple):
     num_stages: int = 2
 
 
-ROW_TILING = Tiling()  # _row_log_sum_exp: one program per block of queries
-COLUMN_TILING = Tiling()  # _column_sums: one program per block of keys
+ROW_TILING = Tiling(num_stages=3)  # _row_log_sum_exp: one program per block of queries
+COLUMN_TILING = Tiling(num_stages=3)  # _column_sums: one program per block of keys
 
 
 @triton.jit

@@ -36,8 +36,8 @@ class CompressedCache(Cache):
     value vector. The tokens of one forward pass attend to the kept cache and to all of
     themselves; eviction follows.
 
-    Memory: with a budget, each row and KV head stores at most ``budget + 1`` entries: ``budget``
-    tokens and one free slot, which the next token takes so that decoding copies nothing.
+    Memory: with a budget, each row and KV head stores at most ``budget + 1`` entries: up to
+    ``budget`` tokens and the free slots the next tokens take, so that decoding copies nothing.
 
     Padding is not content: a row's budget or ratio counts its real tokens only, padding is never
     scored or kept in place of a real token and takes no room beyond the row that keeps the most,
@@ -76,6 +76,10 @@ class CompressedCache(Cache):
             one tile of logits at a time (flash-attention style), so scoring a long prompt needs no
             memory beyond a float per query and per key; padded, masked, sliding-window and
             soft-capped passes use the PyTorch path.
+        eviction_interval: while decoding, a row that goes over its size evicts this many tokens at
+            once, >= 1: the next steps take the freed slots and evict nothing, so the per-step
+            bookkeeping runs once every ``eviction_interval`` steps. Between evictions a row keeps
+            from ``budget - eviction_interval + 1`` to ``budget`` tokens; the memory bound does not change.
 
     Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
 
@@ -102,10 +106,11 @@ class CompressedCache(Cache):
         scoring: str = "attention",
         reconstruction_chunk: int = 2048,
         scoring_backend: str = "auto",
+        eviction_interval: int = 8,
     ) -> None:
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
-            value_norm, scoring, reconstruction_chunk, scoring_backend,
+            value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval,
         )  # fmt: skip
         modules = bind(model)
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}

@@ -69,6 +69,7 @@ def _triton_scoring() -> ModuleType | None:
     return kernels
 
 
+PER_ENTRY = ("keys", "values", "scores", "value_norms", "positions", "live")  # [batch, kv_heads, slots, ...]
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
 SCORINGS = ("attention", "reconstruction")
 SCORING_BACKENDS = ("auto", "triton", "torch")
@@ -107,6 +108,7 @@ class EvictionPolicy:
     scoring: str = "attention"
     reconstruction_chunk: int = 2048
     scoring_backend: str = "auto"
+    eviction_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORINGS:
@@ -121,6 +123,7 @@ class EvictionPolicy:
             "recent_tokens": check_int("recent_tokens", self.recent_tokens, 1),
             "pool_kernel": check_int("pool_kernel", self.pool_kernel, 1),
             "score_decay": check_real("score_decay", self.score_decay, 0, 1),
+            "eviction_interval": check_int("eviction_interval", self.eviction_interval, 1),
         }
         if self.observation_window is not None:
             checked["observation_window"] = check_int(
@@ -154,9 +157,27 @@ class EvictionPolicy:
         kept = torch.ceil((1.0 - self.compression_ratio) * seen.to(torch.float64)).to(seen.dtype)
         return kept.clamp(min=self.floor)
 
-    def kept(self, live: int, seen: int) -> int:
-        """How many of ``live`` stored tokens a row that has seen ``seen`` real tokens keeps."""
-        return min(live, self.target(seen))
+    def kept(self, live: int, seen: int, slack: int = 0) -> int:
+        """How many of ``live`` stored tokens a row that has seen ``seen`` real tokens keeps: all of them
+        up to its target; over it, the target less ``slack`` (room for the next tokens), never below the floor.
+
+        Example:
+            >>> EvictionPolicy(budget=64).kept(live=65, seen=1000, slack=7)
+            57
+        """
+        target = self.target(seen)
+        return live if live <= target else max(target - slack, self.floor)
+
+    def kept_counts(self, live: torch.Tensor, seen: torch.Tensor, slack: int = 0) -> torch.Tensor:
+        """``kept`` for tensors of per-row live and real-token counts."""
+        targets = self.targets(seen)
+        return torch.where(live <= targets, live, (targets - slack).clamp(min=self.floor))
+
+    def slack(self, new: int) -> int:
+        """How far below its target a row evicts after a pass of ``new`` tokens: one decoding step
+        evicts ``eviction_interval`` tokens at once (so the next steps evict nothing), a longer pass
+        evicts down to the target."""
+        return self.eviction_interval - 1 if new == 1 else 0
 
 
 class CompressedLayer(DynamicLayer):
@@ -188,7 +209,13 @@ class CompressedLayer(DynamicLayer):
         self.deferred = policy.scoring == "reconstruction"
         self.replaying = False
         self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
-        self._next_free: torch.Tensor | None = None  # a slot the last eviction freed, if known
+        # Slots the last in-place eviction freed, [batch, kv_heads, n], and how many of them the next
+        # tokens have taken; None when unknown (a dead slot is then searched for).
+        self._freed: torch.Tensor | None = None
+        self._freed_taken = 0
+        # While decoding with eviction_interval > 1: per-entry tensors with room for the next tokens,
+        # of which the attributes above are views of the first ``slots`` entries (see ``_append``).
+        self._spare: dict[str, torch.Tensor] | None = None
         self._queries: tuple[torch.Tensor, float] | None = None
 
     # -- what the model sees ------------------------------------------------------------------------
@@ -236,11 +263,19 @@ class CompressedLayer(DynamicLayer):
             self.pad_range = (low, high)
         free = None
         if self._fills_free_slot(query_length):
-            free = self._next_free
-            if free is None:
+            if self._freed is not None and self._freed_taken < self._freed.shape[-1]:
+                free = self._freed[..., self._freed_taken]
+                self._freed_taken += 1
+            else:
                 free = (~self.live).to(torch.uint8).argmax(dim=-1)  # [batch, kv_heads]: a dead slot per row and head
-        self._free, self._next_free = free, None
+        else:
+            self._forget_freed()
+        self._free = free
         return self.pass_mask(query_length)
+
+    def _forget_freed(self) -> None:
+        """Drop the list of freed slots (after anything that moves entries or changes which are live)."""
+        self._freed, self._freed_taken = None, 0
 
     def observe(self, queries: torch.Tensor, scaling: float) -> None:
         """Receive the rotated queries of the coming forward pass's last tokens, before ``update``."""
@@ -307,12 +342,11 @@ class CompressedLayer(DynamicLayer):
             self._fill(free, key_states, value_states, value_norms, positions)
         else:
             live = positions >= self.pads[:, None, None] if first_pass else positions.new_ones((), dtype=torch.bool)
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-            self.scores = torch.cat([self.scores, self.scores.new_zeros((batch, kv_heads, new))], dim=-1)
-            self.value_norms = torch.cat([self.value_norms, value_norms], dim=-1)
-            self.positions = torch.cat([self.positions, positions], dim=-1)
-            self.live = torch.cat([self.live, live.expand(batch, kv_heads, new)], dim=-1)
+            entries = {
+                "keys": key_states, "values": value_states, "scores": self.scores.new_zeros(()),
+                "value_norms": value_norms, "positions": positions, "live": live,
+            }  # fmt: skip
+            self._append(entries, first_pass)
         if first_pass:
             low, high = self.pad_range
             self.live_range = (max(new - high, 0), max(new - low, 0))
@@ -326,6 +360,53 @@ class CompressedLayer(DynamicLayer):
             self.scores.add_(received)
         return self.keys, self.values
 
+    def _has_spare(self) -> bool:
+        """Whether the per-entry tensors are views of larger ones (spare room, possibly all used)."""
+        spare = self._spare
+        if spare is not None and any(getattr(self, name)._base is not spare[name] for name in PER_ENTRY):
+            self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
+        return spare is not None
+
+    def _spare_room(self) -> int:
+        """How many entries fit after the stored ones without moving them (0 without spare room)."""
+        return self._spare["keys"].shape[2] - self.slots if self._has_spare() else 0
+
+    def _append(self, entries: dict[str, torch.Tensor], first_pass: bool) -> None:
+        """Store ``entries`` after the stored ones: in spare room when it fits, else in new tensors.
+
+        One decoding step with ``eviction_interval > 1`` reserves room for the steps up to the next
+        eviction (never beyond ``budget + 1`` slots), so that those steps copy one entry each
+        instead of the whole layer.
+        """
+        new, stored = entries["keys"].shape[2], 0 if first_pass else self.slots
+        if self._spare_room() >= new:
+            for name, entry in entries.items():
+                base = self._spare[name]
+                base.narrow(2, stored, new).copy_(entry)
+                setattr(self, name, base.narrow(2, 0, stored + new))
+            return
+        self._spare = None
+        interval = self.policy.eviction_interval
+        capacity = stored + new
+        reserve = not first_pass and new == 1 and interval > 1 and self.pad_range[1] == 0
+        if reserve:
+            capacity += interval - 1
+            if self.policy.budget is not None:
+                capacity = max(stored + new, min(capacity, self.policy.budget + 1))
+        spare = {}
+        batch, kv_heads = entries["keys"].shape[:2]
+        for name, entry in entries.items():
+            old = getattr(self, name)
+            trailing = entries["keys"].shape[3:] if name in ("keys", "values") else ()
+            base = old.new_empty((batch, kv_heads, capacity, *trailing), dtype=old.dtype if stored else entry.dtype)
+            if stored:
+                base.narrow(2, 0, stored).copy_(old)
+            base.narrow(2, stored, new).copy_(entry)
+            spare[name] = base
+            setattr(self, name, base.narrow(2, 0, stored + new))
+        if reserve:  # kept even when full: the next eviction moves the kept entries to its front
+            self._spare = spare
+
     def _fill(self, free, key_states, value_states, value_norms, positions) -> None:
         slot = free[..., None]
         expanded = slot[..., None].expand(-1, -1, -1, key_states.shape[-1])
@@ -337,13 +418,18 @@ class CompressedLayer(DynamicLayer):
         self.live.scatter_(2, slot, True)
 
     def _keep(self, index: torch.Tensor) -> None:
-        """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order."""
-        self._next_free = None
+        """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order (at the front of the
+        spare room's tensors when there is one)."""
+        self._forget_freed()
+        in_place = self._has_spare()
         expanded = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, expanded)
-        self.values = self.values.gather(2, expanded)
-        for name in ("scores", "value_norms", "positions", "live"):
-            setattr(self, name, getattr(self, name).gather(2, index))
+        for name in PER_ENTRY:
+            kept = getattr(self, name).gather(2, expanded if name in ("keys", "values") else index)
+            if in_place:
+                base = self._spare[name]
+                base.narrow(2, 0, kept.shape[2]).copy_(kept)
+                kept = base.narrow(2, 0, kept.shape[2])
+            setattr(self, name, kept)
 
     def kept_positions(self) -> torch.Tensor:
         """The logical positions of the live tokens, ``[batch, kv_heads, kept]``, increasing.
@@ -480,37 +566,48 @@ class CompressedLayer(DynamicLayer):
     def compress(self, new: int) -> None:
         """Evict each row down to its target, after a pass of ``new`` tokens; reuse slots where possible.
 
-        A row keeps ``min(live, target(real tokens seen))`` entries: its sinks and recent tokens
-        first, then the best ranked. When at most one spare slot per row remains, evicted entries
-        are only marked dead (the next token takes the slot); otherwise the storage shrinks to the
-        row that keeps the most.
+        A row over its target (real tokens seen) keeps its sinks and recent tokens, then the best
+        ranked, up to the target, or after one decoding step up to the target less
+        ``eviction_interval - 1`` (``EvictionPolicy.kept``): the next steps then fill the freed slots
+        and evict nothing. When the spare slots per row are no more than that, evicted entries are
+        only marked dead (the next tokens take the slots); otherwise the storage shrinks to the row
+        that keeps the most.
         """
         if self.deferred:
             return
+        slack = self.policy.slack(new)
         low_pads, high_pads = self.pad_range
         least, most = self.live_range
-        keep_most = self.policy.kept(most, self.seen - low_pads)
-        keep_least = self.policy.kept(least, self.seen - high_pads)
+        keep_most = self.policy.kept(most, self.seen - low_pads, slack)
+        keep_least = self.policy.kept(least, self.seen - high_pads, slack)
         self.live_range = (keep_least, keep_most)
         # Every row's excess when the rows are alike; otherwise an upper bound on it: a row's excess
         # grows with its real tokens, except that under a ratio a later pass of n tokens may leave
-        # any row up to n over.
+        # any row up to n over (and a decoding step's slack below).
         uniform = low_pads == high_pads and least == most
         bound = most - keep_most
         if not uniform and self.policy.compression_ratio is not None and new < self.seen - low_pads:
-            bound = max(bound, min(new, most))
-        if bound == 0 and self.slots - keep_most <= 1:
+            bound = max(bound, min(new + slack, most))
+        in_place = self.slots - keep_most <= 1 + slack
+        if bound == 0 and in_place:
             return
-        if uniform and self.slots - keep_most <= 1:
-            # Every row drops its ``bound`` lowest-ranked entries, in place; the next token takes one.
+        if uniform and self._has_spare():
+            # Decoding with spare room: keep the best-ranked entries at the front, in order; the next
+            # tokens go after them without a mask for dead slots.
+            ranked = torch.where(self.live, self._priority(), -math.inf).topk(keep_most, dim=-1).indices
+            self._keep(ranked.sort(dim=-1).values)
+            return
+        if uniform and in_place:
+            # Every row drops its ``bound`` lowest-ranked entries, in place; the next tokens take their slots.
             victims = torch.where(self.live, self._priority(), math.inf).topk(bound, dim=-1, largest=False).indices
             self.live.scatter_(2, victims, False)
-            self._next_free = victims[..., 0]
+            self._freed, self._freed_taken = victims, 0
             return
+        self._forget_freed()
         live_count = self.live[:, :1].sum(dim=-1, keepdim=True)  # [batch, 1, 1]: the same for every head
-        keep = torch.minimum(live_count, self.policy.targets(self.seen - self.pads)[:, None, None])
+        keep = self.policy.kept_counts(live_count, (self.seen - self.pads)[:, None, None], slack)
         priority = self._priority()
-        if self.slots - keep_most <= 1:
+        if in_place:
             # Mark the lowest-ranked live entries dead, in place.
             lowest = torch.where(self.live, priority, math.inf).topk(bound, dim=-1, largest=False)
             rank = torch.arange(bound, device=priority.device)
@@ -529,7 +626,8 @@ class CompressedLayer(DynamicLayer):
         return ("keys", "values", "scores", "value_norms", "positions", "live", "pads")
 
     def _apply_to_rows(self, operation) -> None:
-        self._next_free = None
+        self._forget_freed()
+        self._spare = None
         for name in self._per_row():
             tensor = getattr(self, name)
             if tensor is not None:
@@ -570,7 +668,7 @@ class CompressedLayer(DynamicLayer):
             return
         self.seen = max(self.seen + tokens_to_remove, 0)
         self.live &= self.positions < self.seen
-        self._next_free = None
+        self._forget_freed()
         self._recount()
 
     def drop_dead(self) -> None:
@@ -584,7 +682,9 @@ class CompressedLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.scores = self.value_norms = self.positions = self.live = self.pads = None
-        self._queries = self._free = self._next_free = None
+        self._queries = self._free = None
+        self._spare = None
+        self._forget_freed()
         self.sliding_window = self.softcap = None
         self.deferred, self.replaying = self.policy.scoring == "reconstruction", False
         self.pad_range = self.live_range = (0, 0)
@@ -594,5 +694,5 @@ class CompressedLayer(DynamicLayer):
         """Bytes held by this layer's tensors (keys, values and the per-entry bookkeeping)."""
         if not self.is_initialized:
             return 0
-        tensors = (self.keys, self.values, self.scores, self.value_norms, self.positions, self.live)
+        tensors = self._spare.values() if self._has_spare() else (getattr(self, name) for name in PER_ENTRY)
         return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
