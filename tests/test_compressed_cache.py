@@ -434,6 +434,36 @@ def test_reconstruction_scoring_evicts_to_the_target_and_refuses_padding(fresh):
         CompressedCache(model, budget=40, scoring="kvzip")
 
 
+@pytest.mark.parametrize("interval", [1, 8])
+def test_decoding_steps_add_their_decayed_attention_whether_scored_at_once_or_step_by_step(
+    tiny, tiny_model_dir, interval
+):
+    """Oracle: eager attention rows of each new query. With an interval the steps' scoring waits for
+    the next eviction (or a read of the scores) and is done at once; the scores must be the same."""
+    _, tokenizer = tiny
+    eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    ids = _batch(tokenizer, [PROMPTS[1]])["input_ids"]
+    length, steps, decay = ids.shape[1], 6, 0.5
+    following = torch.tensor([[17, 5, 42, 9, 3, 11]])
+    with torch.no_grad():
+        cache = CompressedCache(eager, budget=200, score_decay=decay, eviction_interval=interval)
+        eager(ids, past_key_values=cache)
+        before = [layer.scores.clone() for layer in cache.layers]
+        for step in range(steps):
+            position = torch.tensor([[length + step]])
+            eager(following[:, step : step + 1], past_key_values=cache, position_ids=position)
+        waiting = [len(layer._pending) for layer in cache.layers]
+        attentions = eager(torch.cat([ids, following], dim=1), output_attentions=True).attentions
+    assert waiting == [steps - 1 if interval > 1 else 0] * len(cache.layers)  # the first step had no room yet
+    kv_heads, total = eager.config.num_key_value_heads, length + steps
+    for layer, earlier, weights in zip(cache.layers, before, attentions, strict=True):
+        expected = torch.cat([earlier[0], torch.zeros(kv_heads, steps)], dim=-1) * decay**steps
+        for step in range(steps):
+            row = weights[0, :, length + step, :].view(kv_heads, -1, total).mean(dim=1)
+            expected += decay ** (steps - 1 - step) * row
+        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)
+
+
 def test_a_decoding_step_adds_the_new_query_attention_to_the_decayed_scores(tiny, tiny_model_dir):
     """Oracle: eager attention of the last query, averaged over the query heads of each KV head."""
     _, tokenizer = tiny

@@ -69,7 +69,8 @@ def _triton_scoring() -> ModuleType | None:
     return kernels
 
 
-PER_ENTRY = ("keys", "values", "scores", "value_norms", "positions", "live")  # [batch, kv_heads, slots, ...]
+# The per-entry tensors, [batch, kv_heads, slots, ...] (``_scores`` is behind the ``scores`` property).
+PER_ENTRY = ("keys", "values", "_scores", "value_norms", "positions", "live")
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
 SCORINGS = ("attention", "reconstruction")
 SCORING_BACKENDS = ("auto", "triton", "torch")
@@ -191,7 +192,7 @@ class CompressedLayer(DynamicLayer):
         self.seen = 0  # tokens given to this layer, padding included: the logical length
         self.pads: torch.Tensor | None = None  # [batch]: each row's left padding (its first pads positions)
         # Per entry, [batch, kv_heads, slots]: score, value norm, logical position, live.
-        self.scores: torch.Tensor | None = None
+        self._scores: torch.Tensor | None = None
         self.value_norms: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.live: torch.Tensor | None = None
@@ -216,9 +217,25 @@ class CompressedLayer(DynamicLayer):
         # While decoding with eviction_interval > 1: per-entry tensors with room for the next tokens,
         # of which the attributes above are views of the first ``slots`` entries (see ``_append``).
         self._spare: dict[str, torch.Tensor] | None = None
+        # Decoding steps in the spare room whose attention is not yet in the scores: their rotated
+        # queries, and the slot of the first one's token (see ``_score_pending``).
+        self._pending: list[torch.Tensor] = []
+        self._pending_first = 0
+        self._pending_scaling = 1.0
         self._queries: tuple[torch.Tensor, float] | None = None
 
     # -- what the model sees ------------------------------------------------------------------------
+
+    @property
+    def scores(self) -> torch.Tensor | None:
+        """Per entry, the decayed attention it has received (decoding steps not yet scored are added first)."""
+        self._score_pending()
+        return self._scores
+
+    @scores.setter
+    def scores(self, value: torch.Tensor | None) -> None:
+        self._score_pending()
+        self._scores = value
 
     @property
     def slots(self) -> int:
@@ -336,14 +353,15 @@ class CompressedLayer(DynamicLayer):
         positions = torch.arange(self.seen, self.seen + new, device=key_states.device, dtype=torch.int32)
         positions = positions.expand(batch, kv_heads, new)
         value_norms = value_states.float().norm(dim=-1)
-        if not self.replaying:
+        deferred = self._defers_scoring(new, free)
+        if not self.replaying and not deferred:
             self.scores.mul_(self.policy.score_decay)
         if free is not None:
             self._fill(free, key_states, value_states, value_norms, positions)
         else:
             live = positions >= self.pads[:, None, None] if first_pass else positions.new_ones((), dtype=torch.bool)
             entries = {
-                "keys": key_states, "values": value_states, "scores": self.scores.new_zeros(()),
+                "keys": key_states, "values": value_states, "_scores": self._scores.new_zeros(()),
                 "value_norms": value_norms, "positions": positions, "live": live,
             }  # fmt: skip
             self._append(entries, first_pass)
@@ -353,12 +371,59 @@ class CompressedLayer(DynamicLayer):
         else:
             self.live_range = (self.live_range[0] + new, self.live_range[1] + new)
         self.seen += new
+        if deferred:
+            if self._has_spare():
+                if not self._pending:
+                    self._pending_first, self._pending_scaling = self.slots - 1, scaling
+                self._pending.append(queries)
+                return self.keys, self.values
+            self.scores.mul_(self.policy.score_decay)  # the room is gone: score this step now
         received = self._attention_received(queries, scaling)
         if self.replaying:
             self.scores = torch.maximum(self.scores, received)
         else:
             self.scores.add_(received)
         return self.keys, self.values
+
+    def _defers_scoring(self, new: int, free: torch.Tensor | None) -> bool:
+        """Whether this pass's scoring waits for the next eviction: one decoding step appended to the spare
+        room of a layer whose queries see every entry (no padding, no window, no cap, no pooling).
+        Anything else first scores the waiting steps."""
+        deferred = (
+            new == 1 and free is None and self._spare is not None and self.pad_range[1] == 0
+            and self.sliding_window is None and self.softcap is None and self.policy.pool_kernel == 1
+            and not self.replaying and self.live_range[0] == self.slots
+        )  # fmt: skip
+        if not deferred:
+            self._score_pending()
+        return deferred
+
+    def _score_pending(self) -> None:
+        """Add the attention of the waiting decoding steps to the scores, as one step at a time would.
+
+        Step ``t`` of ``m`` (its token in slot ``first + t``) saw the slots before its own and itself;
+        a step decays every score by ``score_decay`` before adding its attention, so older scores are
+        decayed ``m`` times and step ``t``'s attention ``m - 1 - t`` times. Entries appended during the
+        steps start from 0.
+        """
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        queries = torch.cat(pending, dim=2)  # [batch, heads, steps, head_dim]
+        steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
+        batch, kv_heads, _, head_dim = self.keys.shape
+        visible = first + steps
+        group = queries.shape[1] // kv_heads
+        grouped = queries.to(self.keys.dtype).reshape(batch, kv_heads, group * steps, head_dim)
+        logits = torch.matmul(grouped, self.keys[:, :, :visible].transpose(-1, -2)).float()
+        logits = logits.mul_(self._pending_scaling).view(batch, kv_heads, group, steps, visible)
+        device = logits.device
+        later = torch.arange(visible, device=device) > first + torch.arange(steps, device=device)[:, None]
+        probabilities = logits.masked_fill_(later, -math.inf).softmax(dim=-1)
+        weights = decay ** torch.arange(steps - 1, -1, -1, device=device, dtype=torch.float64) / group
+        received = torch.einsum("bkgtn,t->bkn", probabilities, weights.to(probabilities.dtype))
+        self._scores[:, :, :visible].mul_(decay**steps).add_(received)
 
     def _has_spare(self) -> bool:
         """Whether the per-entry tensors are views of larger ones (spare room, possibly all used)."""
@@ -421,6 +486,7 @@ class CompressedLayer(DynamicLayer):
         """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order (at the front of the
         spare room's tensors when there is one)."""
         self._forget_freed()
+        self._score_pending()
         in_place = self._has_spare()
         expanded = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         for name in PER_ENTRY:
@@ -623,9 +689,10 @@ class CompressedLayer(DynamicLayer):
     # -- batch bookkeeping (beam search, assisted generation) -------------------------------------
 
     def _per_row(self) -> tuple[str, ...]:
-        return ("keys", "values", "scores", "value_norms", "positions", "live", "pads")
+        return (*PER_ENTRY, "pads")
 
     def _apply_to_rows(self, operation) -> None:
+        self._score_pending()
         self._forget_freed()
         self._spare = None
         for name in self._per_row():
@@ -666,6 +733,7 @@ class CompressedLayer(DynamicLayer):
             )
         if tokens_to_remove == 0 or not self.is_initialized:
             return
+        self._score_pending()
         self.seen = max(self.seen + tokens_to_remove, 0)
         self.live &= self.positions < self.seen
         self._forget_freed()
@@ -681,7 +749,8 @@ class CompressedLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.scores = self.value_norms = self.positions = self.live = self.pads = None
+        self._pending = []
+        self._scores = self.value_norms = self.positions = self.live = self.pads = None
         self._queries = self._free = None
         self._spare = None
         self._forget_freed()
