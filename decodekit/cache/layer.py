@@ -26,6 +26,7 @@ from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
 from decodekit._validation import check_int, check_real
+from decodekit.cache.rotary import rotate
 from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 
 
@@ -181,6 +182,14 @@ class EvictionPolicy:
         return self.eviction_interval - 1 if new == 1 else 0
 
 
+def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
+    """Fill ``target`` with ``entry``: a tensor (broadcast) or one value."""
+    if isinstance(entry, torch.Tensor):
+        target.copy_(entry)
+    else:
+        target.fill_(entry)
+
+
 class CompressedLayer(DynamicLayer):
     """A ``DynamicLayer`` that scores its entries by the attention they receive and evicts the least useful."""
 
@@ -217,12 +226,12 @@ class CompressedLayer(DynamicLayer):
         # While decoding with eviction_interval > 1: per-entry tensors with room for the next tokens,
         # of which the attributes above are views of the first ``slots`` entries (see ``_append``).
         self._spare: dict[str, torch.Tensor] | None = None
-        # Decoding steps in the spare room whose attention is not yet in the scores: their rotated
-        # queries, and the slot of the first one's token (see ``_score_pending``).
-        self._pending: list[torch.Tensor] = []
+        # Decoding steps in the spare room whose attention is not yet in the scores: their queries with
+        # their rotation (cos, sin), and the slot of the first one's token (see ``_score_pending``).
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending_first = 0
         self._pending_scaling = 1.0
-        self._queries: tuple[torch.Tensor, float] | None = None
+        self._queries: tuple[torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None
 
     # -- what the model sees ------------------------------------------------------------------------
 
@@ -294,9 +303,10 @@ class CompressedLayer(DynamicLayer):
         """Drop the list of freed slots (after anything that moves entries or changes which are live)."""
         self._freed, self._freed_taken = None, 0
 
-    def observe(self, queries: torch.Tensor, scaling: float) -> None:
-        """Receive the rotated queries of the coming forward pass's last tokens, before ``update``."""
-        self._queries = (queries, scaling)
+    def observe(self, queries: torch.Tensor, scaling: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Receive the queries of the coming forward pass's last tokens, before ``update``, with the
+        rotary embedding (``cos``, ``sin``) they are to be turned by."""
+        self._queries = (queries, scaling, cos, sin)
 
     def pass_mask(self, query_length: int) -> torch.Tensor | None:
         """``[batch, kv_heads, query_length, slots]``, True where a query of the coming pass may attend.
@@ -340,7 +350,7 @@ class CompressedLayer(DynamicLayer):
                 "as past_key_values to that model's forward or generate, not to another model and not to "
                 "cache.update() directly; after unbind(model), build a new CompressedCache(model, ...)"
             )
-        (queries, scaling), free = self._queries, self._free
+        (queries, scaling, cos, sin), free = self._queries, self._free
         self._queries = self._free = None
         batch, kv_heads, new, _ = key_states.shape
         first_pass = not self.is_initialized
@@ -359,9 +369,9 @@ class CompressedLayer(DynamicLayer):
         if free is not None:
             self._fill(free, key_states, value_states, value_norms, positions)
         else:
-            live = positions >= self.pads[:, None, None] if first_pass else positions.new_ones((), dtype=torch.bool)
+            live = positions >= self.pads[:, None, None] if first_pass else True
             entries = {
-                "keys": key_states, "values": value_states, "_scores": self._scores.new_zeros(()),
+                "keys": key_states, "values": value_states, "_scores": 0.0,
                 "value_norms": value_norms, "positions": positions, "live": live,
             }  # fmt: skip
             self._append(entries, first_pass)
@@ -375,10 +385,10 @@ class CompressedLayer(DynamicLayer):
             if self._has_spare():
                 if not self._pending:
                     self._pending_first, self._pending_scaling = self.slots - 1, scaling
-                self._pending.append(queries)
+                self._pending.append((queries, cos, sin))
                 return self.keys, self.values
             self.scores.mul_(self.policy.score_decay)  # the room is gone: score this step now
-        received = self._attention_received(queries, scaling)
+        received = self._attention_received(rotate(queries, cos, sin), scaling)
         if self.replaying:
             self.scores = torch.maximum(self.scores, received)
         else:
@@ -410,7 +420,8 @@ class CompressedLayer(DynamicLayer):
         if not pending:
             return
         self._pending = []
-        queries = torch.cat(pending, dim=2)  # [batch, heads, steps, head_dim]
+        queries, cos, sin = (torch.cat(parts, dim=-2) for parts in zip(*pending, strict=True))
+        queries = rotate(queries, cos, sin)  # [batch, heads, steps, head_dim]
         steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
         batch, kv_heads, _, head_dim = self.keys.shape
         visible = first + steps
@@ -436,8 +447,9 @@ class CompressedLayer(DynamicLayer):
         """How many entries fit after the stored ones without moving them (0 without spare room)."""
         return self._spare["keys"].shape[2] - self.slots if self._has_spare() else 0
 
-    def _append(self, entries: dict[str, torch.Tensor], first_pass: bool) -> None:
-        """Store ``entries`` after the stored ones: in spare room when it fits, else in new tensors.
+    def _append(self, entries: dict[str, torch.Tensor | float | bool], first_pass: bool) -> None:
+        """Store ``entries`` (a tensor, or one value for every new entry) after the stored ones: in spare
+        room when it fits, else in new tensors.
 
         One decoding step with ``eviction_interval > 1`` reserves room for the steps up to the next
         eviction (never beyond ``budget + 1`` slots), so that those steps copy one entry each
@@ -447,7 +459,7 @@ class CompressedLayer(DynamicLayer):
         if self._spare_room() >= new:
             for name, entry in entries.items():
                 base = self._spare[name]
-                base.narrow(2, stored, new).copy_(entry)
+                _write(base.narrow(2, stored, new), entry)
                 setattr(self, name, base.narrow(2, 0, stored + new))
             return
         self._spare = None
@@ -463,10 +475,10 @@ class CompressedLayer(DynamicLayer):
         for name, entry in entries.items():
             old = getattr(self, name)
             trailing = entries["keys"].shape[3:] if name in ("keys", "values") else ()
-            base = old.new_empty((batch, kv_heads, capacity, *trailing), dtype=old.dtype if stored else entry.dtype)
+            base = old.new_empty((batch, kv_heads, capacity, *trailing))
             if stored:
                 base.narrow(2, 0, stored).copy_(old)
-            base.narrow(2, stored, new).copy_(entry)
+            _write(base.narrow(2, stored, new), entry)
             spare[name] = base
             setattr(self, name, base.narrow(2, 0, stored + new))
         if reserve:  # kept even when full: the next eviction moves the kept entries to its front

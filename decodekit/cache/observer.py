@@ -84,11 +84,6 @@ def _compressed_cache(kwargs: dict[str, Any]):
     return cache if getattr(cache, "observes_attention", False) else None
 
 
-def _rotate_half(tensor: torch.Tensor) -> torch.Tensor:
-    first, second = tensor.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 def _queries_from_projection(module: nn.Module, projected: torch.Tensor) -> torch.Tensor:
     """The module's queries from its projection's output, ``[batch, heads, tokens, head_dim]``, before rotation."""
     batch, length, _ = projected.shape
@@ -98,15 +93,6 @@ def _queries_from_projection(module: nn.Module, projected: torch.Tensor) -> torc
     if isinstance(getattr(module, "q_norm", None), nn.Module):
         queries = module.q_norm(queries)
     return queries.transpose(1, 2)
-
-
-def _rotate(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of the first ``cos.shape[-1]`` dimensions (all of them, or a partial rotary part)."""
-    rotary = cos.shape[-1]
-    if rotary == queries.shape[-1]:
-        return queries * cos + _rotate_half(queries) * sin
-    turned, kept = queries[..., :rotary], queries[..., rotary:]
-    return torch.cat([turned * cos + _rotate_half(turned) * sin, kept], dim=-1)
 
 
 def _sliding_window(module: nn.Module) -> int | None:
@@ -167,13 +153,12 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
 
 
 def _capture_queries(module: nn.Module, projection: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    """Hand the layer the rotated queries of the observed tokens, from the module's own projection."""
+    """Hand the layer the queries of the observed tokens, from the module's own projection, with their rotation."""
     pending = _pending().pop(id(module), None)
     if pending is None:
         return
     layer, window, cos, sin = pending
-    queries = _rotate(_queries_from_projection(module, output[:, -window:]), cos, sin)
-    layer.observe(queries, module.scaling)
+    layer.observe(_queries_from_projection(module, output[:, -window:]), module.scaling, cos, sin)
 
 
 def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
