@@ -360,21 +360,13 @@ class CompressedLayer(DynamicLayer):
             self.scores, self.value_norms = empty, empty.clone()
             self.positions = empty.to(torch.int32)
             self.live = empty.to(torch.bool)
-        positions = torch.arange(self.seen, self.seen + new, device=key_states.device, dtype=torch.int32)
-        positions = positions.expand(batch, kv_heads, new)
-        value_norms = value_states.float().norm(dim=-1)
         deferred = self._defers_scoring(new, free)
         if not self.replaying and not deferred:
             self.scores.mul_(self.policy.score_decay)
-        if free is not None:
-            self._fill(free, key_states, value_states, value_norms, positions)
+        if deferred and self._spare_room() >= 1:
+            self._append_to_prepared_room(key_states, value_states)
         else:
-            live = positions >= self.pads[:, None, None] if first_pass else True
-            entries = {
-                "keys": key_states, "values": value_states, "_scores": 0.0,
-                "value_norms": value_norms, "positions": positions, "live": live,
-            }  # fmt: skip
-            self._append(entries, first_pass)
+            self._store(key_states, value_states, free, first_pass)
         if first_pass:
             low, high = self.pad_range
             self.live_range = (max(new - high, 0), max(new - low, 0))
@@ -435,6 +427,7 @@ class CompressedLayer(DynamicLayer):
         weights = decay ** torch.arange(steps - 1, -1, -1, device=device, dtype=torch.float64) / group
         received = torch.einsum("bkgtn,t->bkn", probabilities, weights.to(probabilities.dtype))
         self._scores[:, :, :visible].mul_(decay**steps).add_(received)
+        self.value_norms[:, :, first:visible] = self.values[:, :, first:visible].float().norm(dim=-1)
 
     def _has_spare(self) -> bool:
         """Whether the per-entry tensors are views of larger ones (spare room, possibly all used)."""
@@ -442,6 +435,22 @@ class CompressedLayer(DynamicLayer):
         if spare is not None and any(getattr(self, name)._base is not spare[name] for name in PER_ENTRY):
             self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
         return spare is not None
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, free, first_pass: bool) -> None:
+        """Store a pass's entries: one token into each row's ``free`` slot, or after the stored entries."""
+        batch, kv_heads, new, _ = key_states.shape
+        positions = torch.arange(self.seen, self.seen + new, device=key_states.device, dtype=torch.int32)
+        positions = positions.expand(batch, kv_heads, new)
+        value_norms = value_states.float().norm(dim=-1)
+        if free is not None:
+            self._fill(free, key_states, value_states, value_norms, positions)
+            return
+        live = positions >= self.pads[:, None, None] if first_pass else True
+        entries = {
+            "keys": key_states, "values": value_states, "_scores": 0.0,
+            "value_norms": value_norms, "positions": positions, "live": live,
+        }  # fmt: skip
+        self._append(entries, first_pass)
 
     def _spare_room(self) -> int:
         """How many entries fit after the stored ones without moving them (0 without spare room)."""
@@ -483,6 +492,27 @@ class CompressedLayer(DynamicLayer):
             setattr(self, name, base.narrow(2, 0, stored + new))
         if reserve:  # kept even when full: the next eviction moves the kept entries to its front
             self._spare = spare
+            self._prepare_room(stored + new, self.seen + new)
+
+    def _prepare_room(self, filled: int, next_position: int) -> None:
+        """Give the spare room's entries, from slot ``filled`` on, what the next tokens will have: live,
+        score 0, consecutive positions from ``next_position``. Their keys, values and value norms come
+        with them (``_append_to_prepared_room``, ``_score_pending``)."""
+        room = self._spare["keys"].shape[2] - filled
+        if room <= 0:
+            return
+        self._spare["live"].narrow(2, filled, room).fill_(True)
+        self._spare["_scores"].narrow(2, filled, room).zero_()
+        positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=self.keys.device)
+        self._spare["positions"].narrow(2, filled, room).copy_(positions)
+
+    def _append_to_prepared_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """One decoding step whose scoring waits: only its key and value are written."""
+        stored = self.slots
+        self._spare["keys"].narrow(2, stored, 1).copy_(key_states)
+        self._spare["values"].narrow(2, stored, 1).copy_(value_states)
+        for name in PER_ENTRY:
+            setattr(self, name, self._spare[name].narrow(2, 0, stored + 1))
 
     def _fill(self, free, key_states, value_states, value_norms, positions) -> None:
         slot = free[..., None]
@@ -508,6 +538,8 @@ class CompressedLayer(DynamicLayer):
                 base.narrow(2, 0, kept.shape[2]).copy_(kept)
                 kept = base.narrow(2, 0, kept.shape[2])
             setattr(self, name, kept)
+        if in_place:
+            self._prepare_room(index.shape[2], self.seen)
 
     def kept_positions(self) -> torch.Tensor:
         """The logical positions of the live tokens, ``[batch, kv_heads, kept]``, increasing.
@@ -749,6 +781,7 @@ class CompressedLayer(DynamicLayer):
         self.seen = max(self.seen + tokens_to_remove, 0)
         self.live &= self.positions < self.seen
         self._forget_freed()
+        self._spare = None  # its room was prepared for the positions after the forgotten tokens
         self._recount()
 
     def drop_dead(self) -> None:
