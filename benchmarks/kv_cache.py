@@ -295,8 +295,11 @@ def gpu_mode(args, device: torch.device) -> None:
     scoring = "Triton kernels" if cuda and importlib.util.find_spec("triton") else "blocked PyTorch"
     print(f"{args.shape}-shaped random model on {device}, batch 1, 25% budget; median of {args.gpu_rounds} prefills"
           f" after a warm-up; decode: {args.gpu_tokens} greedy tokens; default scoring: {scoring}")  # fmt: skip
-    print("   decode: tokens/s of the first generation through each length (cold: on CUDA, attention kernels may"
-          " plan each new shape) and of a second one (warm), at batch 1, and warm at batch --gpu-batch")  # fmt: skip
+    print(
+        "   decode: tokens/s of the first generation through each length (cold: on CUDA, attention kernels may"
+        " plan each new shape)"
+    )
+    print("   and the median of three more (warm), at batch 1, and warm at batch --gpu-batch")
     print(f"   {'length':>7s} {'cache':40s}{'prefill s':>10s}{'vs full':>8s}{'peak MiB':>10s}{'vs full':>8s}"
           f"{'cold':>8s}{'warm':>8s}{'vs full':>8s}{'batch':>8s}{'vs full':>8s}{'cache MiB':>10s}")  # fmt: skip
     warm_up = torch.randint(0, model.config.vocab_size, (1, 1024), device=device)
@@ -317,12 +320,13 @@ def gpu_mode(args, device: torch.device) -> None:
             peak = max(peak for _, peak in runs)
             size = cache_bytes(cache) / 2**20
             del cache
-            cold, warm = (decode(model, prompt, make(length), args.gpu_tokens).tokens_per_second() for _ in range(2))
+            rates = [decode(model, prompt, make(length), args.gpu_tokens).tokens_per_second() for _ in range(4)]
+            cold, warm = rates[0], statistics.median(rates[1:])
             wide = float("nan")
             if "scoring_backend" not in name:  # the PyTorch path's batched prefill is too slow to be worth it
                 batched = prompt.expand(args.gpu_batch, -1)
-                decode(model, batched, make(length), args.gpu_tokens)  # cold, out of the timing
-                wide = decode(model, batched, make(length), args.gpu_tokens).tokens_per_second() * args.gpu_batch
+                runs = [decode(model, batched, make(length), args.gpu_tokens).tokens_per_second() for _ in range(4)]
+                wide = statistics.median(runs[1:]) * args.gpu_batch  # the first (cold) run is left out
             results[name] = (prefill, peak, cold, warm, wide, size)
         full = results["DynamicCache"]
         for name, (prefill, peak, cold, warm, wide, size) in results.items():
