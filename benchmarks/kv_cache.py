@@ -356,6 +356,7 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--long-budget", type=int, default=256)
     parser.add_argument("--skip-quality", action="store_true", help="measure cost and speed only")
+    parser.add_argument("--skip-speed", action="store_true", help="measure quality only")
     parser.add_argument("--skip-kvpress", action="store_true", help="compare with the full cache only")
     parser.add_argument("--presses-from", help="a JSONL file of press results from an earlier kvpress run")
     parser.add_argument("--kvpress-python", help="python of a virtualenv that has kvpress installed")
@@ -373,9 +374,10 @@ def main() -> None:
     model, tokenizer = load_model(device_map=str(device) if device.type != "cpu" else None)
     if not args.skip_quality:
         quality(model, tokenizer, args)
-    prefill_cost(model, tokenizer, args)
-    speed(model, tokenizer, args)
-    long_generation(model, tokenizer, args)
+    if not args.skip_speed:
+        prefill_cost(model, tokenizer, args)
+        speed(model, tokenizer, args)
+        long_generation(model, tokenizer, args)
 
 
 if __name__ == "__main__":

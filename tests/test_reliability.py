@@ -30,7 +30,7 @@ from decodekit import (
     generate_text,
 )
 from decodekit import models as models_module
-from decodekit.cache.layer import EvictionPolicy
+from decodekit.cache.policy import EvictionPolicy
 from decodekit.cli import main
 from decodekit.decoders import LengthNormalization, beam_search
 from decodekit.demo.engine import GENERATION_THREAD, stream

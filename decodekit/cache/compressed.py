@@ -8,8 +8,9 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from decodekit.cache.layer import CompressedLayer, EvictionPolicy
+from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.observer import bind
+from decodekit.cache.policy import EvictionPolicy
 
 
 def _union_of_ranks(attention: torch.Tensor, replay: torch.Tensor) -> torch.Tensor:

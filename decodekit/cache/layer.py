@@ -7,17 +7,19 @@ live. A slot that is not live (a row's left padding, a token evicted in place, a
 
 Padding is not content: a row's budget or ratio counts that row's real tokens only, so each row
 keeps what it would keep alone. Rows may then keep different numbers of tokens; the tensors stay
-rectangular (as wide as the row that keeps the most, plus at most one free slot), and the cache
-supplies the attention mask that hides each row's dead slots (see ``pass_mask``).
+rectangular (as wide as the row that keeps the most, plus free slots), and the cache supplies the
+attention mask that hides each row's dead slots (see ``pass_mask``).
 
 When one token arrives and a row has a dead slot, the newcomer takes it and nothing is copied.
+Decoding rows without padding instead evict ``eviction_interval`` tokens at once into reserved room
+(``_append``, ``_keep``): the kept entries move to the front, the next tokens are appended after
+them, and their scoring waits for the next eviction (``_score_pending``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
 
@@ -25,39 +27,8 @@ import torch
 from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
-from decodekit._validation import check_int, check_real
+from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.rotary import rotate
-from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
-
-
-def check_cache_size(
-    budget: object,
-    compression_ratio: object,
-    *,
-    floor: int = DEFAULT_SINK_TOKENS + DEFAULT_RECENT_TOKENS,
-    names: tuple[str, str] = ("budget", "compression_ratio"),
-    floor_hint: str = "",
-) -> tuple[int | None, float | None]:
-    """Check a cache size, given as exactly one of a budget and a compression ratio, and return both.
-
-    ``names`` are the two parameters as the caller's user knows them (``kv_budget``...). The budget
-    is an integer >= ``floor`` (the sinks and the recent window); the ratio lies in [0, 1).
-
-    Example:
-        >>> check_cache_size(64, None)
-        (64, None)
-        >>> check_cache_size(None, 1.0, names=("kv_budget", "kv_compression_ratio"))
-        Traceback (most recent call last):
-        ...
-        ValueError: kv_compression_ratio must be a number in [0, 1); got 1.0
-    """
-    budget_name, ratio_name = names
-    if (budget is None) == (compression_ratio is None):
-        raise ValueError(f"give exactly one of {budget_name} (tokens kept) and {ratio_name} (fraction evicted)")
-    if budget is not None:
-        hint = floor_hint or " (the sink and recent tokens it always keeps)"
-        return check_int(budget_name, budget, floor, hint), None
-    return None, check_real(ratio_name, compression_ratio, 0, 1, high_open=True)
 
 
 @cache
@@ -73,113 +44,8 @@ def _triton_scoring() -> ModuleType | None:
 # The per-entry tensors, [batch, kv_heads, slots, ...] (``_scores`` is behind the ``scores`` property).
 PER_ENTRY = ("keys", "values", "_scores", "value_norms", "positions", "live")
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
-SCORINGS = ("attention", "reconstruction")
-SCORING_BACKENDS = ("auto", "triton", "torch")
 QUERY_BLOCK = 128  # observed queries scored at once
 LOGIT_ELEMENTS = 1 << 25  # at most this many logits (128 MiB in float32) held at once while scoring
-
-
-@dataclass(frozen=True)
-class EvictionPolicy:
-    """What a layer keeps per row: sinks, a recent window, and the best-scored tokens up to a budget.
-
-    ``budget`` (a token count) or ``compression_ratio`` (keep ``1 - ratio`` of the tokens seen)
-    sets the size; both count a row's real tokens, never its padding. See
-    :class:`~decodekit.cache.CompressedCache` for the other fields. Every field is checked on
-    construction, with a ValueError that names it.
-
-    Example:
-        >>> EvictionPolicy(budget=64).target(seen=1000)
-        64
-        >>> EvictionPolicy(compression_ratio=0.75).target(seen=1000)
-        250
-        >>> EvictionPolicy(budget=8)
-        Traceback (most recent call last):
-        ...
-        ValueError: budget must be an integer >= 36 (sink_tokens + recent_tokens = 4 + 32); got 8
-    """
-
-    budget: int | None = None
-    compression_ratio: float | None = None
-    sink_tokens: int = DEFAULT_SINK_TOKENS
-    recent_tokens: int = DEFAULT_RECENT_TOKENS
-    observation_window: int | None = None
-    score_decay: float = 0.9
-    pool_kernel: int = 1
-    value_norm: bool = True
-    scoring: str = "attention"
-    reconstruction_chunk: int = 2048
-    scoring_backend: str = "auto"
-    eviction_interval: int = 8
-
-    def __post_init__(self) -> None:
-        if self.scoring not in SCORINGS:
-            raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}; got {self.scoring!r}")
-        if self.scoring_backend not in SCORING_BACKENDS:
-            raise ValueError(
-                f"scoring_backend must be one of {', '.join(map(repr, SCORING_BACKENDS))}; got {self.scoring_backend!r}"
-            )
-        checked = {
-            "reconstruction_chunk": check_int("reconstruction_chunk", self.reconstruction_chunk, 1),
-            "sink_tokens": check_int("sink_tokens", self.sink_tokens, 0),
-            "recent_tokens": check_int("recent_tokens", self.recent_tokens, 1),
-            "pool_kernel": check_int("pool_kernel", self.pool_kernel, 1),
-            "score_decay": check_real("score_decay", self.score_decay, 0, 1),
-            "eviction_interval": check_int("eviction_interval", self.eviction_interval, 1),
-        }
-        if self.observation_window is not None:
-            checked["observation_window"] = check_int(
-                "observation_window", self.observation_window, 1, " or None (every query)"
-            )
-        if checked["pool_kernel"] % 2 == 0:
-            raise ValueError(f"pool_kernel must be odd; got {self.pool_kernel}")
-        floor = checked["sink_tokens"] + checked["recent_tokens"]
-        hint = f" (sink_tokens + recent_tokens = {self.sink_tokens} + {self.recent_tokens})"
-        checked["budget"], checked["compression_ratio"] = check_cache_size(
-            self.budget, self.compression_ratio, floor=floor, floor_hint=hint
-        )
-        for name, value in checked.items():  # plain Python numbers, whatever number types were given
-            object.__setattr__(self, name, value)
-
-    @property
-    def floor(self) -> int:
-        """The fewest tokens a ratio keeps: the sinks and the recent window."""
-        return self.sink_tokens + self.recent_tokens
-
-    def target(self, seen: int) -> int:
-        """How many tokens a row that has seen ``seen`` real tokens keeps (at most; fewer if it has fewer)."""
-        if self.budget is not None:
-            return self.budget
-        return max(math.ceil((1.0 - self.compression_ratio) * seen), self.floor)
-
-    def targets(self, seen: torch.Tensor) -> torch.Tensor:
-        """``target`` for a tensor of per-row real-token counts (the same float64 arithmetic as ``target``)."""
-        if self.budget is not None:
-            return torch.full_like(seen, self.budget)
-        kept = torch.ceil((1.0 - self.compression_ratio) * seen.to(torch.float64)).to(seen.dtype)
-        return kept.clamp(min=self.floor)
-
-    def kept(self, live: int, seen: int, slack: int = 0) -> int:
-        """How many of ``live`` stored tokens a row that has seen ``seen`` real tokens keeps: all of them
-        up to its target; over it, the target less ``slack`` (room for the next tokens), never below the floor.
-
-        Example:
-            >>> EvictionPolicy(budget=64).kept(live=65, seen=1000, slack=7)
-            57
-        """
-        target = self.target(seen)
-        return live if live <= target else max(target - slack, self.floor)
-
-    def kept_counts(self, live: torch.Tensor, seen: torch.Tensor, slack: int = 0) -> torch.Tensor:
-        """``kept`` for tensors of per-row live and real-token counts."""
-        targets = self.targets(seen)
-        return torch.where(live <= targets, live, (targets - slack).clamp(min=self.floor))
-
-    def slack(self, new: int) -> int:
-        """How far below its target a row evicts after a pass of ``new`` tokens: one decoding step
-        evicts ``eviction_interval`` tokens at once (so the next steps evict nothing), a longer pass
-        evicts down to the target."""
-        return self.eviction_interval - 1 if new == 1 else 0
 
 
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
