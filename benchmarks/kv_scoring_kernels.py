@@ -19,9 +19,9 @@ from torch.nn import functional
 
 from decodekit.cache._triton_scoring import COLUMN_TILING, ROW_TILING, Tiling, attention_received
 
-TILINGS = {  # (row tiling, column tiling)
+TILINGS = {  # (row tiling, column tiling); the default is 64x64 tiles, 4 warps, 3 stages
     "default": (ROW_TILING, COLUMN_TILING),
-    "64x64, 3 stages": (Tiling(64, 64, 4, 3), Tiling(64, 64, 4, 3)),
+    "64x64, 2 stages": (Tiling(64, 64, 4, 2), Tiling(64, 64, 4, 2)),
     "128 rows / 128 columns, 8 warps": (Tiling(128, 64, 8, 3), Tiling(64, 128, 8, 3)),
     "128 rows / 128 columns, 4 warps": (Tiling(128, 64, 4, 3), Tiling(64, 128, 4, 3)),
     "128x128, 8 warps": (Tiling(128, 128, 8, 2), Tiling(128, 128, 8, 2)),
