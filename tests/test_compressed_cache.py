@@ -361,6 +361,21 @@ def test_beam_search_reorders_the_scores_with_the_cache(fresh, decoder):
     assert torch.equal(small[0], small[1]), "decodekit's and the built-in beam search agree on a compressed cache"
 
 
+@pytest.mark.parametrize("decoder", ["built-in", "decodekit"])
+def test_beam_search_over_reserved_room_matches_the_padded_path(fresh, decoder):
+    """Beams reorder a prompt's rows every step; alone they reorder the reserved room, in a left-padded
+    batch the dead-slot layout. The prompt's beams must come out the same."""
+    model, tokenizer = fresh
+    prompt = " ".join(PROMPTS * 2)
+    kwargs = {"num_beams": 3, "max_new_tokens": 40}
+    if decoder == "decodekit":
+        kwargs["custom_generate"] = beam_search
+    make = partial(CompressedCache, model, budget=40, recent_tokens=8)
+    alone = _greedy(model, tokenizer, _batch(tokenizer, [prompt]), make(), **kwargs)
+    batched = _greedy(model, tokenizer, _batch(tokenizer, [prompt, "x"]), make(), **kwargs)
+    assert torch.equal(alone[0], batched[0, -alone.shape[1] :])
+
+
 def test_two_threads_generating_on_one_model_each_get_their_own_result(fresh):
     """The queries travel from the pre-hook to the projection hook per thread, never across generations."""
     import threading

@@ -602,9 +602,17 @@ class CompressedLayer(DynamicLayer):
         return (*PER_ENTRY, "pads")
 
     def _apply_to_rows(self, operation) -> None:
+        """Apply a row operation (select, reorder, repeat) to every per-row tensor; with reserved room, to
+        the whole room, so that beam search keeps it (its prepared entries are the same in every row)."""
         self._score_pending()
         self._forget_freed()
-        self._spare = None
+        if self._has_spare():
+            slots = self.slots
+            for name in PER_ENTRY:
+                self._spare[name] = operation(self._spare[name])
+                setattr(self, name, self._spare[name].narrow(2, 0, slots))
+            self.pads = operation(self.pads)
+            return
         for name in self._per_row():
             tensor = getattr(self, name)
             if tensor is not None:
