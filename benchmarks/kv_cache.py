@@ -133,6 +133,9 @@ def quality(model, tokenizer, args) -> None:
         "decodekit reconstruction": lambda ratio: CompressedCache(
             model, compression_ratio=ratio, scoring="reconstruction"
         ),
+        "decodekit attention+novelty": lambda ratio: CompressedCache(
+            model, compression_ratio=ratio, scoring="attention+novelty"
+        ),
     }
     rows = [row for name, make in ours.items() for row in run_tasks(model, tokenizer, tasks, make, name)]
     rows += press_rows(args, model, tasks)

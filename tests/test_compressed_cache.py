@@ -234,13 +234,14 @@ def _alone_and_batched(model, tokenizer, prompts, make_cache, **kwargs):
     ids=["ratio", "budget", "budget-default-recent"],
 )
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_each_row_of_a_padded_batch_decodes_what_it_decodes_alone(fresh, settings, attention):
+@pytest.mark.parametrize("scoring", ["attention", "attention+novelty"])
+def test_each_row_of_a_padded_batch_decodes_what_it_decodes_alone(fresh, settings, attention, scoring):
     """Padding is not content: a row keeps, scores and attends to what it would alone."""
     model, tokenizer = fresh
     model.set_attn_implementation(attention)
     prompts = ["def foo", LONG, PROMPTS[1]]
     results, batched_cache = _alone_and_batched(
-        model, tokenizer, prompts, lambda: CompressedCache(model, **settings), max_new_tokens=16
+        model, tokenizer, prompts, lambda: CompressedCache(model, scoring=scoring, **settings), max_new_tokens=16
     )
     for alone, batched, _, _ in results:
         assert torch.equal(batched, alone)
@@ -253,6 +254,39 @@ def test_each_row_of_a_padded_batch_decodes_what_it_decodes_alone(fresh, setting
             unused = kept.shape[-1] - alone_positions.shape[-1]
             assert torch.equal(kept[:, unused:] - pads, alone_positions)
             assert bool((kept[:, :unused] == -1).all())
+
+
+def test_novelty_scoring_keeps_the_best_of_two_rankings(fresh):
+    """Oracle: a loop over each head's tokens that ranks them by attention (times value norm) and by key
+    novelty (negative cosine to the mean key), takes each token's better rank (ties: the other rank,
+    then attention) and keeps the sinks, the recent tokens and the best of the rest."""
+    model, tokenizer = fresh
+    ids = _batch(tokenizer, [LONG])["input_ids"]
+    length, sinks, recent = ids.shape[1], 2, 6
+    keep_all = CompressedCache(model, compression_ratio=0.0, sink_tokens=sinks, recent_tokens=recent)
+    ours = CompressedCache(
+        model, compression_ratio=0.5, sink_tokens=sinks, recent_tokens=recent, scoring="attention+novelty"
+    )
+    with torch.no_grad():
+        model(ids, past_key_values=keep_all)
+        model(ids, past_key_values=ours)
+    target = math.ceil(0.5 * length)
+    for full, layer in zip(keep_all.layers, ours.layers, strict=True):
+        for head in range(full.keys.shape[1]):
+            keys = full.keys[0, head].double()
+            attention = (full.scores[0, head] * full.value_norms[0, head]).tolist()
+            mean = keys.mean(dim=0)
+            novelty = (-(keys @ mean) / (keys.norm(dim=1) * mean.norm()).clamp(min=1e-8)).tolist()
+            rank_a = {token: rank for rank, token in enumerate(sorted(range(length), key=lambda t: attention[t]))}
+            rank_n = {token: rank for rank, token in enumerate(sorted(range(length), key=lambda t: novelty[t]))}
+            order = sorted(
+                range(length),
+                key=lambda t: (max(rank_a[t], rank_n[t]), min(rank_a[t], rank_n[t]), rank_a[t]),
+                reverse=True,
+            )
+            protected = [*range(sinks), *range(length - recent, length)]
+            rest = [token for token in order if token not in protected][: target - len(protected)]
+            assert layer.kept_positions()[0, head].tolist() == sorted(protected + rest)
 
 
 def test_a_budget_below_the_padding_plus_protected_tokens_keeps_the_real_tokens(fresh):
@@ -445,7 +479,7 @@ def test_reconstruction_scoring_evicts_to_the_target_and_refuses_padding(fresh):
     assert output.shape[1] == ids.shape[1] + 24
     with pytest.raises(ValueError, match="needs prompts without left padding"):
         _greedy(model, tokenizer, _batch(tokenizer), CompressedCache(model, budget=40, scoring="reconstruction"))
-    with pytest.raises(ValueError, match="scoring must be one of 'attention', 'reconstruction'"):
+    with pytest.raises(ValueError, match="scoring must be one of 'attention', 'reconstruction', 'attention\\+novelty'"):
         CompressedCache(model, budget=40, scoring="kvzip")
 
 

@@ -71,7 +71,10 @@ class CompressedCache(Cache):
         scoring: "attention" (the default: the attention tokens receive, as above) or
             "reconstruction": after the prompt's pass, replay the prompt and rank its tokens by the
             most attention any replay query pays them (query-agnostic; about one more prompt pass
-            of cost; prompts without padding).
+            of cost; prompts without padding), or "attention+novelty": at each eviction a token ranks
+            by the better of its attention rank and the rank of its key's novelty (the negative cosine
+            similarity to the mean key, as KeyDiff ranks), which keeps facts nothing later refers to at
+            no extra pass.
         reconstruction_chunk: prompt tokens replayed per forward pass, >= 1.
         scoring_backend: "auto" (the default: Triton kernels for a pass's scores when the cache is on
             CUDA and Triton is installed, else blocked PyTorch), "triton" or "torch". The kernels hold

@@ -534,10 +534,32 @@ class CompressedLayer(DynamicLayer):
         protected = (self.positions < pads + self.policy.sink_tokens) | (
             self.positions >= self.seen - self.policy.recent_tokens
         )
-        priority = torch.where(protected, PROTECTED, self.priority_scores())
+        scores = self.priority_scores()
+        if self.policy.scoring == "attention+novelty":
+            scores = self._with_novelty(scores)
+        priority = torch.where(protected, PROTECTED, scores)
         if self.sliding_window is not None:
             priority = torch.where(self.positions <= self.seen - self.sliding_window, -PROTECTED, priority)
         return priority
+
+    def _with_novelty(self, attention: torch.Tensor) -> torch.Tensor:
+        """Each live entry's better rank, as a fraction of the live entries, under ``attention`` and under the
+        novelty of its key (negative cosine similarity to the row and head's mean live key, as KeyDiff
+        ranks); ties go by the other rank, then by attention. Float64; dead entries rank lowest."""
+        live = self.live
+        count = live.sum(dim=-1, keepdim=True)
+        dead = live.shape[-1] - count
+        keys = self.keys.float()
+        mean = (keys * live[..., None]).sum(dim=-2, keepdim=True) / count[..., None].clamp(min=1)
+        novelty = -functional.cosine_similarity(keys, mean, dim=-1)
+
+        def fraction(values: torch.Tensor) -> torch.Tensor:
+            order = torch.where(live, values.double(), -math.inf).argsort(dim=-1, stable=True).argsort(dim=-1)
+            return (order - dead).double() / count.clamp(min=1)
+
+        by_attention, by_novelty = fraction(attention), fraction(novelty)
+        better, worse = torch.maximum(by_attention, by_novelty), torch.minimum(by_attention, by_novelty)
+        return better + worse * 2.0**-20 + by_attention * 2.0**-40
 
     def compress(self, new: int) -> None:
         """Evict each row down to its target, after a pass of ``new`` tokens; reuse slots where possible.

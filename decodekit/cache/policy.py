@@ -10,7 +10,7 @@ import torch
 from decodekit._validation import check_int, check_real
 from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 
-SCORINGS = ("attention", "reconstruction")
+SCORINGS = ("attention", "reconstruction", "attention+novelty")
 SCORING_BACKENDS = ("auto", "triton", "torch")
 
 
