@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from decodekit.cache.layer import CompressedLayer
+from decodekit.cache.layer import CompressedLayer, rank_fractions
 from decodekit.cache.observer import bind
 from decodekit.cache.policy import EvictionPolicy
 
@@ -16,11 +16,7 @@ from decodekit.cache.policy import EvictionPolicy
 def _union_of_ranks(attention: torch.Tensor, replay: torch.Tensor) -> torch.Tensor:
     """Per row and head, each entry's better rank (a fraction in [0, 1)) under two scores, on the scale of
     ``attention`` so that the attention later queries add keeps its weight."""
-
-    def fraction(scores: torch.Tensor) -> torch.Tensor:
-        return scores.argsort(dim=-1).argsort(dim=-1).to(scores.dtype) / scores.shape[-1]
-
-    better = torch.maximum(fraction(attention), fraction(replay))
+    better = torch.maximum(rank_fractions(attention), rank_fractions(replay)).to(attention.dtype)
     return better * attention.mean(dim=-1, keepdim=True) / better.mean(dim=-1, keepdim=True).clamp(min=1e-30)
 
 

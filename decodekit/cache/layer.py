@@ -48,6 +48,22 @@ QUERY_BLOCK = 128  # observed queries scored at once
 LOGIT_ELEMENTS = 1 << 25  # at most this many logits (128 MiB in float32) held at once while scoring
 
 
+def rank_fractions(values: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row and head, each entry's rank by ``values`` among the live entries (all when ``live`` is None),
+    as a float64 fraction in [0, 1); dead entries get negative fractions. Ties go by slot order.
+
+    Example:
+        >>> rank_fractions(torch.tensor([[[0.3, 0.1, 0.2, 0.0]]]), torch.tensor([[[True, True, True, False]]]))
+        tensor([[[ 0.6667,  0.0000,  0.3333, -0.3333]]], dtype=torch.float64)
+    """
+    if live is None:
+        order = values.argsort(dim=-1, stable=True).argsort(dim=-1)
+        return order.double() / values.shape[-1]
+    count = live.sum(dim=-1, keepdim=True)
+    order = torch.where(live, values.double(), -math.inf).argsort(dim=-1, stable=True).argsort(dim=-1)
+    return (order - (live.shape[-1] - count)).double() / count.clamp(min=1)
+
+
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
     """Fill ``target`` with ``entry``: a tensor (broadcast) or one value."""
     if isinstance(entry, torch.Tensor):
@@ -239,13 +255,11 @@ class CompressedLayer(DynamicLayer):
         else:
             self.live_range = (self.live_range[0] + new, self.live_range[1] + new)
         self.seen += new
-        if deferred:
-            if self._has_spare():
-                if not self._pending:
-                    self._pending_first, self._pending_scaling = self.slots - 1, scaling
-                self._pending.append((queries, cos, sin))
-                return self.keys, self.values
-            self.scores.mul_(self.policy.score_decay)  # the room is gone: score this step now
+        if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
+            if not self._pending:
+                self._pending_first, self._pending_scaling = self.slots - 1, scaling
+            self._pending.append((queries, cos, sin))
+            return self.keys, self.values
         received = self._attention_received(rotate(queries, cos, sin), scaling)
         if self.replaying:
             self.scores = torch.maximum(self.scores, received)
@@ -548,16 +562,10 @@ class CompressedLayer(DynamicLayer):
         ranks); ties go by the other rank, then by attention. Float64; dead entries rank lowest."""
         live = self.live
         count = live.sum(dim=-1, keepdim=True)
-        dead = live.shape[-1] - count
         keys = self.keys.float()
         mean = (keys * live[..., None]).sum(dim=-2, keepdim=True) / count[..., None].clamp(min=1)
         novelty = -functional.cosine_similarity(keys, mean, dim=-1)
-
-        def fraction(values: torch.Tensor) -> torch.Tensor:
-            order = torch.where(live, values.double(), -math.inf).argsort(dim=-1, stable=True).argsort(dim=-1)
-            return (order - dead).double() / count.clamp(min=1)
-
-        by_attention, by_novelty = fraction(attention), fraction(novelty)
+        by_attention, by_novelty = rank_fractions(attention, live), rank_fractions(novelty, live)
         better, worse = torch.maximum(by_attention, by_novelty), torch.minimum(by_attention, by_novelty)
         return better + worse * 2.0**-20 + by_attention * 2.0**-40
 
