@@ -30,7 +30,7 @@ class Case:
     beams: int = 1
 
 
-def _strategy_case(name: str, strategy: Strategy) -> Case:
+def strategy_case(name: str, strategy: Strategy) -> Case:
     def build(model, batch, rows):
         return strategy.generate_kwargs(model, attention_mask=batch["attention_mask"])
 
@@ -64,7 +64,7 @@ def grid() -> list[Case]:
         "kv ratio": Strategy(kv_compression_ratio=0.5),
         "beam gnmt + kv budget": Strategy(num_beams=3, length_normalization="gnmt", length_alpha=0.6, kv_budget=40),
     }
-    cases = [_strategy_case(name, strategy) for name, strategy in strategies.items()]
+    cases = [strategy_case(name, strategy) for name, strategy in strategies.items()]
     return [*cases, Case("min-p per row", _per_row_min_p)]
 
 

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.batch_invariance import check, grid
+from decodekit import CompressedCache, Strategy, encode_prompts
+from tests.batch_invariance import Case, check, grid, strategy_case
 from tests.tiny import _training_text
 
 WORDS = " ".join(_training_text()).split()
@@ -42,6 +43,36 @@ def test_every_recipe_is_batch_invariant_on_drawn_prompts(fresh_tiny, prompts):
     assert check(model, tokenizer, prompts)["findings"] == []
 
 
+def _cache_case(name: str, **options) -> Case:
+    """Greedy decoding with a fresh ``CompressedCache(model, **options)`` per generate call."""
+
+    def build(model, batch, rows):
+        return {"do_sample": False, "past_key_values": CompressedCache(model, **options)}
+
+    return Case(name, build)
+
+
+# Budgets from the floor (sink_tokens + recent_tokens = 36) up, with interval eviction: rows of 47 and 51
+# tokens cross budgets 52 and 56 while decoding, on different steps, while the 91-token row evicts from
+# its prefill on; at 36 and 40 every row evicts straight down to the floor.
+CACHE_EDGES = [
+    _cache_case(f"budget {budget}, interval {interval}", budget=budget, eviction_interval=interval)
+    for budget, interval in [(36, 8), (37, 8), (40, 8), (52, 8), (56, 8), (52, 3), (52, 1), (56, 2)]
+] + [
+    _cache_case(f"ratio {ratio}, interval {interval}", compression_ratio=ratio, eviction_interval=interval)
+    for ratio, interval in [(0.1, 8), (0.5, 8), (0.9, 8), (0.5, 1)]
+]
+
+
+def test_the_cache_is_batch_invariant_at_budgets_down_to_the_floor(fresh_tiny):
+    model, tokenizer = fresh_tiny
+    prompts = [_prompt(300, 1), _prompt(300, 3), _prompt(300, 15)]
+    assert [encode_prompts(tokenizer, [p])["input_ids"].shape[1] for p in prompts] == [47, 51, 91]
+    result = check(model, tokenizer, prompts, CACHE_EDGES, steps=16)
+    assert len(result["stable_rows"]) >= 2
+    assert result["findings"] == []
+
+
 def test_the_grid_names_every_piece():
     names = {case.name for case in grid()}
     for piece in ("min-p per row", "beam none", "beam average", "beam gnmt", "kv budget", "kv ratio"):
@@ -55,4 +86,24 @@ def test_every_recipe_is_batch_invariant_on_the_default_model(real):
     prompts = ["Name a color.", "Write a long, detailed story about a lighthouse keeper " * 6]
     result = check(model, tokenizer, prompts, steps=5)
     assert result["stable_rows"]
+    assert result["findings"] == []
+
+
+@pytest.mark.slow
+def test_the_cache_near_its_floor_is_batch_invariant_on_the_default_model(real):
+    """A short prompt crosses a budget near the floor while a longer one evicts from its prefill on."""
+    model, tokenizer = real
+    prompts = [
+        "Name a color.",
+        "Write a detailed paragraph about the history of the printing press in Europe, its inventors, and its "
+        "effects on literacy, religion and science in the following two centuries.",
+        "List three fruits and say which one is the sweetest, and explain why in one sentence.",
+    ]
+    cases = [
+        strategy_case("kv budget 40", Strategy(kv_budget=40)),
+        strategy_case("kv budget 48", Strategy(kv_budget=48)),
+        strategy_case("kv budget 40 + staged penalty", Strategy(kv_budget=40, staged_penalty="1:1.2,3:1.5")),
+    ]
+    result = check(model, tokenizer, prompts, cases, steps=12)
+    assert len(result["stable_rows"]) == 3
     assert result["findings"] == []

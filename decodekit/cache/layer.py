@@ -87,9 +87,12 @@ class CompressedLayer(DynamicLayer):
         self.value_norms: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.live: torch.Tensor | None = None
-        # Host-side bookkeeping, so that no decision needs a device read: the least and most
-        # padding of any row, and how many live entries the rows with the most and the least
-        # padding hold (a row's count depends only on its padding; beams share their request's).
+        # Host-side bookkeeping, so that no decision needs a device read: how many live entries the
+        # rows of each padding hold (a row's count depends only on its padding and the tokens seen;
+        # beams share their request's), the least and most padding of any row, and the least and
+        # most live entries of any row. Counts need not grow with a row's real tokens: a decoding
+        # step's eviction takes a row below rows that have not reached their target yet.
+        self.live_by_pads: dict[int, int] = {}
         self.pad_range = (0, 0)
         self.live_range = (0, 0)
         # The attention module's own shape: a sliding window (a query sees the last ``sliding_window``
@@ -135,7 +138,7 @@ class CompressedLayer(DynamicLayer):
 
     @property
     def kept(self) -> int:
-        """The most tokens any row keeps (rows with more padding may keep fewer)."""
+        """The most tokens any row keeps (other rows may keep fewer)."""
         return self.live_range[1]
 
     def get_seq_length(self) -> int:
@@ -167,8 +170,9 @@ class CompressedLayer(DynamicLayer):
             if pads is None:
                 raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
             self.pads = pads.to(dtype=torch.long)
-            low, high = (int(value) for value in torch.stack([self.pads.min(), self.pads.max()]).tolist())
-            self.pad_range = (low, high)
+            distinct = self.pads.unique().tolist()
+            self.pad_range = (distinct[0], distinct[-1])
+            self._set_live_counts(dict.fromkeys(distinct, 0))
         free = None
         if self._fills_free_slot(query_length):
             if self._freed is not None and self._freed_taken < self._freed.shape[-1]:
@@ -250,10 +254,9 @@ class CompressedLayer(DynamicLayer):
         else:
             self._store(key_states, value_states, free, first_pass)
         if first_pass:
-            low, high = self.pad_range
-            self.live_range = (max(new - high, 0), max(new - low, 0))
+            self._set_live_counts({pads: max(new - pads, 0) for pads in self.live_by_pads})
         else:
-            self.live_range = (self.live_range[0] + new, self.live_range[1] + new)
+            self._set_live_counts({pads: live + new for pads, live in self.live_by_pads.items()})
         self.seen += new
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
             if not self._pending:
@@ -582,18 +585,12 @@ class CompressedLayer(DynamicLayer):
         if self.deferred:
             return
         slack = self.policy.slack(new)
-        low_pads, high_pads = self.pad_range
-        least, most = self.live_range
-        keep_most = self.policy.kept(most, self.seen - low_pads, slack)
-        keep_least = self.policy.kept(least, self.seen - high_pads, slack)
-        self.live_range = (keep_least, keep_most)
-        # Every row's excess when the rows are alike; otherwise an upper bound on it: a row's excess
-        # grows with its real tokens, except that under a ratio a later pass of n tokens may leave
-        # any row up to n over (and a decoding step's slack below).
-        uniform = low_pads == high_pads and least == most
-        bound = most - keep_most
-        if not uniform and self.policy.compression_ratio is not None and new < self.seen - low_pads:
-            bound = max(bound, min(new + slack, most))
+        before = self.live_by_pads
+        after = {pads: self.policy.kept(live, self.seen - pads, slack) for pads, live in before.items()}
+        self._set_live_counts(after)
+        uniform = len(before) == 1  # one padding: every row holds the same entries
+        bound = max(before[pads] - after[pads] for pads in before)  # the most any row evicts
+        keep_most = self.live_range[1]
         in_place = self.slots - keep_most <= 1 + slack
         if bound == 0 and in_place:
             return
@@ -662,11 +659,17 @@ class CompressedLayer(DynamicLayer):
             self._apply_to_rows(lambda tensor: tensor[indices.to(tensor.device)])
             self._recount()
 
+    def _set_live_counts(self, live_by_pads: dict[int, int]) -> None:
+        """Record each padding's live count, and the least and most of them."""
+        self.live_by_pads = live_by_pads
+        counts = live_by_pads.values()
+        self.live_range = (min(counts), max(counts)) if live_by_pads else (0, 0)
+
     def _recount(self) -> None:
-        """Read the padding and live ranges back from the device (after a change the host cannot follow)."""
-        counts = self.live[:, 0].sum(dim=-1)
-        values = torch.stack([self.pads.min(), self.pads.max(), counts.min(), counts.max()]).tolist()
-        self.pad_range, self.live_range = (values[0], values[1]), (values[2], values[3])
+        """Read the paddings and live counts back from the device (after a change the host cannot follow)."""
+        pads, counts = torch.stack([self.pads, self.live[:, 0].sum(dim=-1)]).tolist()
+        self.pad_range = (min(pads), max(pads))
+        self._set_live_counts(dict(zip(pads, counts, strict=True)))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens seen (candidate tokens rejected by assisted generation).
@@ -705,7 +708,8 @@ class CompressedLayer(DynamicLayer):
         self._forget_freed()
         self.sliding_window = self.softcap = None
         self.deferred, self.replaying = self.policy.scoring == "reconstruction", False
-        self.pad_range = self.live_range = (0, 0)
+        self.pad_range = (0, 0)
+        self._set_live_counts({})
         self.seen = 0
 
     def memory_bytes(self) -> int:
