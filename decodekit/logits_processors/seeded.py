@@ -17,15 +17,53 @@ REPLICA_STRIDE = 0x3C6EF372  # separates the seeds of one request's return seque
 
 
 def _mix(values: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors holding values below 2**32."""
-    for multiplier in MULTIPLIERS:
-        values = values ^ (values >> 16)
-        values = (values * multiplier) & MASK32
-    return values ^ (values >> 16)
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors holding values below 2**32.
+    ``values`` itself is left as it was; the rounds work in place on one new tensor."""
+    values = values ^ (values >> 16)
+    for index, multiplier in enumerate(MULTIPLIERS):
+        if index:
+            values ^= values >> 16
+        values.mul_(multiplier).bitwise_and_(MASK32)
+    values ^= values >> 16
+    return values
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit centred uniforms ``(bits + 0.5) / 2**32`` in float64 (exact): strictly inside (0, 1) for every
+    value of ``bits`` (int64 tensors holding values below 2**32).
+
+    Example:
+        >>> uniform_from_bits(torch.tensor([0, 2**32 - 1])).tolist() == [0.5 / 2**32, 1 - 0.5 / 2**32]
+        True
+    """
+    return (bits.to(torch.float64) + 0.5) * 2.0**-32
+
+
+def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """float32 Gumbel(0, 1) noise ``-log(-log(u))`` of the 32-bit centred uniforms ``u`` of ``bits``
+    (int64 tensors holding values below 2**32): finite for every bit pattern, non-decreasing in ``bits``.
+
+    ``u`` itself is never formed in float32, where values near 1 round to 1.0 (infinite noise): the
+    lower half takes ``log(u)``, the upper half ``log1p(-(1 - u))`` with ``1 - u`` built from the
+    complementary bits, so both start from a distance to 0 or to 1 that float32 holds to 24 bits.
+    The noise then spans about -3.13 to 22.9, and its tails follow the Gumbel law down to the resolution
+    of 32 bits (near the median, where float32 holds fewer, neighbouring bit patterns may share a value).
+
+    Example:
+        >>> noise = gumbel_from_bits(torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]))
+        >>> bool(noise.isfinite().all()), bool((noise.diff() >= 0).all()), round(float(noise[-1]), 2)
+        (True, True, 22.87)
+    """
+    signed = bits.to(torch.int32)  # two's complement: the upper half becomes negative
+    # The distance of u to 0 (lower half) or to 1 (upper half: ~signed is 2**32 - 1 - bits), in (0, 0.5].
+    distance = (signed ^ (signed >> 31)).to(torch.float32).add_(0.5).mul_(2.0**-32)
+    upper = signed.lt(0).to(torch.float32)
+    log_uniform = torch.lerp(distance.log(), distance.neg().log1p_(), upper)  # exact at weights 0 and 1
+    return log_uniform.neg_().log_().neg_()
 
 
 def uniform_draws(seeds: torch.Tensor, step: int, device: torch.device, stream: int = 1) -> torch.Tensor:
-    """``[rows]`` float32 uniform draws in (0, 1), a pure function of (seed, step, stream).
+    """``[rows]`` float64 uniform draws in (0, 1) with 32 bits each, a pure function of (seed, step, stream).
 
     ``stream`` separates independent uses of one seed (XTC's coin flips from sampling's noise).
 
@@ -37,11 +75,11 @@ def uniform_draws(seeds: torch.Tensor, step: int, device: torch.device, stream: 
     """
     key = _mix((seeds.to(device=device, dtype=torch.int64) & MASK32) ^ _mix(torch.tensor(step, device=device)))
     bits = _mix(key ^ _mix(torch.tensor(stream + MULTIPLIERS[1], device=device)))
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return uniform_from_bits(bits)
 
 
 def gumbel_noise(seeds: torch.Tensor, step: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """``[rows, vocab]`` float32 Gumbel(0, 1) noise, a pure function of (seed, step, token).
+    """``[rows, vocab]`` float32 Gumbel(0, 1) noise from 32-bit uniforms, a pure function of (seed, step, token).
 
     Example:
         >>> a = gumbel_noise(torch.tensor([1, 2]), 0, 5, torch.device("cpu"))
@@ -51,9 +89,7 @@ def gumbel_noise(seeds: torch.Tensor, step: int, vocab: int, device: torch.devic
     """
     key = _mix((seeds.to(device=device, dtype=torch.int64) & MASK32) ^ _mix(torch.tensor(step, device=device)))
     tokens = torch.arange(vocab, device=device, dtype=torch.int64)
-    bits = _mix(key[:, None] ^ _mix(tokens + MULTIPLIERS[0]))
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 bits
-    return -torch.log(-torch.log(uniform))
+    return gumbel_from_bits(_mix(key[:, None] ^ _mix(tokens + MULTIPLIERS[0])))
 
 
 class GumbelSamplingLogitsProcessor(LogitsProcessor):
