@@ -26,17 +26,13 @@ import urllib.request
 
 import psutil
 
-from decodekit.demo.app import unset_controls
-
 PRESETS = ("greedy", "min-p 0.1, T=1.0", "beam 4, gnmt", "greedy, KV budget 64")
-CONTROLS_UNSET = unset_controls()  # every setting left to the preset
 IDLE_CPU = 10.0  # percent of one core
 LONG_RUN = """
 import sys, time
 from gradio_client import Client
-from decodekit.demo.app import unset_controls
 Client(sys.argv[1], verbose=False).submit(
-    "Tell me a long story about the sea.", 256, "greedy", *unset_controls(), api_name="/run_a"
+    prompt="Tell me a long story about the sea.", max_new_tokens=256, api_name="/generate"
 )
 time.sleep(600)
 """
@@ -98,8 +94,8 @@ def run_load(url: str, clients: int, requests: int, max_new_tokens: int, timeout
             preset = PRESETS[(index + request) % len(PRESETS)]
             started = time.monotonic()
             try:
-                job = client.submit(f"Request {index}.{request}: tell me about the sea.", max_new_tokens, preset,
-                                    *CONTROLS_UNSET, api_name=f"/run_{'ab'[index % 2]}")  # fmt: skip
+                job = client.submit(prompt=f"Request {index}.{request}: tell me about the sea.",
+                                    max_new_tokens=max_new_tokens, preset=preset, api_name="/generate")  # fmt: skip
                 job.result(timeout=timeout)
                 with lock:
                     latencies.append(time.monotonic() - started)
@@ -132,7 +128,7 @@ def main() -> None:
     server = start_server(port, args.model)
     process = psutil.Process(server.pid)
     try:
-        Client(url, verbose=False).predict("Hi", 2, "greedy", *CONTROLS_UNSET, api_name="/run_a")  # warm up
+        Client(url, verbose=False).predict(prompt="Hi", max_new_tokens=2, api_name="/generate")  # warm up
         time.sleep(args.idle_wait)  # the same idle time as before the last count
         before = footprint(process)
         start_threads = process.num_threads()
@@ -167,7 +163,7 @@ def main() -> None:
         print(f"   idle (< {IDLE_CPU:.0f}%) after {idle_at} s   (target: <= 2 s: {verdict})")
 
         stopper = Client(url, verbose=False)
-        job = stopper.submit("Tell me a long story about the sea.", 256, "greedy", *CONTROLS_UNSET, api_name="/run_a")
+        job = stopper.submit(prompt="Tell me a long story about the sea.", max_new_tokens=256, api_name="/generate")
         time.sleep(5)
         pressed = time.monotonic()
         stopper.predict(api_name="/stop")
@@ -178,7 +174,7 @@ def main() -> None:
 
         # Measured as at the start: one request, then the idle wait. AnyIO keeps idle worker threads
         # for reuse and retires those idle for 10 s when the next request comes.
-        Client(url, verbose=False).predict("Hi", 2, "greedy", *CONTROLS_UNSET, api_name="/run_a")
+        Client(url, verbose=False).predict(prompt="Hi", max_new_tokens=2, api_name="/generate")
         time.sleep(args.idle_wait)
         end_threads = process.num_threads()
         print(f"4. server after {args.idle_wait:.0f} s idle: {footprint(process)} (before the load: {before}); "

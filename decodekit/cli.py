@@ -148,13 +148,18 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Start the Gradio demo: one prompt, two strategies side by side, streamed.",
         epilog=_examples(
             "decodekit demo                       # http://127.0.0.1:7860",
-            "decodekit demo --host 0.0.0.0 --port 8080 --max-concurrent 4",
+            "decodekit demo --host 0.0.0.0 --port 8080 --auth-file demo-users.txt --max-concurrent 4",
             "decodekit demo --model HuggingFaceTB/SmolLM2-360M-Instruct --dtype bfloat16",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     demo.add_argument("--port", type=_bounded(int, 1, 65535), default=7860, help="port (default 7860)")
+    demo.add_argument(
+        "--auth-file", metavar="FILE",
+        help="require a sign-in: one user:password a line (# comments); without it anyone who reaches the port "
+        "may use the demo",
+    )  # fmt: skip
     demo.add_argument(
         "--max-concurrent", type=_bounded(int, 1), default=2,
         help="generations running at once across all visitors; the rest wait in the queue (default 2)",
@@ -191,13 +196,15 @@ def check_address(host: str, port: int) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    from decodekit.demo.access import read_auth_file
     from decodekit.demo.app import DemoLimits, launch
     from decodekit.models import load_model
 
     check_address(args.host, args.port)
+    auth = read_auth_file(args.auth_file) if args.auth_file else None
     limits = DemoLimits(max_concurrent=args.max_concurrent, max_queue=args.max_queue, max_beams=args.max_beams)
     model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
-    launch(model, tokenizer, host=args.host, port=args.port, limits=limits)
+    launch(model, tokenizer, host=args.host, port=args.port, limits=limits, auth=auth)
     return 0
 
 

@@ -204,3 +204,11 @@ def test_the_demo_says_where_it_serves_without_a_share_hint(tiny, capsys):
         assert f"serving on http://127.0.0.1:{port}" in out and "share=True" not in out
     finally:
         app.close()
+
+
+def test_a_bad_auth_file_is_refused_before_the_model_loads(tmp_path, capsys):
+    bad = tmp_path / "users.txt"
+    bad.write_text("no colon here\n", encoding="utf-8")
+    assert main(["demo", "--auth-file", str(bad), "--model", str(tmp_path / "no-model")]) == 2
+    error = capsys.readouterr().err
+    assert "--auth-file" in error and "line 1: expected user:password" in error and "no colon here" not in error

@@ -46,10 +46,7 @@ from decodekit.demo.app import (  # noqa: E402
     format_stats,
     launch,
     strategy_from_controls,
-    unset_controls,
 )
-
-CONTROLS_UNSET = unset_controls()
 
 
 def _generation_threads() -> int:
@@ -128,8 +125,7 @@ CLIENT = """
 import sys, time
 from gradio_client import Client
 client = Client(sys.argv[1], verbose=False)
-from decodekit.demo.app import unset_controls
-client.submit("Tell me a story", 400, "greedy", *unset_controls(), api_name="/run_a")
+client.submit(prompt="Tell me a story", max_new_tokens=400, api_name="/generate")
 time.sleep(600)
 """
 
@@ -190,18 +186,17 @@ def test_generations_are_capped_and_the_queue_is_bounded(slow_tiny):
     port = _free_port()
     app = launch(model, tokenizer, port=port, block=False, limits=DemoLimits(max_concurrent=1, max_queue=8))
     try:
-        runs = [fn for fn in app.fns.values() if fn.api_name in ("run_a", "run_b")]
-        assert {fn.concurrency_id for fn in runs} == {"generate"} and all(fn.concurrency_limit == 1 for fn in runs)
+        runs = [fn for fn in app.fns.values() if fn.api_name in ("run_a", "run_b", "generate")]
+        assert len(runs) == 3 and {fn.concurrency_id for fn in runs} == {"generate"}
+        assert all(fn.concurrency_limit == 1 for fn in runs)
         assert app._queue.max_size == 8
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        jobs = [
-            client.submit(f"Story {i}", 30, "greedy", *CONTROLS_UNSET, api_name=f"/run_{'ab'[i % 2]}") for i in range(3)
-        ]
+        jobs = [client.submit(prompt=f"Story {i}", max_new_tokens=30, api_name="/generate") for i in range(3)]
         most = 0
         while not all(job.done() for job in jobs):
             most = max(most, _generation_threads())
             time.sleep(0.01)
-        assert most == 1 and all(job.result()[1]["new tokens"] == 30 for job in jobs)
+        assert most == 1 and all(job.result()["stats"]["new tokens"] == 30 for job in jobs)
     finally:
         app.close()
 
@@ -436,7 +431,7 @@ def test_the_demo_refuses_bad_token_counts(tiny, max_new_tokens):
     model, tokenizer = tiny
     session = DemoSession(model, tokenizer)
     with pytest.raises(gradio.Error, match=r"max new tokens must be a whole number in \[1, 512\]"):
-        next(session.run("Hi", max_new_tokens, "greedy", *CONTROLS_UNSET, request=None))
+        next(session.generate("Hi", max_new_tokens, "greedy"))
     assert session.running() == 0
 
 

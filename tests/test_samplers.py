@@ -23,7 +23,7 @@ def _repetitive_ids(rows: int, length: int, seed: int) -> torch.Tensor:
         start = int(torch.randint(0, length // 2, (1,), generator=generator))
         span = int(torch.randint(2, length // 2, (1,), generator=generator))
         copy = ids[row, start : start + span].clone()
-        ids[row, length - span :] = copy[: span]
+        ids[row, length - span :] = copy[:span]
     return ids
 
 
@@ -171,9 +171,7 @@ def test_mirostat_matches_the_reference_over_steps():
         drawn.append(choice[:, 0])
         ids = torch.cat([ids, choice], dim=1)
     for row, tau in enumerate((2.0, 3.0, 4.0)):
-        expected = mirostat_reference(
-            [step[row].tolist() for step in history], [int(d[row]) for d in drawn], tau, 0.2
-        )
+        expected = mirostat_reference([step[row].tolist() for step in history], [int(d[row]) for d in drawn], tau, 0.2)
         assert [mask[row].tolist() for mask in masks] == expected
 
 

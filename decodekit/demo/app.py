@@ -1,6 +1,8 @@
 """The Gradio app: one prompt, two strategies side by side, streamed with token probabilities.
 
-Started by ``decodekit demo [--port 7860] [--host 127.0.0.1] [--model ID_OR_DIR]``.
+Started by ``decodekit demo [--port 7860] [--host 127.0.0.1] [--auth-file FILE] [--model ID_OR_DIR]``.
+Programs call it by name through ``gradio_client``: ``/generate`` (prompt, max_new_tokens, preset,
+settings) and ``/stop``.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +20,8 @@ import gradio as gr
 import pandas as pd
 
 from decodekit._validation import as_integer, as_real, check_int
-from decodekit.demo.engine import Stats, stream
+from decodekit.demo.access import is_loopback
+from decodekit.demo.engine import Stats, Update, stream
 from decodekit.fields import BY_NAME, FIELDS, SAMPLING_FIELDS
 from decodekit.strategies import Strategy
 
@@ -106,7 +110,11 @@ def strategy_from_controls(preset: str, overrides: dict[str, Any], *, max_beams:
 
 
 class DemoSession:
-    """The model, the limits, and the stop switches of the runs in progress per browser session."""
+    """The model, the limits, and the stop switches of the runs in progress per browser session.
+
+    A run is registered under its visitor's Gradio session (a browser tab, or one ``gradio_client.Client``),
+    so that Stop ends that visitor's runs and no one else's.
+    """
 
     def __init__(self, model: Any, tokenizer: Any, limits: DemoLimits | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
@@ -133,32 +141,34 @@ class DemoSession:
         with self._lock:
             return sum(len(runs) for runs in self._runs.values())
 
-    def run(self, prompt: str, max_new_tokens: int, preset: str, *controls: Any, request: gr.Request = None):
-        """Stream one panel: highlighted tokens, stats, and the per-step candidates.
+    def sessions(self) -> dict[str, int]:
+        """The sessions with runs in progress, and how many each has."""
+        with self._lock:
+            return {session: len(runs) for session, runs in self._runs.items()}
 
-        ``controls`` are the values of ``CONTROLS``, in order. The generation stops within a step
-        when the visitor presses Stop or goes away (Gradio then closes this generator).
+    def updates(
+        self, prompt: str, max_new_tokens: Any, preset: str, settings: Mapping[str, Any] | None, session: str
+    ) -> Iterator[tuple[Update, Strategy]]:
+        """Check a request, then stream its generation, registered under ``session`` until it ends.
+
+        ``settings`` maps field names (``decodekit.fields``) to values; a missing name, None, 0 or an
+        empty string leaves the field to the preset. The generation stops within a step when the
+        session's Stop fires or the consumer closes this generator.
         """
-        if len(controls) != len(CONTROLS):
-            raise _user_error(f"expected {len(CONTROLS)} settings ({', '.join(CONTROLS)}); got {len(controls)}")
         if not isinstance(prompt, str) or not prompt.strip():
             raise _user_error("Type a prompt first.")
         if len(self.tokenizer(prompt)["input_ids"]) > MAX_PROMPT_TOKENS:
             raise _user_error(f"The prompt is too long: at most {MAX_PROMPT_TOKENS} tokens.")
         max_new_tokens = whole_number("max new tokens", max_new_tokens, 1, self.limits.max_new_tokens)
-        overrides = dict(zip(CONTROLS, controls, strict=True))
-        strategy = strategy_from_controls(preset, overrides, max_beams=self.limits.max_beams)
-        session = request.session_hash if request is not None else "local"
+        strategy = strategy_from_controls(preset, check_settings(settings), max_beams=self.limits.max_beams)
         stop = self._begin(session)
         updates = None
         try:
             updates = stream(self.model, self.tokenizer, prompt, strategy, max_new_tokens=max_new_tokens, stop=stop)
             for update in updates:
-                if stop.is_set():
-                    break
-                shaded = update.tokens or [(update.text, None)]
-                stats = format_stats(update.stats, beam=strategy.beam)
-                yield shaded, stats, update.candidates, gr.update(maximum=max(2, len(update.candidates)))
+                if stop.is_set() and not update.done:
+                    continue  # stopped: only the final update (what was generated) is still worth showing
+                yield update, strategy
         except (TypeError, ValueError) as error:
             raise _user_error(str(error)) from None
         finally:
@@ -166,13 +176,65 @@ class DemoSession:
                 updates.close()  # stops the generation thread if it is still running
             self._end(session, stop)
 
-    def stop(self, request: gr.Request) -> None:
-        """Stop every run of this browser session."""
-        session = request.session_hash if request is not None else "local"
+    def run_panel(self, names: Mapping[Any, str], values: Mapping[Any, Any], session: str):
+        """Stream one panel of the page: highlighted tokens, stats, and the per-step candidates.
+
+        ``values`` maps the panel's components to their values and ``names`` those components to
+        ``prompt``, ``max_new_tokens``, ``preset`` or a field name.
+        """
+        named = {names[component]: value for component, value in values.items()}
+        prompt, max_new_tokens, preset = (named.pop(key) for key in ("prompt", "max_new_tokens", "preset"))
+        for update, strategy in self.updates(prompt, max_new_tokens, preset, named, session):
+            shaded = update.tokens or [(update.text, None)]
+            stats = format_stats(update.stats, beam=strategy.beam)
+            yield shaded, stats, update.candidates, gr.update(maximum=max(2, len(update.candidates)))
+
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int = 64,
+        preset: str = "greedy",
+        settings: dict[str, Any] | None = None,
+        request: gr.Request = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Generate from ``prompt`` with a preset and named settings, streaming the result so far.
+
+        ``settings`` maps decoding field names (``temperature``, ``min_p``, ``num_beams``, ...) to
+        values on top of the preset. Each update is ``{"text", "tokens": [[token, probability], ...],
+        "stats", "done"}``; the last one has ``done`` true.
+        """
+        for update, strategy in self.updates(prompt, max_new_tokens, preset, settings, _session_of(request)):
+            yield {
+                "text": update.text,
+                "tokens": [[text, probability] for text, probability in update.tokens],
+                "stats": format_stats(update.stats, beam=strategy.beam),
+                "done": update.done,
+            }
+
+    def stop(self, request: gr.Request = None) -> int:
+        """Stop every run of this visitor's session; return how many were running."""
         with self._lock:
-            runs = list(self._runs.get(session, ()))
+            runs = list(self._runs.get(_session_of(request), ()))
         for event in runs:
             event.set()
+        return len(runs)
+
+
+def _session_of(request: gr.Request | None) -> str:
+    """The visitor's Gradio session; "local" for a call from Python without one."""
+    return request.session_hash if request is not None and request.session_hash else "local"
+
+
+def check_settings(settings: Any) -> dict[str, Any]:
+    """``settings`` as a dict of known field names (None: no settings), or a page error naming the bad key."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise _user_error(f"settings must map field names to values, like {{'temperature': 0.8}}; got {settings!r}")
+    unknown = sorted(str(name) for name in settings if name not in CONTROLS)
+    if unknown:
+        raise _user_error(f"unknown setting {unknown[0]!r}; the settings are: {', '.join(CONTROLS)}")
+    return dict(settings)
 
 
 def candidates_plot(candidates: list[dict[str, Any]], step: int) -> pd.DataFrame:
@@ -204,11 +266,6 @@ def format_stats(stats: Stats, *, beam: bool = False) -> dict[str, Any]:
     if stats.total_seconds is not None:
         shown["total time (s)"] = round(stats.total_seconds, 3)
     return shown
-
-
-def unset_controls() -> list[Any]:
-    """The values of ``CONTROLS`` that leave every setting to the preset (for API clients)."""
-    return ["" if BY_NAME[name].widget in ("text", "choice") else 0 for name in CONTROLS]
 
 
 def _control(field: Any) -> Any:
@@ -256,19 +313,46 @@ def build_app(model: Any, tokenizer: Any, limits: DemoLimits | None = None) -> g
             panels = [_panel("Strategy A", "greedy"), _panel("Strategy B", "min-p 0.1, T=1.0")]
         events = []
         for index, panel in enumerate(panels):
-            inputs = [prompt, max_new_tokens, panel["preset"], *(panel[name] for name in CONTROLS)]
+            names = {prompt: "prompt", max_new_tokens: "max_new_tokens", panel["preset"]: "preset"}
+            names.update({panel[name]: name for name in CONTROLS})
             outputs = [panel["output"], panel["stats"], panel["candidates"], panel["step"]]
+
+            def run_panel(values: dict, request: gr.Request, names: dict = names):
+                yield from session.run_panel(names, values, _session_of(request))
+
+            # The page's own event: its inputs arrive by component, so the handler takes them by name.
             # Both panels share one limit, so at most max_concurrent generations run at once.
             event = run.click(
-                session.run, inputs, outputs, api_name=f"run_{'ab'[index]}", concurrency_id="generate",
-                concurrency_limit=limits.max_concurrent,
+                run_panel, set(names), outputs, api_name=f"run_{'ab'[index]}", api_visibility="private",
+                concurrency_id="generate", concurrency_limit=limits.max_concurrent,
             )  # fmt: skip
             events.append(event)
             for trigger in (panel["step"].change, panel["candidates"].change):
                 trigger(candidates_plot, [panel["candidates"], panel["step"]], panel["plot"], api_visibility="private")
-        stop.click(session.stop, None, None, cancels=events, api_name="stop")
+        stop.click(session.stop, None, None, cancels=events, api_name="stop_page", api_visibility="private")
+        # The API: parameters by name, so that a client keeps working when a field is added.
+        gr.api(
+            session.generate, api_name="generate", concurrency_id="generate", concurrency_limit=limits.max_concurrent
+        )
+        gr.api(session.stop, api_name="stop")
     app.demo_session = session  # for tests and load checks: runs in progress
     return app
+
+
+def start_message(host: str, port: int, accounts: int) -> str:
+    """The one line the demo prints when it starts: where it serves, and who may use it.
+
+    Example:
+        >>> start_message("0.0.0.0", 7860, 0).split(", ")[1]
+        'open to anyone who can reach this port (no --auth-file) (Ctrl-C stops it)'
+    """
+    if accounts:
+        access = f", sign-in required ({accounts} account{'s' if accounts > 1 else ''})"
+    elif is_loopback(host):
+        access = ""
+    else:
+        access = ", open to anyone who can reach this port (no --auth-file)"
+    return f"decodekit demo: serving on http://{host}:{port}{access} (Ctrl-C stops it)"
 
 
 def launch(
@@ -279,16 +363,21 @@ def launch(
     port: int = 7860,
     block: bool = True,
     limits: DemoLimits | None = None,
+    auth: Sequence[tuple[str, str]] | None = None,
 ) -> gr.Blocks:
-    """Serve the demo on ``host:port`` (no share link, no analytics)."""
+    """Serve the demo on ``host:port`` (no share link, no analytics).
+
+    ``auth``: the ``(user, password)`` accounts that may sign in (see ``access.read_auth_file``); None
+    lets anyone who reaches the port in, which the start message says when ``host`` is not loopback.
+    """
     limits = limits or DemoLimits()
     app = build_app(model, tokenizer, limits).queue(max_size=limits.max_queue)
     # quiet: Gradio's banner suggests share=True, which the command line does not offer; say where instead.
     app.launch(
         server_name=host, server_port=port, share=False, show_error=False, prevent_thread_lock=True,
-        theme=LOCAL_THEME, quiet=True,
+        theme=LOCAL_THEME, quiet=True, auth=list(auth) if auth else None,
     )  # fmt: skip
-    print(f"decodekit demo: serving on http://{host}:{port} (Ctrl-C stops it)", flush=True)
+    print(start_message(host, port, len(auth or ())), flush=True)
     if block:
         app.block_thread()
     return app
