@@ -16,7 +16,11 @@ import json
 import logging
 import os
 import shutil
+import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -111,19 +115,42 @@ def _write_manifest(directory: Path, source: Path) -> None:
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
 
 
+@contextmanager
+def _conversion_progress(gguf_path: Path) -> Iterator[None]:
+    """Progress bars on a terminal; elsewhere (a log, CI) one line instead of hundreds of carriage-return frames."""
+    if sys.stderr.isatty():
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+    from transformers.utils import logging as transformers_logging
+
+    print(f"decodekit: converting {gguf_path.name} to safetensors (once; later loads reuse it)", file=sys.stderr)
+    bars_were_on = transformers_logging.is_progress_bar_enabled()
+    original = gguf_loading.tqdm  # the GGUF loader's own bar, which transformers' switch does not reach
+    gguf_loading.tqdm = partial(original, disable=True)
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        gguf_loading.tqdm = original
+        if bars_were_on:
+            transformers_logging.enable_progress_bar()
+
+
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
     """Dequantize a GGUF checkpoint with transformers and save it as safetensors in ``target``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source_dir, file_name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=file_name)
-    model = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=file_name, dtype=torch.float32)
-    # The weights are plain fp32 tensors now; drop the GGUF marker so the copy saves and loads as usual.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
+    with _conversion_progress(gguf_path):
+        tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=file_name)
+        model = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=file_name, dtype=torch.float32)
+        # The weights are plain fp32 tensors now; drop the GGUF marker so the copy saves and loads as usual.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(target)
+        tokenizer.save_pretrained(target)
 
 
 def converted_gguf_dir(gguf_path: str | os.PathLike[str]) -> Path:
