@@ -11,6 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+# Under pytest-xdist (make test) the workers share the cores instead of each taking all of them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # Without CUDA, Triton kernels run in Triton's interpreter on the CPU (tests/test_cache_triton.py).
 # Triton reads this once, when it is first imported.
 if not torch.cuda.is_available():
