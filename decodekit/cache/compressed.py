@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from decodekit.cache.layer import CompressedLayer, rank_fractions
+from decodekit.cache.layer import CompressedLayer, rank_fractions, storage_bytes
 from decodekit.cache.observer import bind
 from decodekit.cache.policy import EvictionPolicy
 
@@ -182,8 +182,9 @@ class CompressedCache(Cache):
         return self.layers[layer_idx].slots
 
     def memory_bytes(self) -> int:
-        """Bytes the cache holds now: keys, values and per-entry bookkeeping (scores, value norms, positions)."""
-        return sum(layer.memory_bytes() for layer in self.layers)
+        """Bytes the cache holds now: every storage behind its layers' tensors, each counted once (keys,
+        values, per-entry bookkeeping, reserved room and dead slots, padding, waiting steps' queries)."""
+        return sum(storage_bytes(tensor for layer in self.layers for tensor in layer.held_tensors()).values())
 
     @property
     def kept_tokens(self) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from functools import cache
 from types import ModuleType
 
@@ -62,6 +63,22 @@ def rank_fractions(values: torch.Tensor, live: torch.Tensor | None = None) -> to
     count = live.sum(dim=-1, keepdim=True)
     order = torch.where(live, values.double(), -math.inf).argsort(dim=-1, stable=True).argsort(dim=-1)
     return (order - (live.shape[-1] - count)).double() / count.clamp(min=1)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
+    """The storages behind ``tensors``, keyed by (device, address) so that one shared by several views
+    (or several layers) counts once, with their sizes in bytes.
+
+    Example:
+        >>> base = torch.zeros(10)
+        >>> storage_bytes([base, base[:3], torch.ones(2, dtype=torch.int8)]).values()
+        dict_values([40, 2])
+    """
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return storages
 
 
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
@@ -712,9 +729,18 @@ class CompressedLayer(DynamicLayer):
         self._set_live_counts({})
         self.seen = 0
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds: keys, values and per-entry bookkeeping (with the reserved room and
+        dead slots behind them), the rows' padding, freed-slot lists and the waiting decoding steps'
+        queries with their rotation."""
+        held = [getattr(self, name) for name in (*PER_ENTRY, "pads", "_freed", "_free")]
+        if self._spare is not None:
+            held.extend(self._spare.values())
+        held.extend(part for step in self._pending for part in step)
+        if self._queries is not None:
+            held.extend(part for part in self._queries if isinstance(part, torch.Tensor))
+        return [tensor for tensor in held if isinstance(tensor, torch.Tensor)]
+
     def memory_bytes(self) -> int:
-        """Bytes held by this layer's tensors (keys, values and the per-entry bookkeeping)."""
-        if not self.is_initialized:
-            return 0
-        tensors = self._spare.values() if self._has_spare() else (getattr(self, name) for name in PER_ENTRY)
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        """Bytes of every storage behind :meth:`held_tensors`, each counted once (a view holds its whole storage)."""
+        return sum(storage_bytes(self.held_tensors()).values())
