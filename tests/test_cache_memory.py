@@ -107,9 +107,7 @@ def test_waiting_decoding_steps_are_counted(fresh):
             model(token, past_key_values=cache, position_ids=torch.tensor([[ids.shape[1] + step]]))
     assert all(len(layer._pending) >= 2 for layer in cache.layers)  # the steps after the first eviction
     per_entry_and_padding = sum(
-        tensor.untyped_storage().nbytes()
-        for layer in cache.layers
-        for tensor in [*layer._spare.values(), layer.pads]
+        tensor.untyped_storage().nbytes() for layer in cache.layers for tensor in [*layer._spare.values(), layer.pads]
     )
     assert cache.memory_bytes() > per_entry_and_padding  # the queries (and their rotation) are held too
     assert cache.memory_bytes() == _bytes_reachable(cache)
