@@ -1,0 +1,116 @@
+"""Ablation: how the tokens a compressed cache keeps are shared out among layers and KV heads.
+
+At equal tokens kept, on the tuning texts only (never the protocol's), the prompt is scored by
+CompressedCache's default attention scoring, then each allocation decides what every (layer, KV
+head) keeps, and the continuation is scored over what was kept:
+
+- uniform: every (layer, head) keeps the same share, its best-ranked tokens (what CompressedCache does);
+- per layer: a layer's heads share the layer's budget through one ranking (AdaKV);
+- global: all layers and heads share one budget through one ranking (KVzip's allocation), on raw
+  scores, or on scores divided by their layer's mean (so that layers with flat attention compete).
+
+Non-uniform allocations keep a floor per head (each keeps at least ``--floor`` of the uniform share)
+and are applied as masks: this measures the quality of the choice, not the memory (the memory would
+need storage of a different length per head). Sinks and the recent window are always kept.
+
+    python benchmarks/kv_allocation.py [--ratios 0.5,0.75,0.9] [--floor 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+from kv_protocol import TUNING_TEXTS, text_tasks
+from torch.nn import functional
+
+from decodekit import load_model
+from decodekit.cache import CompressedCache
+from decodekit.cache.layer import PROTECTED
+from decodekit.eval.perplexity import continuation_perplexity as evicting_perplexity
+
+ALLOCATIONS = ("uniform", "per layer", "global", "global, layer-normalized")
+
+
+def _ranked(priority: torch.Tensor, keep: int) -> torch.Tensor:
+    """A boolean mask over ``priority``'s last dimension keeping its ``keep`` largest entries per row."""
+    mask = torch.zeros_like(priority, dtype=torch.bool)
+    return mask.scatter_(-1, priority.topk(min(keep, priority.shape[-1]), dim=-1).indices, True)
+
+
+def allocate(priorities: list[torch.Tensor], ratio: float, how: str, floor: float) -> list[torch.Tensor]:
+    """Per layer, ``[kv_heads, tokens]`` masks of what each head keeps: ``1 - ratio`` of all entries in all."""
+    heads, tokens = priorities[0].shape
+    share = math.ceil((1 - ratio) * tokens)  # a head's tokens under the uniform allocation
+    if how == "uniform":
+        return [_ranked(priority, share) for priority in priorities]
+    protected_floor = math.ceil(floor * share)
+    lifted = []  # every head's best ``protected_floor`` entries are kept whatever the ranking
+    for priority in priorities:
+        floor_mask = _ranked(priority, protected_floor)
+        scores = priority.clone()
+        if how == "global, layer-normalized":
+            ordinary = scores < PROTECTED
+            scores = torch.where(ordinary, scores / scores[ordinary].mean().clamp(min=1e-30), scores)
+        lifted.append(torch.where(floor_mask, PROTECTED, scores))
+    if how == "per layer":
+        return [_ranked(scores.reshape(1, -1), heads * share).reshape(heads, tokens) for scores in lifted]
+    flat = torch.stack(lifted).reshape(1, -1)
+    return list(_ranked(flat, len(priorities) * heads * share).reshape(len(priorities), heads, tokens))
+
+
+def continuation_perplexity(model, context, continuation, ratio: float | None, how: str, floor: float) -> float:
+    """The continuation's perplexity after the context, its cache cut down by ``how`` (None: the full cache)."""
+    cache = CompressedCache(model, compression_ratio=0.0)  # scores everything, evicts nothing
+    with torch.inference_mode():
+        prefill = model(context, past_key_values=cache)
+        if ratio is not None:
+            masks = allocate([layer._priority()[0] for layer in cache.layers], ratio, how, floor)
+            for layer, keep in zip(cache.layers, masks, strict=True):
+                layer.live &= keep[None]
+                counts = layer.live[0].sum(dim=-1).tolist()
+                layer._set_live_counts({0: min(counts)})  # a mask is built for every later pass
+        positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1])
+        logits = model(continuation, past_key_values=cache, position_ids=positions[None]).logits
+    logits = torch.cat([prefill.logits[:, -1:], logits[:, :-1]], dim=1).float()
+    return math.exp(functional.cross_entropy(logits[0], continuation[0]).item())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context-tokens", type=int, default=3072)
+    parser.add_argument("--continuation-tokens", type=int, default=512)
+    parser.add_argument("--ratios", default="0.5,0.75,0.9")
+    parser.add_argument("--floor", type=float, default=0.2, help="each head keeps at least this share of its own")
+    args = parser.parse_args()
+    model, tokenizer = load_model()
+    tasks = text_tasks(tokenizer, TUNING_TEXTS, args.context_tokens, args.continuation_tokens)
+    ratios = [float(value) for value in args.ratios.split(",")]
+    full = {}
+    for name, task in tasks.items():
+        context, continuation = torch.tensor([task["context"]]), torch.tensor([task["continuation"]])
+        full[name] = continuation_perplexity(model, context, continuation, None, "", args.floor)
+    print(f"tuning texts ({', '.join(tasks)}): {args.context_tokens}-token contexts, "
+          f"{args.continuation_tokens}-token continuations; mean (worst) perplexity increase over the full cache; "
+          f"head floor {args.floor:.0%}")  # fmt: skip
+    print(f"  {'allocation':28s}" + "".join(f"{f'{ratio:.0%} evicted':>22s}" for ratio in ratios))
+    for how in ("CompressedCache, evicting", *ALLOCATIONS):  # the first: the cache itself, uniform's twin
+        cells = []
+        for ratio in ratios:
+            increases = []
+            for name, task in tasks.items():
+                context, continuation = torch.tensor([task["context"]]), torch.tensor([task["continuation"]])
+                if how in ALLOCATIONS:
+                    value = continuation_perplexity(model, context, continuation, ratio, how, args.floor)
+                else:
+                    value = evicting_perplexity(model, CompressedCache(model, compression_ratio=ratio), context,
+                                                continuation)  # fmt: skip
+                increases.append(value / full[name] - 1)
+            cells.append(f"{statistics.fmean(increases):+8.2%} ({max(increases):+7.2%})")
+        print(f"  {how:28s}" + "".join(f"{cell:>22s}" for cell in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
