@@ -84,6 +84,10 @@ def main() -> None:
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--floor", type=float, default=0.2, help="each head keeps at least this share of its own")
+    parser.add_argument(
+        "--allocations", default=";".join(("CompressedCache, evicting", *ALLOCATIONS)),
+        help="the rows to measure, separated by ';' (default: all, the evicting cache first)",
+    )  # fmt: skip
     args = parser.parse_args()
     model, tokenizer = load_model()
     tasks = text_tasks(tokenizer, TUNING_TEXTS, args.context_tokens, args.continuation_tokens)
@@ -96,7 +100,7 @@ def main() -> None:
           f"{args.continuation_tokens}-token continuations; mean (worst) perplexity increase over the full cache; "
           f"head floor {args.floor:.0%}")  # fmt: skip
     print(f"  {'allocation':28s}" + "".join(f"{f'{ratio:.0%} evicted':>22s}" for ratio in ratios))
-    for how in ("CompressedCache, evicting", *ALLOCATIONS):  # the first: the cache itself, uniform's twin
+    for how in args.allocations.split(";"):  # "CompressedCache, evicting": the cache itself, uniform's twin
         cells = []
         for ratio in ratios:
             increases = []
