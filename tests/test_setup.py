@@ -83,3 +83,31 @@ def test_every_step_is_one_line(tmp_path, reachable_index):
     output = _dry_run(tmp_path, reachable_index, gpu=False)
     steps = [line for line in output.splitlines() if line.startswith("decodekit setup:")]
     assert len(steps) >= 5 and all(len(line) < 160 for line in steps)
+
+
+def _install_line(output: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith("would run") and " -e " in line)
+
+
+def test_the_lock_constrains_the_install_unless_it_is_emptied(tmp_path, reachable_index):
+    output = _dry_run(tmp_path, reachable_index, gpu=False)
+    install = _install_line(output)
+    assert install.split("--constraint ")[1].split()[0].endswith("requirements/dev.lock")
+    assert "(the tested set)" in output
+    unlocked = _dry_run(tmp_path, reachable_index, gpu=False, DECODEKIT_LOCK="")
+    assert "--constraint" not in _install_line(unlocked) and "(DECODEKIT_LOCK is empty)" in unlocked
+
+
+def test_the_lock_pins_every_requirement_but_torch():
+    import re
+
+    import tomllib
+
+    root = SETUP.parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["dev"]]
+    names = {re.split(r"[<>=!;\[ ]", requirement)[0].lower().replace("_", "-") for requirement in wanted}
+    lock = (root / "requirements" / "dev.lock").read_text()
+    pinned = {line.split("==")[0].lower() for line in lock.splitlines() if "==" in line and not line.startswith("#")}
+    assert names - {"torch"} <= pinned, sorted(names - {"torch"} - pinned)
+    assert "torch" not in pinned and (root / "requirements" / "torch.txt").read_text().count("torch==") == 1
