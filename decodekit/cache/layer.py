@@ -187,9 +187,7 @@ class CompressedLayer(DynamicLayer):
             if pads is None:
                 raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
             self.pads = pads.to(dtype=torch.long)
-            distinct = self.pads.unique().tolist()
-            self.pad_range = (distinct[0], distinct[-1])
-            self._set_live_counts(dict.fromkeys(distinct, 0))
+            self._set_live_counts(dict.fromkeys(self.pads.unique().tolist(), 0))
         free = None
         if self._fills_free_slot(query_length):
             if self._freed is not None and self._freed_taken < self._freed.shape[-1]:
@@ -677,15 +675,15 @@ class CompressedLayer(DynamicLayer):
             self._recount()
 
     def _set_live_counts(self, live_by_pads: dict[int, int]) -> None:
-        """Record each padding's live count, and the least and most of them."""
+        """Record each padding's live count, the least and most padding, and the least and most count."""
         self.live_by_pads = live_by_pads
-        counts = live_by_pads.values()
+        pads, counts = live_by_pads.keys(), live_by_pads.values()
+        self.pad_range = (min(pads), max(pads)) if live_by_pads else (0, 0)
         self.live_range = (min(counts), max(counts)) if live_by_pads else (0, 0)
 
     def _recount(self) -> None:
         """Read the paddings and live counts back from the device (after a change the host cannot follow)."""
         pads, counts = torch.stack([self.pads, self.live[:, 0].sum(dim=-1)]).tolist()
-        self.pad_range = (min(pads), max(pads))
         self._set_live_counts(dict(zip(pads, counts, strict=True)))
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -725,7 +723,6 @@ class CompressedLayer(DynamicLayer):
         self._forget_freed()
         self.sliding_window = self.softcap = None
         self.deferred, self.replaying = self.policy.scoring == "reconstruction", False
-        self.pad_range = (0, 0)
         self._set_live_counts({})
         self.seen = 0
 
