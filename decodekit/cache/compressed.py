@@ -11,6 +11,19 @@ from transformers import Cache
 from decodekit.cache.layer import CompressedLayer, rank_fractions, storage_bytes
 from decodekit.cache.observer import bind
 from decodekit.cache.policy import EvictionPolicy
+from decodekit.cache.quantize import Quantizer
+
+
+def _head_dim(model: nn.Module) -> int | None:
+    """The model's attention head size, from its config (None when the config does not say)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    return head_dim
 
 
 def _union_of_ranks(attention: torch.Tensor, replay: torch.Tensor) -> torch.Tensor:
@@ -81,6 +94,16 @@ class CompressedCache(Cache):
             once, >= 1: the next steps take the freed slots and evict nothing, so the per-step
             bookkeeping runs once every ``eviction_interval`` steps. Between evictions a row keeps
             from ``budget - eviction_interval + 1`` to ``budget`` tokens; the memory bound does not change.
+        kv_bits: store the kept keys and values in 16, 8 or 4 bits instead of the model's dtype (None, the
+            default). 16 bits: the model's dtype if it has 16 bits, else float16 (llama.cpp's f16 cache for a
+            32-bit model). 8 and 4 bits: each entry is coded on its own in groups of ``kv_group_size`` channels, with a
+            scale and offset per group in the model's dtype; key channels are first divided by their
+            magnitude over the first pass (key outliers live in channels); the last ``recent_tokens``
+            tokens are also held exactly and attention reads them exact. Attention reads every layer's
+            keys and values decoded (one layer's dense copy at a time). Without ``budget`` or
+            ``compression_ratio``, every token is kept (quantization alone).
+        kv_group_size: channels per scale group with ``kv_bits``, a divisor of the model's head size
+            (default: 32, or the head size when it is smaller).
 
     Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
 
@@ -108,12 +131,21 @@ class CompressedCache(Cache):
         reconstruction_chunk: int = 2048,
         scoring_backend: str = "auto",
         eviction_interval: int = 8,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
     ) -> None:
+        if budget is None and compression_ratio is None and kv_bits is not None:
+            compression_ratio = 0.0  # quantization alone: every token is kept
+        head_dim = _head_dim(model)
+        if kv_group_size is None:
+            kv_group_size = min(32, head_dim) if head_dim else 32
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
-            value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval,
+            value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,
         )  # fmt: skip
         modules = bind(model)
+        if kv_bits in (4, 8) and head_dim:
+            Quantizer(kv_bits, kv_group_size).groups(head_dim)  # a ValueError naming kv_group_size now, not mid-pass
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
         super().__init__(layers=[CompressedLayer(self.policy) for _ in modules])
 

@@ -29,6 +29,7 @@ from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
 from decodekit.cache.policy import EvictionPolicy
+from decodekit.cache.quantize import Quantizer
 from decodekit.cache.rotary import rotate
 
 
@@ -44,6 +45,10 @@ def _triton_scoring() -> ModuleType | None:
 
 # The per-entry tensors, [batch, kv_heads, slots, ...] (``_scores`` is behind the ``scores`` property).
 PER_ENTRY = ("keys", "values", "_scores", "value_norms", "positions", "live")
+# With quantized storage, ``keys`` and ``values`` hold codes, and these hold each entry's group scales and offsets.
+CODING = ("key_scales", "key_offsets", "value_scales", "value_offsets")
+# Per row, with quantized storage: the key channels' magnitudes, and the last tokens' exact keys and values.
+EXACT = ("key_channels", "recent_keys", "recent_values")
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
 QUERY_BLOCK = 128  # observed queries scored at once
 LOGIT_ELEMENTS = 1 << 25  # at most this many logits (128 MiB in float32) held at once while scoring
@@ -104,6 +109,17 @@ class CompressedLayer(DynamicLayer):
         self.value_norms: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.live: torch.Tensor | None = None
+        # Quantized storage (``policy.kv_bits``): ``keys`` and ``values`` hold codes, with each entry's group
+        # scales and offsets beside them (``CODING``); per row, the key channels' magnitudes
+        # [batch, kv_heads, 1, head_dim] and the last ``recent_tokens`` tokens' exact keys and values in a
+        # ring [batch, kv_heads, recent_tokens, head_dim] (in 16 bits), slot ``position % recent_tokens``, with the
+        # position each ring slot holds (``recent_positions``, -1 for none).
+        self.quantizer = Quantizer(policy.kv_bits, policy.kv_group_size) if policy.kv_bits in (4, 8) else None
+        self.storage_dtype: torch.dtype | None = None  # what keys, values (or their scales) are stored in
+        self.entries = PER_ENTRY + (CODING if self.quantizer is not None else ())
+        self.key_scales = self.key_offsets = self.value_scales = self.value_offsets = None
+        self.key_channels = self.recent_keys = self.recent_values = None
+        self.recent_positions: torch.Tensor | None = None
         # Host-side bookkeeping, so that no decision needs a device read: how many live entries the
         # rows of each padding hold (a row's count depends only on its padding and the tokens seen;
         # beams share their request's), the least and most padding of any row, and the least and
@@ -257,33 +273,111 @@ class CompressedLayer(DynamicLayer):
         first_pass = not self.is_initialized
         if first_pass:
             self.lazy_initialization(key_states, value_states)
+            self.storage_dtype = self.dtype
+            if self.policy.kv_bits is not None and self.dtype.itemsize > 2:
+                self.storage_dtype = torch.float16  # 16 bits (scales at 4 and 8) in a 32-bit model
+            if self.quantizer is not None:
+                self._start_coding(key_states)
             empty = key_states.new_zeros((batch, kv_heads, 0), dtype=torch.float32)
             self.scores, self.value_norms = empty, empty.clone()
             self.positions = empty.to(torch.int32)
             self.live = empty.to(torch.bool)
+        coded = self._code(key_states, value_states)
+        if first_pass:
+            for name, entry in coded.items():
+                setattr(self, name, entry[:, :, :0])
         deferred = self._defers_scoring(new, free)
         if not self.replaying and not deferred:
             self.scores.mul_(self.policy.score_decay)
         if deferred and self._spare_room() >= 1:
-            self._append_to_prepared_room(key_states, value_states)
+            self._append_to_prepared_room(coded)
         else:
-            self._store(key_states, value_states, free, first_pass)
+            self._store(coded, value_states, free, first_pass)
         if first_pass:
             self._set_live_counts({pads: max(new - pads, 0) for pads in self.live_by_pads})
         else:
             self._set_live_counts({pads: live + new for pads, live in self.live_by_pads.items()})
         self.seen += new
+        if self.quantizer is not None and not self.replaying:  # a replay's tokens are forgotten after it
+            self._remember_recent(key_states, value_states)
+        keys, values = self.dense()
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
             if not self._pending:
                 self._pending_first, self._pending_scaling = self.slots - 1, scaling
             self._pending.append((queries, cos, sin))
-            return self.keys, self.values
-        received = self._attention_received(rotate(queries, cos, sin), scaling)
+            return keys, values
+        received = self._attention_received(rotate(queries, cos, sin), scaling, keys)
         if self.replaying:
             self.scores = torch.maximum(self.scores, received)
         else:
             self.scores.add_(received)
-        return self.keys, self.values
+        return keys, values
+
+    # -- quantized storage ----------------------------------------------------------------------------
+
+    def _start_coding(self, key_states: torch.Tensor) -> None:
+        """On the first pass: measure each key channel's magnitude over the rows' real tokens, and make the
+        ring of exact recent entries."""
+        batch, kv_heads, new, head_dim = key_states.shape
+        self.quantizer.groups(head_dim)  # checks that the groups fit the heads
+        real = torch.arange(new, device=key_states.device) >= self.pads[:, None]  # [batch, new]
+        magnitude = torch.where(real[:, None, :, None], key_states.float().abs(), 0.0).amax(dim=2, keepdim=True)
+        self.key_channels = magnitude.clamp_(min=1e-6)
+        ring = self.policy.recent_tokens
+        self.recent_keys = key_states.new_zeros((batch, kv_heads, ring, head_dim), dtype=self.storage_dtype)
+        self.recent_values = torch.zeros_like(self.recent_keys)
+        self.recent_positions = torch.full((ring,), -1, dtype=torch.int32, device=key_states.device)
+
+    def _code(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a pass's keys and values store as: themselves (in 16 bits with ``kv_bits=16``), or their codes,
+        scales and offsets."""
+        dtype = self.storage_dtype
+        if self.quantizer is None:
+            return {"keys": self._in_storage_dtype(key_states), "values": self._in_storage_dtype(value_states)}
+        keys = self.quantizer.encode(key_states.float() / self.key_channels, dtype)
+        values = self.quantizer.encode(value_states, dtype)
+        return {
+            "keys": keys["codes"], "key_scales": keys["scales"], "key_offsets": keys["offsets"],
+            "values": values["codes"], "value_scales": values["scales"], "value_offsets": values["offsets"],
+        }  # fmt: skip
+
+    def _in_storage_dtype(self, states: torch.Tensor) -> torch.Tensor:
+        """``states`` in the storage dtype; a 32-bit value beyond float16's range is held at its largest."""
+        dtype = self.storage_dtype
+        if states.dtype == dtype:
+            return states
+        limit = torch.finfo(dtype).max
+        return states.clamp(-limit, limit).to(dtype)
+
+    def _remember_recent(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Keep the exact keys and values of the pass's last tokens (up to the ring's size) in the ring."""
+        ring = self.recent_keys.shape[2]
+        count = min(key_states.shape[2], ring)
+        positions = torch.arange(self.seen - count, self.seen, device=key_states.device, dtype=torch.int32)
+        slots = (positions % ring).long()
+        self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(key_states[:, :, -count:]))
+        self.recent_values.index_copy_(2, slots, self._in_storage_dtype(value_states[:, :, -count:]))
+        self.recent_positions.index_copy_(0, slots, positions)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored keys and values in the cache's dtype, ``[batch, kv_heads, slots, head_dim]``, as attention
+        reads them: with quantized storage, decoded, the entries still in the ring exact; with ``kv_bits=16`` in a
+        32-bit model, cast back."""
+        if self.quantizer is None:
+            if self.keys.dtype == self.dtype:
+                return self.keys, self.values
+            return self.keys.to(self.dtype), self.values.to(self.dtype)
+        decode = self.quantizer.decode
+        keys = decode({"codes": self.keys, "scales": self.key_scales, "offsets": self.key_offsets}, torch.float32)
+        keys = keys.mul_(self.key_channels).to(self.dtype)
+        values = decode({"codes": self.values, "scales": self.value_scales, "offsets": self.value_offsets}, self.dtype)
+        ring = self.recent_keys.shape[2]
+        slot = (self.positions % ring).long()
+        exact = (self.recent_positions[slot] == self.positions)[..., None]
+        index = slot[..., None].expand(-1, -1, -1, keys.shape[-1])
+        keys = torch.where(exact, self.recent_keys.gather(2, index).to(self.dtype), keys)
+        values = torch.where(exact, self.recent_values.gather(2, index).to(self.dtype), values)
+        return keys, values
 
     def _defers_scoring(self, new: int, free: torch.Tensor | None) -> bool:
         """Whether this pass's scoring waits for the next eviction: one decoding step appended to the spare
@@ -313,11 +407,12 @@ class CompressedLayer(DynamicLayer):
         queries, cos, sin = (torch.cat(parts, dim=-2) for parts in zip(*pending, strict=True))
         queries = rotate(queries, cos, sin)  # [batch, heads, steps, head_dim]
         steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
-        batch, kv_heads, _, head_dim = self.keys.shape
+        keys, values = self.dense()
+        batch, kv_heads, _, head_dim = keys.shape
         visible = first + steps
         group = queries.shape[1] // kv_heads
-        grouped = queries.to(self.keys.dtype).reshape(batch, kv_heads, group * steps, head_dim)
-        logits = torch.matmul(grouped, self.keys[:, :, :visible].transpose(-1, -2)).float()
+        grouped = queries.to(keys.dtype).reshape(batch, kv_heads, group * steps, head_dim)
+        logits = torch.matmul(grouped, keys[:, :, :visible].transpose(-1, -2)).float()
         logits = logits.mul_(self._pending_scaling).view(batch, kv_heads, group, steps, visible)
         device = logits.device
         later = torch.arange(visible, device=device) > first + torch.arange(steps, device=device)[:, None]
@@ -325,29 +420,27 @@ class CompressedLayer(DynamicLayer):
         weights = decay ** torch.arange(steps - 1, -1, -1, device=device, dtype=torch.float64) / group
         received = torch.einsum("bkgtn,t->bkn", probabilities, weights.to(probabilities.dtype))
         self._scores[:, :, :visible].mul_(decay**steps).add_(received)
-        self.value_norms[:, :, first:visible] = self.values[:, :, first:visible].float().norm(dim=-1)
+        self.value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
 
     def _has_spare(self) -> bool:
         """Whether the per-entry tensors are views of larger ones (spare room, possibly all used)."""
         spare = self._spare
-        if spare is not None and any(getattr(self, name)._base is not spare[name] for name in PER_ENTRY):
+        if spare is not None and any(getattr(self, name)._base is not spare[name] for name in self.entries):
             self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
         return spare is not None
 
-    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, free, first_pass: bool) -> None:
-        """Store a pass's entries: one token into each row's ``free`` slot, or after the stored entries."""
-        batch, kv_heads, new, _ = key_states.shape
-        positions = torch.arange(self.seen, self.seen + new, device=key_states.device, dtype=torch.int32)
+    def _store(self, coded: dict[str, torch.Tensor], value_states: torch.Tensor, free, first_pass: bool) -> None:
+        """Store a pass's entries (``coded``: keys and values as stored, see ``_code``): one token into each
+        row's ``free`` slot, or after the stored entries."""
+        batch, kv_heads, new, _ = value_states.shape
+        positions = torch.arange(self.seen, self.seen + new, device=value_states.device, dtype=torch.int32)
         positions = positions.expand(batch, kv_heads, new)
         value_norms = value_states.float().norm(dim=-1)
         if free is not None:
-            self._fill(free, key_states, value_states, value_norms, positions)
+            self._fill(free, coded, value_norms, positions)
             return
         live = positions >= self.pads[:, None, None] if first_pass else True
-        entries = {
-            "keys": key_states, "values": value_states, "_scores": 0.0,
-            "value_norms": value_norms, "positions": positions, "live": live,
-        }  # fmt: skip
+        entries = {**coded, "_scores": 0.0, "value_norms": value_norms, "positions": positions, "live": live}
         self._append(entries, first_pass)
 
     def _spare_room(self) -> int:
@@ -381,7 +474,7 @@ class CompressedLayer(DynamicLayer):
         batch, kv_heads = entries["keys"].shape[:2]
         for name, entry in entries.items():
             old = getattr(self, name)
-            trailing = entries["keys"].shape[3:] if name in ("keys", "values") else ()
+            trailing = entry.shape[3:] if isinstance(entry, torch.Tensor) else ()
             base = old.new_empty((batch, kv_heads, capacity, *trailing))
             if stored:
                 base.narrow(2, 0, stored).copy_(old)
@@ -404,19 +497,18 @@ class CompressedLayer(DynamicLayer):
         positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=self.keys.device)
         self._spare["positions"].narrow(2, filled, room).copy_(positions)
 
-    def _append_to_prepared_room(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """One decoding step whose scoring waits: only its key and value are written."""
+    def _append_to_prepared_room(self, coded: dict[str, torch.Tensor]) -> None:
+        """One decoding step whose scoring waits: only its key and value (as stored) are written."""
         stored = self.slots
-        self._spare["keys"].narrow(2, stored, 1).copy_(key_states)
-        self._spare["values"].narrow(2, stored, 1).copy_(value_states)
-        for name in PER_ENTRY:
+        for name, entry in coded.items():
+            self._spare[name].narrow(2, stored, 1).copy_(entry)
+        for name in self.entries:
             setattr(self, name, self._spare[name].narrow(2, 0, stored + 1))
 
-    def _fill(self, free, key_states, value_states, value_norms, positions) -> None:
+    def _fill(self, free, coded, value_norms, positions) -> None:
         slot = free[..., None]
-        expanded = slot[..., None].expand(-1, -1, -1, key_states.shape[-1])
-        self.keys.scatter_(2, expanded, key_states)
-        self.values.scatter_(2, expanded, value_states)
+        for name, entry in coded.items():
+            getattr(self, name).scatter_(2, slot[..., None].expand(-1, -1, -1, entry.shape[-1]), entry)
         self.scores.scatter_(2, slot, 0.0)
         self.value_norms.scatter_(2, slot, value_norms)
         self.positions.scatter_(2, slot, positions)
@@ -428,9 +520,10 @@ class CompressedLayer(DynamicLayer):
         self._forget_freed()
         self._score_pending()
         in_place = self._has_spare()
-        expanded = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        for name in PER_ENTRY:
-            kept = getattr(self, name).gather(2, expanded if name in ("keys", "values") else index)
+        for name in self.entries:
+            tensor = getattr(self, name)
+            along = index[..., None].expand(-1, -1, -1, tensor.shape[-1]) if tensor.dim() == 4 else index
+            kept = tensor.gather(2, along)
             if in_place:
                 base = self._spare[name]
                 base.narrow(2, 0, kept.shape[2]).copy_(kept)
@@ -452,7 +545,7 @@ class CompressedLayer(DynamicLayer):
 
     # -- scoring and eviction -------------------------------------------------------------------------
 
-    def _attention_received(self, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _attention_received(self, queries: torch.Tensor, scaling: float, keys: torch.Tensor) -> torch.Tensor:
         """Mean attention each entry gets from the observed queries (the last ones) that can see it.
 
         Computed per KV head (averaged over the query heads that share it) in blocks of queries,
@@ -461,24 +554,24 @@ class CompressedLayer(DynamicLayer):
         before its last query. With no padding, no dead entry and no sliding window, only the
         block's own diagonal needs a causal mask; otherwise visibility follows logical positions
         and liveness. Left-padding queries (first pass only) see padding only, so they give real
-        entries nothing.
+        entries nothing. ``keys`` are the stored keys as attention reads them (``dense``).
         """
-        batch, kv_heads, slots, head_dim = self.keys.shape
+        batch, kv_heads, slots, head_dim = keys.shape
         window, group = queries.shape[2], queries.shape[1] // kv_heads
         appended = window > 1  # a pass of several tokens is appended; one token may fill a free slot
         unmasked = self.pad_range[1] == 0 and self.live_range[0] == slots and self.sliding_window is None
         if window == 1 and unmasked and not self.replaying and self.softcap is None and self.policy.pool_kernel == 1:
             # One decoding step that sees every entry: logits in the cache's dtype, as eager attention
             # computes them, then a float32 softmax per query head, averaged over the group.
-            grouped = queries.to(self.keys.dtype).reshape(batch, kv_heads, group, head_dim)
-            logits = torch.matmul(grouped, self.keys.transpose(-1, -2))  # [batch, kv_heads, group, slots]
+            grouped = queries.to(keys.dtype).reshape(batch, kv_heads, group, head_dim)
+            logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [batch, kv_heads, group, slots]
             return logits.float().mul_(scaling).softmax(dim=-1).mean(dim=2)
         causal_only = appended and unmasked
         if causal_only and self.softcap is None and not self.replaying and self._on_triton():
-            received = _triton_scoring().attention_received(queries.to(self.keys.dtype), self.keys, scaling)
+            received = _triton_scoring().attention_received(queries.to(keys.dtype), keys, scaling)
             return self._per_query(received, window, group)
         grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, window, head_dim)
-        keys_t = self.keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
+        keys_t = keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
         first_slot, first_position = slots - window, self.seen - window
         received = grouped.new_zeros((batch, kv_heads, slots))
         block = max(1, min(QUERY_BLOCK, LOGIT_ELEMENTS // (batch * kv_heads * group * slots)))
@@ -580,7 +673,7 @@ class CompressedLayer(DynamicLayer):
         ranks); ties go by the other rank, then by attention. Float64; dead entries rank lowest."""
         live = self.live
         count = live.sum(dim=-1, keepdim=True)
-        keys = self.keys.float()
+        keys = self.dense()[0].float()
         mean = (keys * live[..., None]).sum(dim=-2, keepdim=True) / count[..., None].clamp(min=1)
         novelty = -functional.cosine_similarity(keys, mean, dim=-1)
         by_attention, by_novelty = rank_fractions(attention, live), rank_fractions(novelty, live)
@@ -641,21 +734,21 @@ class CompressedLayer(DynamicLayer):
     # -- batch bookkeeping (beam search, assisted generation) -------------------------------------
 
     def _per_row(self) -> tuple[str, ...]:
-        return (*PER_ENTRY, "pads")
+        return (*self.entries, "pads", *EXACT)
 
     def _apply_to_rows(self, operation) -> None:
         """Apply a row operation (select, reorder, repeat) to every per-row tensor; with reserved room, to
         the whole room, so that beam search keeps it (its prepared entries are the same in every row)."""
         self._score_pending()
         self._forget_freed()
+        names = self._per_row()
         if self._has_spare():
             slots = self.slots
-            for name in PER_ENTRY:
+            for name in self.entries:
                 self._spare[name] = operation(self._spare[name])
                 setattr(self, name, self._spare[name].narrow(2, 0, slots))
-            self.pads = operation(self.pads)
-            return
-        for name in self._per_row():
+            names = names[len(self.entries) :]
+        for name in names:
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, operation(tensor))
@@ -718,6 +811,8 @@ class CompressedLayer(DynamicLayer):
         super().reset()
         self._pending = []
         self._scores = self.value_norms = self.positions = self.live = self.pads = None
+        for name in (*CODING, *EXACT, "recent_positions"):
+            setattr(self, name, None)
         self._queries = self._free = None
         self._spare = None
         self._forget_freed()
@@ -730,7 +825,7 @@ class CompressedLayer(DynamicLayer):
         """Every tensor this layer holds: keys, values and per-entry bookkeeping (with the reserved room and
         dead slots behind them), the rows' padding, freed-slot lists and the waiting decoding steps'
         queries with their rotation."""
-        held = [getattr(self, name) for name in (*PER_ENTRY, "pads", "_freed", "_free")]
+        held = [getattr(self, name) for name in (*self._per_row(), "recent_positions", "_freed", "_free")]
         if self._spare is not None:
             held.extend(self._spare.values())
         held.extend(part for step in self._pending for part in step)

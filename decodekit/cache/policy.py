@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from decodekit._validation import check_int, check_real
+from decodekit.cache.quantize import KV_BITS
 from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 
 SCORINGS = ("attention", "reconstruction", "attention+novelty")
@@ -76,8 +77,16 @@ class EvictionPolicy:
     reconstruction_chunk: int = 2048
     scoring_backend: str = "auto"
     eviction_interval: int = 8
+    kv_bits: int | None = None
+    kv_group_size: int = 32
 
     def __post_init__(self) -> None:
+        if self.kv_bits is not None and (self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool)):
+            raise ValueError(
+                f"kv_bits must be one of {', '.join(map(str, KV_BITS))} or None (the model's dtype); "
+                f"got {self.kv_bits!r}"
+            )
+        check_int("kv_group_size", self.kv_group_size, 1)
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}; got {self.scoring!r}")
         if self.scoring_backend not in SCORING_BACKENDS:

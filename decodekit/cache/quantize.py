@@ -1,0 +1,91 @@
+"""Keys and values stored in 4 or 8 bits: integer codes with a scale and an offset per group of channels.
+
+Each entry (one token of one row and KV head) is quantized on its own, in groups of ``group_size``
+channels, asymmetrically (``value ~ offset + code * scale``), so that eviction, beam reorders and
+crop move an entry's codes with it and never re-quantize anything. Keys have outlier channels (what
+KIVI quantizes per channel for); here every key channel is first divided by a per-(row, head,
+channel) magnitude measured on the first pass, so that no channel dominates a group's range.
+
+Codes of 4 bits are packed two per byte. Scales and offsets are kept in the cache's dtype; the
+offset is rounded down and the scale up before coding, so that every value lies inside its
+group's range and rounding a code is the only error: at most half a step, ``scale / 2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decodekit._validation import check_int
+
+KV_BITS = (4, 8, 16)  # 16: the entries themselves, in a 16-bit dtype
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """How entries are coded: ``bits`` per value (4 or 8) with one scale and offset per ``group_size`` channels.
+
+    Example:
+        >>> quantizer = Quantizer(bits=8, group_size=4)
+        >>> values = torch.tensor([[[[0.0, 1.0, 2.0, 3.0]]]])
+        >>> codes = quantizer.encode(values)
+        >>> codes["codes"].dtype, (quantizer.decode(codes, torch.float32) - values).abs().max() < 0.01
+        (torch.uint8, tensor(True))
+        >>> Quantizer(bits=3)
+        Traceback (most recent call last):
+        ...
+        ValueError: a Quantizer codes in 4 or 8 bits; got 3
+    """
+
+    bits: int = 8
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.bits not in KV_BITS[:2] or isinstance(self.bits, bool):
+            raise ValueError(f"a Quantizer codes in 4 or 8 bits; got {self.bits!r}")
+        object.__setattr__(self, "group_size", check_int("kv_group_size", self.group_size, 1))
+
+    @property
+    def levels(self) -> int:
+        """The largest code."""
+        return (1 << self.bits) - 1
+
+    def groups(self, head_dim: int) -> int:
+        """How many groups a head's ``head_dim`` channels form; ValueError when they do not divide evenly."""
+        if head_dim % self.group_size or (self.bits == 4 and head_dim % 2):
+            raise ValueError(
+                f"kv_group_size must divide the model's head_dim ({head_dim}) and 4-bit codes need an even "
+                f"head_dim; got kv_group_size={self.group_size}"
+            )
+        return head_dim // self.group_size
+
+    def entry_bytes(self, head_dim: int, element_size: int) -> float:
+        """Bytes one key or one value of ``head_dim`` channels takes: codes, and a scale and offset per group."""
+        return head_dim * self.bits / 8 + 2 * self.groups(head_dim) * element_size
+
+    def encode(self, values: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Code ``values`` ``[..., head_dim]``: ``codes`` (uint8, two per byte at 4 bits), and ``scales`` and
+        ``offsets`` ``[..., groups]`` in ``dtype`` (by default ``values``' own)."""
+        dtype = dtype or values.dtype
+        head_dim = values.shape[-1]
+        grouped = values.float().unflatten(-1, (self.groups(head_dim), self.group_size))
+        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+        # Round the offset down and the scale up in the storage dtype (a relative margin of 2^-7 covers
+        # bfloat16's rounding), so that the stored range still covers every value.
+        offsets = (low - low.abs() * 2.0**-7).to(dtype)
+        scales = ((high - offsets.float()) / self.levels * (1 + 2.0**-7)).to(dtype)
+        step = scales.float()[..., None]
+        codes = ((grouped - offsets.float()[..., None]) / step.clamp(min=torch.finfo(torch.float32).tiny)).round_()
+        codes = codes.clamp_(0, self.levels).to(torch.uint8).flatten(-2)
+        if self.bits == 4:
+            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return {"codes": codes, "scales": scales, "offsets": offsets}
+
+    def decode(self, coded: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The values ``coded`` stands for, in ``dtype``."""
+        codes, scales, offsets = coded["codes"], coded["scales"], coded["offsets"]
+        if self.bits == 4:
+            codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+        grouped = codes.unflatten(-1, (scales.shape[-1], -1)).to(torch.float32)
+        return grouped.mul_(scales.float()[..., None]).add_(offsets.float()[..., None]).flatten(-2).to(dtype)
