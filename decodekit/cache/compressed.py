@@ -12,6 +12,7 @@ from decodekit.cache.layer import CompressedLayer, rank_fractions, storage_bytes
 from decodekit.cache.observer import bind
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import Quantizer
+from decodekit.cache.size import entry_bytes
 
 
 def _head_dim(model: nn.Module) -> int | None:
@@ -102,6 +103,13 @@ class CompressedCache(Cache):
             tokens are also held exactly and attention reads them exact. Attention reads every layer's
             keys and values decoded (one layer's dense copy at a time). Without ``budget`` or
             ``compression_ratio``, every token is kept (quantization alone).
+        memory_fraction: instead of a budget or ratio, hold at most this fraction, in (0, 1], of the bytes a
+            full 16-bit cache would hold for the tokens seen so far (keys, values, scales and bookkeeping
+            all counted, as ``memory_bytes()`` reports them), choosing how many tokens to keep from
+            ``kv_bits``. Below the sinks and the recent window it cannot go: on a short context the
+            fraction is exceeded until ``sink_tokens + recent_tokens`` tokens fit in it.
+        max_bytes: instead of a budget or ratio, hold at most this many bytes, all rows together, after
+            each forward pass (the same accounting and the same floor).
         kv_group_size: channels per scale group with ``kv_bits``, a divisor of the model's head size
             (default: 32, or the head size when it is smaller).
 
@@ -133,15 +141,25 @@ class CompressedCache(Cache):
         eviction_interval: int = 8,
         kv_bits: int | None = None,
         kv_group_size: int | None = None,
+        memory_fraction: float | None = None,
+        max_bytes: int | None = None,
     ) -> None:
-        if budget is None and compression_ratio is None and kv_bits is not None:
+        sizes = (budget, compression_ratio, memory_fraction, max_bytes)
+        if all(size is None for size in sizes) and kv_bits is not None:
             compression_ratio = 0.0  # quantization alone: every token is kept
         head_dim = _head_dim(model)
         if kv_group_size is None:
             kv_group_size = min(32, head_dim) if head_dim else 32
+        by_bytes = None
+        if memory_fraction is not None or max_bytes is not None:
+            by_bytes = entry_bytes(
+                model, kv_bits=kv_bits, group_size=kv_group_size, recent_tokens=recent_tokens,
+                eviction_interval=eviction_interval,
+            )  # fmt: skip
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
             value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,
+            memory_fraction, max_bytes, by_bytes,
         )  # fmt: skip
         modules = bind(model)
         if kv_bits in (4, 8) and head_dim:

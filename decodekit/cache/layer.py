@@ -170,6 +170,11 @@ class CompressedLayer(DynamicLayer):
         return self.keys.shape[-2] if self.is_initialized else 0
 
     @property
+    def rows(self) -> int:
+        """Rows of the batch (beams included), which share a ``max_bytes`` size."""
+        return self.pads.shape[0] if self.pads is not None else 1
+
+    @property
     def kept(self) -> int:
         """The most tokens any row keeps (other rows may keep fewer)."""
         return self.live_range[1]
@@ -300,7 +305,7 @@ class CompressedLayer(DynamicLayer):
         self.seen += new
         if self.quantizer is not None and not self.replaying:  # a replay's tokens are forgotten after it
             self._remember_recent(key_states, value_states)
-        keys, values = self.dense()
+        keys, values = self._read(key_states, value_states, free)
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
             if not self._pending:
                 self._pending_first, self._pending_scaling = self.slots - 1, scaling
@@ -359,6 +364,21 @@ class CompressedLayer(DynamicLayer):
         self.recent_values.index_copy_(2, slots, self._in_storage_dtype(value_states[:, :, -count:]))
         self.recent_positions.index_copy_(0, slots, positions)
 
+    def _read(self, key_states: torch.Tensor, value_states: torch.Tensor, free) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this pass's attention reads: the stored entries (``dense``), with the pass's own tokens exact
+        (they were stored after ``free`` slots' or after the others)."""
+        keys, values = self.dense()
+        if keys is self.keys:  # stored as they are
+            return keys, values
+        if free is None:
+            new = key_states.shape[2]
+            keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
+        else:
+            slot = free[..., None, None].expand(-1, -1, 1, keys.shape[-1])
+            keys.scatter_(2, slot, key_states)
+            values.scatter_(2, slot, value_states)
+        return keys, values
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored keys and values in the cache's dtype, ``[batch, kv_heads, slots, head_dim]``, as attention
         reads them: with quantized storage, decoded, the entries still in the ring exact; with ``kv_bits=16`` in a
@@ -381,12 +401,13 @@ class CompressedLayer(DynamicLayer):
 
     def _defers_scoring(self, new: int, free: torch.Tensor | None) -> bool:
         """Whether this pass's scoring waits for the next eviction: one decoding step appended to the spare
-        room of a layer whose queries see every entry (no padding, no window, no cap, no pooling).
-        Anything else first scores the waiting steps."""
+        room of a layer whose queries see every entry (no padding, no window, no cap, no pooling), while
+        fewer than ``eviction_interval`` steps wait. Anything else first scores the waiting steps."""
         deferred = (
             new == 1 and free is None and self._spare is not None and self.pad_range[1] == 0
             and self.sliding_window is None and self.softcap is None and self.policy.pool_kernel == 1
             and not self.replaying and self.live_range[0] == self.slots
+            and len(self._pending) < self.policy.eviction_interval  # a row under its target evicts nothing
         )  # fmt: skip
         if not deferred:
             self._score_pending()
@@ -468,8 +489,9 @@ class CompressedLayer(DynamicLayer):
         reserve = not first_pass and new == 1 and interval > 1 and self.pad_range[1] == 0
         if reserve:
             capacity += interval - 1
-            if self.policy.budget is not None:
-                capacity = max(stored + new, min(capacity, self.policy.budget + 1))
+            fixed = self.policy.fixed_target(self.rows)
+            if fixed is not None:
+                capacity = max(stored + new, min(capacity, fixed + 1))
         spare = {}
         batch, kv_heads = entries["keys"].shape[:2]
         for name, entry in entries.items():
@@ -694,7 +716,8 @@ class CompressedLayer(DynamicLayer):
             return
         slack = self.policy.slack(new)
         before = self.live_by_pads
-        after = {pads: self.policy.kept(live, self.seen - pads, slack) for pads, live in before.items()}
+        rows = self.rows
+        after = {pads: self.policy.kept(live, self.seen - pads, slack, rows) for pads, live in before.items()}
         self._set_live_counts(after)
         uniform = len(before) == 1  # one padding: every row holds the same entries
         bound = max(before[pads] - after[pads] for pads in before)  # the most any row evicts
@@ -716,7 +739,7 @@ class CompressedLayer(DynamicLayer):
             return
         self._forget_freed()
         live_count = self.live[:, :1].sum(dim=-1, keepdim=True)  # [batch, 1, 1]: the same for every head
-        keep = self.policy.kept_counts(live_count, (self.seen - self.pads)[:, None, None], slack)
+        keep = self.policy.kept_counts(live_count, (self.seen - self.pads)[:, None, None], slack, rows)
         priority = self._priority()
         if in_place:
             # Mark the lowest-ranked live entries dead, in place.
@@ -779,21 +802,21 @@ class CompressedLayer(DynamicLayer):
         pads, counts = torch.stack([self.pads, self.live[:, 0].sum(dim=-1)]).tolist()
         self._set_live_counts(dict(zip(pads, counts, strict=True)))
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last ``-tokens_to_remove`` tokens seen (candidate tokens rejected by assisted generation).
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens seen and forget the rest, or with a negative ``max_length`` forget
+        the last ``-max_length`` (as ``DynamicLayer.crop`` does; assisted generation rejecting candidates).
 
-        The newest tokens are always held (they are in the recent window), so this undoes their
-        pass exactly, except that the attention they paid to older tokens stays in those tokens'
-        scores, and anything their pass evicted stays evicted.
+        The newest tokens are always held (they are in the recent window), so forgetting the last pass
+        undoes it exactly, except that the attention it paid to older tokens stays in those tokens'
+        scores, and anything it evicted stays evicted.
         """
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop takes a negative number of tokens to remove (as DynamicLayer does); got {tokens_to_remove}"
-            )
-        if tokens_to_remove == 0 or not self.is_initialized:
+        if not self.is_initialized:
+            return
+        keep = max_length if max_length >= 0 else max(self.seen + max_length, 0)
+        if keep >= self.seen:
             return
         self._score_pending()
-        self.seen = max(self.seen + tokens_to_remove, 0)
+        self.seen = keep
         self.live &= self.positions < self.seen
         self._forget_freed()
         self._spare = None  # its room was prepared for the positions after the forgotten tokens

@@ -9,6 +9,7 @@ import torch
 
 from decodekit._validation import check_int, check_real
 from decodekit.cache.quantize import KV_BITS
+from decodekit.cache.size import EntryBytes
 from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
 
 SCORINGS = ("attention", "reconstruction", "attention+novelty")
@@ -79,6 +80,9 @@ class EvictionPolicy:
     eviction_interval: int = 8
     kv_bits: int | None = None
     kv_group_size: int = 32
+    memory_fraction: float | None = None
+    max_bytes: int | None = None
+    entry_bytes: EntryBytes | None = None  # what a kept token costs: needed by memory_fraction and max_bytes
 
     def __post_init__(self) -> None:
         if self.kv_bits is not None and (self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool)):
@@ -109,31 +113,76 @@ class EvictionPolicy:
             raise ValueError(f"pool_kernel must be odd; got {self.pool_kernel}")
         floor = checked["sink_tokens"] + checked["recent_tokens"]
         hint = f" (sink_tokens + recent_tokens = {self.sink_tokens} + {self.recent_tokens})"
-        checked["budget"], checked["compression_ratio"] = check_cache_size(
-            self.budget, self.compression_ratio, floor=floor, floor_hint=hint
-        )
+        if self.memory_fraction is None and self.max_bytes is None:
+            checked["budget"], checked["compression_ratio"] = check_cache_size(
+                self.budget, self.compression_ratio, floor=floor, floor_hint=hint
+            )
+        else:
+            checked.update(self._checked_byte_size())
         for name, value in checked.items():  # plain Python numbers, whatever number types were given
             object.__setattr__(self, name, value)
+
+    def _checked_byte_size(self) -> dict[str, float | int]:
+        """Check a size given in bytes (``memory_fraction`` or ``max_bytes``, and nothing else)."""
+        sizes = {
+            "budget": self.budget, "compression_ratio": self.compression_ratio,
+            "memory_fraction": self.memory_fraction, "max_bytes": self.max_bytes,
+        }  # fmt: skip
+        given = [name for name, value in sizes.items() if value is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of budget (tokens kept), compression_ratio (fraction evicted), memory_fraction "
+                f"(of a full 16-bit cache's bytes) and max_bytes (bytes held); got {' and '.join(given)}"
+            )
+        if self.entry_bytes is None:
+            raise ValueError("memory_fraction and max_bytes need entry_bytes (CompressedCache computes it)")
+        if self.memory_fraction is not None:
+            return {"memory_fraction": check_real("memory_fraction", self.memory_fraction, 0, 1, low_open=True)}
+        return {"max_bytes": check_int("max_bytes", self.max_bytes, 1)}
+
+    @property
+    def sized_in_bytes(self) -> bool:
+        """Whether the size is a number of bytes (``memory_fraction`` or ``max_bytes``)."""
+        return self.memory_fraction is not None or self.max_bytes is not None
+
+    def fixed_target(self, rows: int = 1) -> int | None:
+        """The target when it does not grow with the tokens seen (``budget``, ``max_bytes``), else None."""
+        if self.budget is not None:
+            return self.budget
+        if self.max_bytes is not None:
+            return max(self.entry_bytes.tokens_within(self.max_bytes / rows), self.floor)
+        return None
 
     @property
     def floor(self) -> int:
         """The fewest tokens a ratio keeps: the sinks and the recent window."""
         return self.sink_tokens + self.recent_tokens
 
-    def target(self, seen: int) -> int:
-        """How many tokens a row that has seen ``seen`` real tokens keeps (at most; fewer if it has fewer)."""
-        if self.budget is not None:
-            return self.budget
+    def target(self, seen: int, rows: int = 1) -> int:
+        """How many tokens a row that has seen ``seen`` real tokens keeps (at most; fewer if it has fewer);
+        ``rows`` is how many rows share ``max_bytes``."""
+        fixed = self.fixed_target(rows)
+        if fixed is not None:
+            return fixed
+        if self.memory_fraction is not None:
+            entry = self.entry_bytes  # the same float64 arithmetic as ``targets``
+            return max(math.floor((self.memory_fraction * seen * entry.full - entry.fixed) / entry.kept), self.floor)
         return max(math.ceil((1.0 - self.compression_ratio) * seen), self.floor)
 
-    def targets(self, seen: torch.Tensor) -> torch.Tensor:
+    def targets(self, seen: torch.Tensor, rows: int = 1) -> torch.Tensor:
         """``target`` for a tensor of per-row real-token counts (the same float64 arithmetic as ``target``)."""
-        if self.budget is not None:
-            return torch.full_like(seen, self.budget)
-        kept = torch.ceil((1.0 - self.compression_ratio) * seen.to(torch.float64)).to(seen.dtype)
+        fixed = self.fixed_target(rows)
+        if fixed is not None:
+            return torch.full_like(seen, fixed)
+        if self.memory_fraction is not None:
+            entry = self.entry_bytes
+            allowed = self.memory_fraction * seen.to(torch.float64) * entry.full
+            kept = torch.floor((allowed - entry.fixed) / entry.kept).to(seen.dtype)
+        else:
+            kept = torch.ceil((1.0 - self.compression_ratio) * seen.to(torch.float64)).to(seen.dtype)
         return kept.clamp(min=self.floor)
 
-    def kept(self, live: int, seen: int, slack: int = 0) -> int:
+    def kept(self, live: int, seen: int, slack: int = 0, rows: int = 1) -> int:
         """How many of ``live`` stored tokens a row that has seen ``seen`` real tokens keeps: all of them
         up to its target; over it, the target less ``slack`` (room for the next tokens), never below the floor.
 
@@ -141,12 +190,12 @@ class EvictionPolicy:
             >>> EvictionPolicy(budget=64).kept(live=65, seen=1000, slack=7)
             57
         """
-        target = self.target(seen)
+        target = self.target(seen, rows)
         return live if live <= target else max(target - slack, self.floor)
 
-    def kept_counts(self, live: torch.Tensor, seen: torch.Tensor, slack: int = 0) -> torch.Tensor:
+    def kept_counts(self, live: torch.Tensor, seen: torch.Tensor, slack: int = 0, rows: int = 1) -> torch.Tensor:
         """``kept`` for tensors of per-row live and real-token counts."""
-        targets = self.targets(seen)
+        targets = self.targets(seen, rows)
         return torch.where(live <= targets, live, (targets - slack).clamp(min=self.floor))
 
     def slack(self, new: int) -> int:

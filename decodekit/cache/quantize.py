@@ -6,13 +6,14 @@ crop move an entry's codes with it and never re-quantize anything. Keys have out
 KIVI quantizes per channel for); here every key channel is first divided by a per-(row, head,
 channel) magnitude measured on the first pass, so that no channel dominates a group's range.
 
-Codes of 4 bits are packed two per byte. Scales and offsets are kept in the cache's dtype; the
+Codes of 4 bits are packed two per byte. Scales and offsets are kept in 16 bits (the cache's dtype); the
 offset is rounded down and the scale up before coding, so that every value lies inside its
 group's range and rounding a code is the only error: at most half a step, ``scale / 2``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,13 @@ import torch
 from decodekit._validation import check_int
 
 KV_BITS = (4, 8, 16)  # 16: the entries themselves, in a 16-bit dtype
+
+
+def _rounded(values: torch.Tensor, dtype: torch.dtype, toward: float) -> torch.Tensor:
+    """``values`` (float32) in ``dtype``, rounded toward ``toward`` (-inf or inf) where rounding moved them away."""
+    rounded = values.to(dtype)
+    wrong_side = rounded.float() < values if toward > 0 else rounded.float() > values
+    return torch.where(wrong_side, torch.nextafter(rounded, torch.full_like(rounded, toward)), rounded)
 
 
 @dataclass(frozen=True)
@@ -71,10 +79,10 @@ class Quantizer:
         head_dim = values.shape[-1]
         grouped = values.float().unflatten(-1, (self.groups(head_dim), self.group_size))
         low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
-        # Round the offset down and the scale up in the storage dtype (a relative margin of 2^-7 covers
-        # bfloat16's rounding), so that the stored range still covers every value.
-        offsets = (low - low.abs() * 2.0**-7).to(dtype)
-        scales = ((high - offsets.float()) / self.levels * (1 + 2.0**-7)).to(dtype)
+        # The offset rounded down and the scale up in the storage dtype, so that the stored range still
+        # covers every value.
+        offsets = _rounded(low, dtype, -math.inf)
+        scales = _rounded((high - offsets.float()) / self.levels, dtype, math.inf)
         step = scales.float()[..., None]
         codes = ((grouped - offsets.float()[..., None]) / step.clamp(min=torch.finfo(torch.float32).tiny)).round_()
         codes = codes.clamp_(0, self.levels).to(torch.uint8).flatten(-2)

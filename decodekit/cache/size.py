@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 
-def full_cache_bytes(model: Any, tokens: int, rows: int = 1) -> int:
+def full_cache_bytes(model: Any, tokens: int, rows: int = 1, element_size: int | None = None) -> int:
     """The bytes a full KV cache of ``tokens`` tokens per row holds for ``model`` (keys and values,
-    every layer and KV head, in the model's parameter dtype).
+    every layer and KV head, in the model's parameter dtype, or ``element_size`` bytes per value).
 
     Example:
         >>> from types import SimpleNamespace
@@ -20,5 +22,57 @@ def full_cache_bytes(model: Any, tokens: int, rows: int = 1) -> int:
     """
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = next(model.parameters()).element_size()
+    element = element_size or next(model.parameters()).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * rows * element
+
+
+@dataclass(frozen=True)
+class EntryBytes:
+    """What one layer of a compressed cache holds per row and KV head, in bytes: per kept token (keys,
+    values, their scales and the bookkeeping), whatever it holds however few tokens it keeps (the exact
+    recent ring, waiting queries, reserved slots), and a full 16-bit cache's per token. ``units`` is how
+    many (layer, KV head) pairs a row has.
+
+    Example:
+        >>> EntryBytes(kept=100, fixed=1000, full=256, units=2).tokens_within(10_000)
+        40
+    """
+
+    kept: float
+    fixed: float
+    full: float
+    units: int
+
+    def tokens_within(self, row_bytes: float) -> int:
+        """How many tokens fit in ``row_bytes`` bytes of one row (all its layers and heads)."""
+        return math.floor((row_bytes / self.units - self.fixed) / self.kept)
+
+
+def entry_bytes(
+    model: Any,
+    *,
+    kv_bits: int | None,
+    group_size: int,
+    recent_tokens: int,
+    eviction_interval: int,
+) -> EntryBytes:
+    """The :class:`EntryBytes` of a compressed cache for ``model`` storing ``kv_bits`` per value (None: the
+    model's dtype) in groups of ``group_size`` channels, holding ``recent_tokens`` exact and scoring the
+    decoding steps every ``eviction_interval``."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads, query_heads = config.num_key_value_heads, config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    stored = 2 if kv_bits is not None else element  # keys and values, or the scales, in 16 bits
+    if kv_bits in (4, 8):
+        key_or_value = head_dim * kv_bits / 8 + 2 * (head_dim // group_size) * stored
+        ring = 2 * recent_tokens * head_dim * stored + head_dim * 4 + recent_tokens * 4 / kv_heads
+    else:
+        key_or_value, ring = head_dim * stored, 0.0
+    bookkeeping = 4 + 4 + 4 + 1  # score, value norm, position, live
+    # The queries of the steps waiting to be scored, with their rotation, and the reserved slots.
+    waiting = eviction_interval * (query_heads * head_dim + 2 * head_dim) * element / kv_heads
+    kept = 2 * key_or_value + bookkeeping
+    reserved = (eviction_interval + 1) * kept
+    padding = 16 / kv_heads  # the row's padding and a free-slot index
+    return EntryBytes(kept, ring + waiting + reserved + padding, 2 * head_dim * 2, config.num_hidden_layers * kv_heads)

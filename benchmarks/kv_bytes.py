@@ -1,0 +1,84 @@
+"""Quality per byte: at the same memory, is it better to keep fewer tokens in 16 bits or more in 8 or 4?
+
+For each memory size (a fraction of the bytes a full 16-bit cache holds for the context), each
+storage width is given that size through ``CompressedCache(memory_fraction=...)``, which chooses how
+many tokens fit (keys, values, scales and bookkeeping counted). The context is prefilled through
+the cache and the continuation scored over what it kept, as the protocol does. Printed per row: the
+bytes the cache held after each pass (its ``memory_bytes()``, as a fraction of the full 16-bit
+cache's), the tokens it kept, and the perplexity rise over the full cache, per text and mean.
+
+    python benchmarks/kv_bytes.py [--texts tuning|protocol] [--fractions 0.5,0.25,0.1] [--bits 16,8,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+from kv_protocol import PROTOCOL_TEXTS, TUNING_TEXTS, text_tasks
+from torch.nn import functional
+
+from decodekit import load_model
+from decodekit.cache import CompressedCache
+from decodekit.cache.size import full_cache_bytes
+
+
+def _bits(text: str) -> int | None:
+    return None if text == "model" else int(text)
+
+
+def measure(model, task: dict, fraction: float | None, bits: int | None, scoring: str) -> dict:
+    """Perplexity of the task's continuation over what the cache kept of the context, and the cache's bytes
+    (as a fraction of a full 16-bit cache's) and kept tokens after the context's pass."""
+    context = torch.tensor([task["context"]])
+    continuation = torch.tensor([task["continuation"]])
+    if fraction is None:
+        cache = CompressedCache(model, compression_ratio=0.0, kv_bits=bits, scoring=scoring)
+    else:
+        cache = CompressedCache(model, memory_fraction=fraction, kv_bits=bits, scoring=scoring)
+    with torch.inference_mode():
+        prefill = model(context, past_key_values=cache)
+        held = cache.memory_bytes() / full_cache_bytes(model, context.shape[1], element_size=2)
+        kept = cache.kept_tokens
+        positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1])[None]
+        logits = model(continuation, past_key_values=cache, position_ids=positions).logits
+    logits = torch.cat([prefill.logits[:, -1:], logits[:, :-1]], dim=1).float()
+    perplexity = math.exp(functional.cross_entropy(logits[0], continuation[0]).item())
+    return {"perplexity": perplexity, "bytes": held, "kept": kept}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--texts", choices=("tuning", "protocol"), default="tuning")
+    parser.add_argument("--context-tokens", type=int, default=3072)
+    parser.add_argument("--continuation-tokens", type=int, default=512)
+    parser.add_argument("--fractions", default="0.5,0.25,0.1", help="memory sizes, fractions of a full 16-bit cache")
+    parser.add_argument("--bits", default="16,8,4", help="storage widths to compare (16, 8, 4; 'model' for fp32)")
+    parser.add_argument("--scoring", default="attention")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = load_model()
+    texts = TUNING_TEXTS if args.texts == "tuning" else PROTOCOL_TEXTS
+    tasks = text_tasks(tokenizer, texts, args.context_tokens, args.continuation_tokens)
+    full = {name: measure(model, task, None, None, args.scoring)["perplexity"] for name, task in tasks.items()}
+    widths = [_bits(text) for text in args.bits.split(",")]
+    names = list(tasks)
+    print(f"{args.texts} texts, {args.context_tokens}-token contexts, {args.continuation_tokens}-token continuations,"
+          f" scoring={args.scoring}; perplexity rise over the full cache (%)")  # fmt: skip
+    header = f"{'memory':>7} {'bits':>5} {'held':>6} {'kept':>5} " + " ".join(f"{name[:14]:>14}" for name in names)
+    print(header + f" {'mean':>7} {'worst':>7}")
+    for fraction in (float(text) for text in args.fractions.split(",")):
+        for bits in widths:
+            rows = {name: measure(model, task, fraction, bits, args.scoring) for name, task in tasks.items()}
+            rises = [100 * (rows[name]["perplexity"] / full[name] - 1) for name in names]
+            held = max(row["bytes"] for row in rows.values())
+            kept = min(row["kept"] for row in rows.values())
+            cells = " ".join(f"{rise:>+14.2f}" for rise in rises)
+            print(f"{fraction:>7.0%} {bits or 'model':>5} {held:>6.1%} {kept:>5} {cells} "
+                  f"{statistics.fmean(rises):>+7.2f} {max(rises):>+7.2f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

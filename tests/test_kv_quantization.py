@@ -1,0 +1,267 @@
+"""Quantized storage (``kv_bits``) and byte sizes (``memory_fraction``, ``max_bytes``) of CompressedCache.
+
+Oracles: the quantizer against values worked out by hand and its own stated error bound; the
+stored keys and values of the first layer (a function of the tokens alone) against a
+DynamicCache's exact ones at the same positions; the byte sizes against ``memory_bytes()`` and
+the full cache's size as ``full_cache_bytes`` counts it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessor
+
+from decodekit.cache import CompressedCache
+from decodekit.cache.quantize import Quantizer
+from decodekit.cache.size import full_cache_bytes
+from tests.tiny import build_model
+
+PROMPT = " ".join(["The class statement creates a new class object and binds it to a name"] * 4)
+
+
+@pytest.fixture
+def fresh(tiny):
+    _, tokenizer = tiny
+    return build_model(tokenizer), tokenizer
+
+
+# -- the quantizer ----------------------------------------------------------------------------------
+
+
+def test_a_group_is_coded_by_hand():
+    """[0, 1, 2, 3] at 8 bits: offset 0, scale 3/255 (in float32); codes round(x / scale)."""
+    coded = Quantizer(bits=8, group_size=4).encode(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    scale = 3 / 255
+    assert coded["offsets"].tolist() == [0.0]
+    assert coded["scales"].item() == pytest.approx(scale, rel=1e-7)
+    assert coded["codes"].tolist() == [0, round(1 / scale), round(2 / scale), round(3 / scale)]
+
+
+def test_four_bit_codes_are_packed_two_per_byte_low_first():
+    """Values 0..15 in one 16-channel group are their own codes (offset 0, scale 1)."""
+    values = torch.arange(16.0)
+    coded = Quantizer(bits=4, group_size=16).encode(values)
+    assert coded["codes"].dtype == torch.uint8 and coded["codes"].shape == (8,)
+    assert coded["codes"].tolist() == [low + 16 * high for low, high in zip(range(0, 16, 2), range(1, 16, 2))]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decoding_errs_by_at_most_half_a_step(bits, dtype):
+    generator = torch.Generator().manual_seed(bits)
+    values = (torch.randn(3, 2, 40, 64, generator=generator) * 4 + 1).to(dtype)
+    values[0, 0, 0, 5] = 300.0  # an outlier widens its group only
+    quantizer = Quantizer(bits=bits, group_size=16)
+    coded = quantizer.encode(values)
+    decoded = quantizer.decode(coded, dtype)
+    assert decoded.dtype == dtype and coded["scales"].dtype == dtype
+    step = coded["scales"].float().repeat_interleave(16, dim=-1)
+    rounding = values.float().abs() * torch.finfo(dtype).eps  # the decoded value's own rounding to ``dtype``
+    assert ((decoded.float() - values.float()).abs() <= step / 2 * (1 + 1e-3) + rounding).all()
+    assert torch.isfinite(decoded).all()
+
+
+def test_a_constant_group_decodes_exactly():
+    values = torch.full((2, 32), -1.5)
+    quantizer = Quantizer(bits=4, group_size=32)
+    assert torch.equal(quantizer.decode(quantizer.encode(values), torch.float32), values)
+
+
+def test_bad_quantization_settings_are_refused_by_name(fresh):
+    model, _ = fresh
+    with pytest.raises(ValueError, match="kv_bits must be one of 4, 8, 16 or None"):
+        CompressedCache(model, budget=40, kv_bits=2)
+    with pytest.raises(ValueError, match="kv_bits must be one of"):
+        CompressedCache(model, budget=40, kv_bits=True)
+    with pytest.raises(ValueError, match=r"kv_group_size must divide the model's head_dim \(16\)"):
+        CompressedCache(model, budget=40, kv_bits=8, kv_group_size=5)
+    with pytest.raises(ValueError, match="kv_group_size must be an integer >= 1"):
+        CompressedCache(model, budget=40, kv_bits=8, kv_group_size=0)
+
+
+# -- what attention reads ---------------------------------------------------------------------------
+
+
+def _exact_first_layer(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first layer's keys and values at every position, from a full cache."""
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    return cache.layers[0].keys, cache.layers[0].values
+
+
+def _assert_within_a_step(layer, exact_keys, exact_values, *, ring_in_use: bool = True):
+    """Every live entry of ``layer`` reads (``dense``) within half a quantization step of the exact entry at
+    its position, and entries held in the recent ring read exactly (in 16 bits)."""
+    keys, values = layer.dense()
+    positions = layer.positions.long().clamp(max=exact_keys.shape[2] - 1)  # dead entries may be past the end
+    index = positions[..., None].expand(-1, -1, -1, keys.shape[-1])
+    true_keys, true_values = exact_keys.gather(2, index), exact_values.gather(2, index)
+    group = layer.quantizer.group_size
+    key_step = layer.key_scales.float().repeat_interleave(group, -1) * layer.key_channels
+    value_step = layer.value_scales.float().repeat_interleave(group, -1)
+    live = layer.live[..., None]
+    tolerance = 1e-3  # float16 rounding of the ring and of the scales' products
+    key_error = (keys - true_keys).abs()
+    value_error = (values - true_values).abs()
+    assert ((key_error <= key_step / 2 + tolerance) | ~live).all()
+    assert ((value_error <= value_step / 2 + tolerance) | ~live).all()
+    ring = layer.recent_positions[(layer.positions % layer.recent_keys.shape[2]).long()] == layer.positions
+    if not ring_in_use:
+        return
+    assert ring.any()
+    # Within float16's rounding (the full cache's own passes may differ in the last float32 bits), far
+    # inside a quantization step.
+    in_ring = ring[..., None] & live
+    assert (((keys - true_keys).abs() <= true_keys.abs() * 2.0**-10 + 1e-6) | ~in_ring).all()
+    if layer.quantizer.bits == 4:  # where a step is wide enough to tell the ring from the codes
+        assert (key_step[in_ring.expand_as(key_step)] > 1e-2).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("interval", [1, 8])
+def test_stored_entries_read_within_a_step_of_the_exact_ones_while_decoding(fresh, bits, interval):
+    model, tokenizer = fresh
+    ids = tokenizer([PROMPT * 2], return_tensors="pt")["input_ids"]
+    steps = 20
+    full = torch.cat([ids, torch.randint(5, 300, (1, steps), generator=torch.Generator().manual_seed(1))], dim=1)
+    exact_keys, exact_values = _exact_first_layer(model, full)
+    cache = CompressedCache(model, budget=48, kv_bits=bits, eviction_interval=interval)
+    prompt_length = ids.shape[1]
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        _assert_within_a_step(cache.layers[0], exact_keys, exact_values)
+        for step in range(steps):
+            position = torch.tensor([[prompt_length + step]])
+            model(full[:, prompt_length + step :][:, :1], past_key_values=cache, position_ids=position)
+            _assert_within_a_step(cache.layers[0], exact_keys, exact_values)
+
+
+def test_a_cropped_tokens_ring_slot_never_stands_for_an_older_token(fresh):
+    """Candidates that ``crop`` rejects overwrote ring slots of kept recent tokens: those tokens then read
+    their decoded codes, never the rejected candidates' exact entries."""
+    model, tokenizer = fresh
+    ids = tokenizer([PROMPT], return_tensors="pt")["input_ids"]
+    rejected = torch.randint(5, 300, (1, 10), generator=torch.Generator().manual_seed(2))
+    exact_keys, exact_values = _exact_first_layer(model, ids)
+    cache = CompressedCache(model, compression_ratio=0.0, kv_bits=4, recent_tokens=8)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        positions = torch.arange(ids.shape[1], ids.shape[1] + 10)[None]
+        model(rejected, past_key_values=cache, position_ids=positions)
+    cache.crop(ids.shape[1])
+    layer = cache.layers[0]
+    assert layer.seen == ids.shape[1]
+    live_positions = layer.positions[layer.live]
+    assert live_positions.max() == ids.shape[1] - 1
+    _ring = layer.recent_positions
+    assert not (_ring[(live_positions % 8).long()] == live_positions).any()  # every recent slot was overwritten
+    _assert_within_a_step(layer, exact_keys, exact_values, ring_in_use=False)
+
+
+def test_rows_reordered_by_beam_search_keep_their_codes_and_rings(fresh):
+    model, tokenizer = fresh
+    batch = tokenizer([PROMPT, PROMPT[:120]], return_tensors="pt", padding=True, padding_side="left")
+    cache = CompressedCache(model, budget=40, kv_bits=8)
+    with torch.no_grad():
+        model(**batch, past_key_values=cache)
+    before = [layer.dense() for layer in cache.layers]
+    cache.reorder_cache(torch.tensor([1, 0]))
+    for (keys, values), layer in zip(before, cache.layers, strict=True):
+        after_keys, after_values = layer.dense()
+        assert torch.equal(after_keys, keys.flip(0)) and torch.equal(after_values, values.flip(0))
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_generation_over_a_quantized_cache_stays_close_to_the_full_cache(fresh, bits):
+    """Logits of a greedy continuation with every token kept: 16 bits match closely, 8 and 4 bits less so,
+    and each width errs more than the wider one."""
+    model, tokenizer = fresh
+    ids = tokenizer([PROMPT], return_tensors="pt")["input_ids"]
+
+    def logits(kv_bits):
+        cache = CompressedCache(model, compression_ratio=0.0, kv_bits=kv_bits)
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=12,
+                                do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        return torch.stack(output.logits), output.sequences
+
+    full, full_tokens = logits(None)
+    quantized, tokens = logits(bits)
+    error = (quantized - full).abs().max().item()
+    assert error <= {16: 1e-3, 8: 3e-2, 4: 0.3}[bits]
+    if bits == 16:
+        assert torch.equal(tokens, full_tokens)
+
+
+# -- byte sizes -------------------------------------------------------------------------------------
+
+
+class _Bytes(LogitsProcessor):
+    """After each step's forward pass: the bytes held and the full 16-bit cache's bytes for the tokens seen."""
+
+    def __init__(self, cache, model, rows):
+        self.cache, self.model, self.rows, self.held = cache, model, rows, []
+
+    def __call__(self, input_ids, scores):
+        seen = self.cache.get_seq_length()
+        full = full_cache_bytes(self.model, seen, self.rows, element_size=2)
+        self.held.append((self.cache.memory_bytes(), full, seen))
+        return scores
+
+
+LONG = " ".join([PROMPT] * 6)
+
+
+@pytest.mark.parametrize("bits", [None, 16, 8, 4])
+@pytest.mark.parametrize("interval", [1, 8])
+@pytest.mark.parametrize("fraction", [0.5, 0.2])
+def test_memory_fraction_is_never_exceeded_after_a_pass(fresh, bits, interval, fraction):
+    model, tokenizer = fresh
+    prompts = [LONG, LONG[: len(LONG) // 2]]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    cache = CompressedCache(model, memory_fraction=fraction, kv_bits=bits, eviction_interval=interval)
+    check = _Bytes(cache, model, rows=2)
+    model.generate(**batch, past_key_values=cache, max_new_tokens=40, do_sample=False,
+                   pad_token_id=tokenizer.pad_token_id, logits_processor=[check])  # fmt: skip
+    assert len(check.held) == 40
+    assert all(held <= fraction * full for held, full, _ in check.held), check.held
+    assert cache.kept_tokens > cache.policy.floor  # the size was met by choice, not by the floor
+
+
+def test_fewer_bits_keep_more_tokens_in_the_same_bytes(fresh):
+    model, tokenizer = fresh
+    ids = tokenizer([LONG], return_tensors="pt")["input_ids"]
+    kept = {}
+    for bits in (16, 8, 4):
+        cache = CompressedCache(model, memory_fraction=0.5, kv_bits=bits)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        kept[bits] = cache.kept_tokens
+    assert kept[16] < kept[8] < kept[4]
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_max_bytes_is_never_exceeded_after_a_pass(fresh, bits):
+    model, tokenizer = fresh
+    batch = tokenizer([LONG, PROMPT], return_tensors="pt", padding=True, padding_side="left")
+    limit = 120_000
+    cache = CompressedCache(model, max_bytes=limit, kv_bits=bits)
+    check = _Bytes(cache, model, rows=2)
+    model.generate(**batch, past_key_values=cache, max_new_tokens=30, do_sample=False,
+                   pad_token_id=tokenizer.pad_token_id, logits_processor=[check])  # fmt: skip
+    assert all(held <= limit for held, _, _ in check.held), check.held
+    assert max(held for held, _, _ in check.held) > limit * 0.7  # it uses what it is given
+
+
+def test_byte_sizes_are_refused_by_name(fresh):
+    model, _ = fresh
+    with pytest.raises(ValueError, match=r"memory_fraction must be a number in \(0, 1\]"):
+        CompressedCache(model, memory_fraction=0.0)
+    with pytest.raises(ValueError, match=r"memory_fraction must be a number in \(0, 1\]"):
+        CompressedCache(model, memory_fraction=1.5)
+    with pytest.raises(ValueError, match="max_bytes must be an integer >= 1"):
+        CompressedCache(model, max_bytes=0)
+    with pytest.raises(ValueError, match="give exactly one of budget .* got budget and memory_fraction"):
+        CompressedCache(model, budget=40, memory_fraction=0.5)
