@@ -25,19 +25,23 @@ from decodekit.cache import CompressedCache
 from decodekit.cache.size import full_cache_bytes
 
 
-def _bits(text: str) -> int | None:
-    return None if text == "model" else int(text)
+def _widths(text: str) -> dict[str, int | None]:
+    """``16``, ``8``, ``4``, ``8/4`` (keys in 8 bits, values in 4) or ``model`` (the model's dtype)."""
+    if text == "model":
+        return {"kv_bits": None}
+    keys, _, values = text.partition("/")
+    return {"kv_bits": int(values or keys), "key_bits": int(keys) if values else None}
 
 
-def measure(model, task: dict, fraction: float | None, bits: int | None, scoring: str) -> dict:
+def measure(model, task: dict, fraction: float | None, widths: dict, scoring: str) -> dict:
     """Perplexity of the task's continuation over what the cache kept of the context, and the cache's bytes
     (as a fraction of a full 16-bit cache's) and kept tokens after the context's pass."""
     context = torch.tensor([task["context"]])
     continuation = torch.tensor([task["continuation"]])
     if fraction is None:
-        cache = CompressedCache(model, compression_ratio=0.0, kv_bits=bits, scoring=scoring)
+        cache = CompressedCache(model, compression_ratio=0.0, scoring=scoring, **widths)
     else:
-        cache = CompressedCache(model, memory_fraction=fraction, kv_bits=bits, scoring=scoring)
+        cache = CompressedCache(model, memory_fraction=fraction, scoring=scoring, **widths)
     with torch.inference_mode():
         prefill = model(context, past_key_values=cache)
         held = cache.memory_bytes() / full_cache_bytes(model, context.shape[1], element_size=2)
@@ -55,15 +59,17 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--fractions", default="0.5,0.25,0.1", help="memory sizes, fractions of a full 16-bit cache")
-    parser.add_argument("--bits", default="16,8,4", help="storage widths to compare (16, 8, 4; 'model' for fp32)")
+    parser.add_argument(
+        "--bits", default="16,8,8/4,4", help="storage widths to compare: 16, 8, 4, 8/4 (keys/values), model (fp32)"
+    )
     parser.add_argument("--scoring", default="attention")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model()
     texts = TUNING_TEXTS if args.texts == "tuning" else PROTOCOL_TEXTS
     tasks = text_tasks(tokenizer, texts, args.context_tokens, args.continuation_tokens)
-    full = {name: measure(model, task, None, None, args.scoring)["perplexity"] for name, task in tasks.items()}
-    widths = [_bits(text) for text in args.bits.split(",")]
+    full = {name: measure(model, task, None, {}, args.scoring)["perplexity"] for name, task in tasks.items()}
+    widths = args.bits.split(",")
     names = list(tasks)
     print(f"{args.texts} texts, {args.context_tokens}-token contexts, {args.continuation_tokens}-token continuations,"
           f" scoring={args.scoring}; perplexity rise over the full cache (%)")  # fmt: skip
@@ -71,12 +77,12 @@ def main() -> None:
     print(header + f" {'mean':>7} {'worst':>7}")
     for fraction in (float(text) for text in args.fractions.split(",")):
         for bits in widths:
-            rows = {name: measure(model, task, fraction, bits, args.scoring) for name, task in tasks.items()}
+            rows = {name: measure(model, task, fraction, _widths(bits), args.scoring) for name, task in tasks.items()}
             rises = [100 * (rows[name]["perplexity"] / full[name] - 1) for name in names]
             held = max(row["bytes"] for row in rows.values())
             kept = min(row["kept"] for row in rows.values())
             cells = " ".join(f"{rise:>+14.2f}" for rise in rises)
-            print(f"{fraction:>7.0%} {bits or 'model':>5} {held:>6.1%} {kept:>5} {cells} "
+            print(f"{fraction:>7.0%} {bits:>5} {held:>6.1%} {kept:>5} {cells} "
                   f"{statistics.fmean(rises):>+7.2f} {max(rises):>+7.2f}", flush=True)  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from decodekit.settings import (
     DRY_MAX_MATCH,
     DRY_MULTIPLIER_RANGE,
     EARLY_STOPPING,
+    KV_BITS,
     MAX_BEAMS,
     MIROSTAT_ETA_RANGE,
     MIROSTAT_TAU_RANGE,
@@ -226,6 +227,25 @@ CORE_FIELDS = (
         high_open=True,
         flag="--kv-ratio",
         widget=None,
+    ),
+    Field(
+        "kv_memory_fraction",
+        "real",
+        "cache",
+        "compressed KV cache holding at most this fraction of a full 16-bit cache's bytes "
+        "(tokens kept chosen to fit, with kv_bits)",
+        0.0,
+        1.0,
+        low_open=True,
+        flag="--kv-memory",
+    ),
+    Field(
+        "kv_bits",
+        "choice",
+        "cache",
+        "compressed KV cache storing keys and values in 16, 8 or 4 bits (alone: every token kept)",
+        choices=KV_BITS,
+        widget="choice",
     ),
 )
 

@@ -38,6 +38,7 @@ EARLY_STOPPING = (True, False, "never")
 # The compressed cache always keeps its first (sink) tokens and a recent window.
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
+KV_BITS = (16, 8, 4)  # a compressed cache's storage widths (None: the model's dtype)
 
 # Generation.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."

@@ -22,6 +22,8 @@ from decodekit.logits_processors import parse_stages
 from decodekit.logits_processors.repetition import check_stage_table
 from decodekit.plan import GenerationPlan, PlanContext
 
+CACHE_SIZES = ("kv_budget", "kv_compression_ratio", "kv_memory_fraction")  # a compressed cache takes one
+
 __all__ = ["BEAM_FIELDS", "SAMPLING_FIELDS", "Strategy"]
 
 
@@ -45,7 +47,8 @@ class Strategy:
       ``frequency_penalty``, ``presence_penalty``, ``dry_multiplier`` and its ``dry_*`` settings;
     - beam search: ``num_beams``, ``length_normalization``, ``length_alpha``, ``length_reward``,
       ``early_stopping``;
-    - cache: ``kv_budget`` or ``kv_compression_ratio`` (a ``CompressedCache``).
+    - cache: ``kv_budget``, ``kv_compression_ratio`` or ``kv_memory_fraction``, and ``kv_bits`` (a
+      ``CompressedCache``; ``kv_bits`` alone quantizes every token).
 
     Values are checked on construction (a ValueError names the field, its range and the value)
     and stored as plain Python values; a Strategy is immutable and hashable.
@@ -94,10 +97,13 @@ class Strategy:
         if self.beam and (self._do_sample or self._sampling_fields()):
             named = (["do_sample"] if self._do_sample else []) + self._sampling_fields()
             raise ValueError(f"num_beams selects beam search, which does not sample: drop {', '.join(named)}")
-        if "kv_budget" in values and "kv_compression_ratio" in values:
-            check_cache_size(
-                values["kv_budget"], values["kv_compression_ratio"], names=("kv_budget", "kv_compression_ratio")
-            )
+        sizes = [name for name in CACHE_SIZES if name in values]
+        if len(sizes) > 1:
+            if sizes == ["kv_budget", "kv_compression_ratio"]:
+                check_cache_size(
+                    values["kv_budget"], values["kv_compression_ratio"], names=("kv_budget", "kv_compression_ratio")
+                )
+            raise ValueError(f"give one cache size, not {' and '.join(sizes)}")
         if self._do_sample is False and self._sampling_fields():
             names = ", ".join(self._sampling_fields())
             raise ValueError(f"{names} only apply when sampling: leave do_sample unset or set it to True")
@@ -146,7 +152,7 @@ class Strategy:
     @property
     def compresses_cache(self) -> bool:
         """Whether this recipe decodes with a ``CompressedCache`` (a fresh one per generate call)."""
-        return "kv_budget" in self._values or "kv_compression_ratio" in self._values
+        return any(name in self._values for name in (*CACHE_SIZES, "kv_bits"))
 
     @property
     def label(self) -> str:
@@ -214,10 +220,13 @@ class Strategy:
         cache = None
         if self.compresses_cache:
             if model is None:
-                raise ValueError("kv_budget and kv_compression_ratio need the model: call plan(model)")
+                raise ValueError("the kv_ fields need the model: call plan(model)")
             from decodekit.cache.compressed import CompressedCache
 
-            cache = CompressedCache(model, self.kv_budget, compression_ratio=self.kv_compression_ratio)
+            cache = CompressedCache(
+                model, self.kv_budget, compression_ratio=self.kv_compression_ratio,
+                memory_fraction=self.kv_memory_fraction, kv_bits=self.kv_bits,
+            )  # fmt: skip
         plan = GenerationPlan(processors=processors, sampling=sampling, beam=self.beam,
                               decoder_kwargs=decoder_kwargs, cache=cache)  # fmt: skip
         return plan.with_row_seeds(row_seeds, prompt_length) if self.sampling and row_seeds is not None else plan

@@ -70,7 +70,7 @@ def test_a_constant_group_decodes_exactly():
 
 def test_bad_quantization_settings_are_refused_by_name(fresh):
     model, _ = fresh
-    with pytest.raises(ValueError, match="kv_bits must be one of 4, 8, 16 or None"):
+    with pytest.raises(ValueError, match="kv_bits must be one of 16, 8, 4 or None"):
         CompressedCache(model, budget=40, kv_bits=2)
     with pytest.raises(ValueError, match="kv_bits must be one of"):
         CompressedCache(model, budget=40, kv_bits=True)
@@ -98,7 +98,7 @@ def _assert_within_a_step(layer, exact_keys, exact_values, *, ring_in_use: bool 
     positions = layer.positions.long().clamp(max=exact_keys.shape[2] - 1)  # dead entries may be past the end
     index = positions[..., None].expand(-1, -1, -1, keys.shape[-1])
     true_keys, true_values = exact_keys.gather(2, index), exact_values.gather(2, index)
-    group = layer.quantizer.group_size
+    group = layer.quantizers["keys"].group_size
     key_step = layer.key_scales.float().repeat_interleave(group, -1) * layer.key_channels
     value_step = layer.value_scales.float().repeat_interleave(group, -1)
     live = layer.live[..., None]
@@ -115,7 +115,7 @@ def _assert_within_a_step(layer, exact_keys, exact_values, *, ring_in_use: bool 
     # inside a quantization step.
     in_ring = ring[..., None] & live
     assert (((keys - true_keys).abs() <= true_keys.abs() * 2.0**-10 + 1e-6) | ~in_ring).all()
-    if layer.quantizer.bits == 4:  # where a step is wide enough to tell the ring from the codes
+    if layer.quantizers["keys"].bits == 4:  # where a step is wide enough to tell the ring from the codes
         assert (key_step[in_ring.expand_as(key_step)] > 1e-2).all()
 
 
@@ -150,7 +150,7 @@ def test_a_cropped_tokens_ring_slot_never_stands_for_an_older_token(fresh):
         model(ids, past_key_values=cache)
         positions = torch.arange(ids.shape[1], ids.shape[1] + 10)[None]
         model(rejected, past_key_values=cache, position_ids=positions)
-    cache.crop(ids.shape[1])
+    cache.crop(-10)
     layer = cache.layers[0]
     assert layer.seen == ids.shape[1]
     live_positions = layer.positions[layer.live]
@@ -265,3 +265,26 @@ def test_byte_sizes_are_refused_by_name(fresh):
         CompressedCache(model, max_bytes=0)
     with pytest.raises(ValueError, match="give exactly one of budget .* got budget and memory_fraction"):
         CompressedCache(model, budget=40, memory_fraction=0.5)
+
+
+def test_keys_may_keep_more_bits_than_values(fresh):
+    model, tokenizer = fresh
+    ids = tokenizer([LONG], return_tensors="pt")["input_ids"]
+    cache = CompressedCache(model, compression_ratio=0.0, kv_bits=4, key_bits=8)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    layer = cache.layers[0]
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert layer.keys.dtype == layer.values.dtype == torch.uint8
+    assert layer.keys.shape[-1] == head_dim and layer.values.shape[-1] == head_dim // 2
+    kept = {}
+    for bits, key_bits in ((8, None), (4, 8), (4, None)):
+        sized = CompressedCache(model, memory_fraction=0.5, kv_bits=bits, key_bits=key_bits)
+        with torch.no_grad():
+            model(ids, past_key_values=sized)
+        kept[(bits, key_bits)] = sized.kept_tokens
+    assert kept[(8, None)] < kept[(4, 8)] < kept[(4, None)]
+    with pytest.raises(ValueError, match="key_bits .* needs kv_bits"):
+        CompressedCache(model, budget=40, key_bits=8)
+    with pytest.raises(ValueError, match="key_bits must be one of 16, 8, 4"):
+        CompressedCache(model, budget=40, kv_bits=4, key_bits=2)

@@ -110,6 +110,9 @@ class CompressedCache(Cache):
             fraction is exceeded until ``sink_tokens + recent_tokens`` tokens fit in it.
         max_bytes: instead of a budget or ratio, hold at most this many bytes, all rows together, after
             each forward pass (the same accounting and the same floor).
+        key_bits: the keys' width when it differs from ``kv_bits`` (16, 8 or 4; ``kv_bits`` then sets the
+            values'): keys suffer more from coarse codes than values do, so ``kv_bits=4, key_bits=8``
+            holds nearly what 8 bits holds in about four fifths of the bytes.
         kv_group_size: channels per scale group with ``kv_bits``, a divisor of the model's head size
             (default: 32, or the head size when it is smaller).
 
@@ -141,6 +144,7 @@ class CompressedCache(Cache):
         eviction_interval: int = 8,
         kv_bits: int | None = None,
         kv_group_size: int | None = None,
+        key_bits: int | None = None,
         memory_fraction: float | None = None,
         max_bytes: int | None = None,
     ) -> None:
@@ -153,17 +157,17 @@ class CompressedCache(Cache):
         by_bytes = None
         if memory_fraction is not None or max_bytes is not None:
             by_bytes = entry_bytes(
-                model, kv_bits=kv_bits, group_size=kv_group_size, recent_tokens=recent_tokens,
+                model, kv_bits=kv_bits, key_bits=key_bits, group_size=kv_group_size, recent_tokens=recent_tokens,
                 eviction_interval=eviction_interval,
             )  # fmt: skip
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
             value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,
-            memory_fraction, max_bytes, by_bytes,
+            key_bits, memory_fraction, max_bytes, by_bytes,
         )  # fmt: skip
         modules = bind(model)
-        if kv_bits in (4, 8) and head_dim:
-            Quantizer(kv_bits, kv_group_size).groups(head_dim)  # a ValueError naming kv_group_size now, not mid-pass
+        if head_dim and {kv_bits, key_bits} & {4, 8}:
+            Quantizer(4, kv_group_size).groups(head_dim)  # a ValueError naming kv_group_size now, not mid-pass
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
         super().__init__(layers=[CompressedLayer(self.policy) for _ in modules])
 

@@ -47,6 +47,7 @@ def _triton_scoring() -> ModuleType | None:
 PER_ENTRY = ("keys", "values", "_scores", "value_norms", "positions", "live")
 # With quantized storage, ``keys`` and ``values`` hold codes, and these hold each entry's group scales and offsets.
 CODING = ("key_scales", "key_offsets", "value_scales", "value_offsets")
+PARTS = ("keys", "values")
 # Per row, with quantized storage: the key channels' magnitudes, and the last tokens' exact keys and values.
 EXACT = ("key_channels", "recent_keys", "recent_values")
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
@@ -109,14 +110,18 @@ class CompressedLayer(DynamicLayer):
         self.value_norms: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.live: torch.Tensor | None = None
-        # Quantized storage (``policy.kv_bits``): ``keys`` and ``values`` hold codes, with each entry's group
-        # scales and offsets beside them (``CODING``); per row, the key channels' magnitudes
+        # Quantized storage (``policy.kv_bits``, ``policy.key_bits``): ``keys`` or ``values`` or both hold codes,
+        # with each entry's group scales and offsets beside them (``CODING``); per row, the key channels' magnitudes
         # [batch, kv_heads, 1, head_dim] and the last ``recent_tokens`` tokens' exact keys and values in a
         # ring [batch, kv_heads, recent_tokens, head_dim] (in 16 bits), slot ``position % recent_tokens``, with the
         # position each ring slot holds (``recent_positions``, -1 for none).
-        self.quantizer = Quantizer(policy.kv_bits, policy.kv_group_size) if policy.kv_bits in (4, 8) else None
+        widths = {"keys": policy.key_bits or policy.kv_bits, "values": policy.kv_bits}
+        self.quantizers = {part: Quantizer(bits, policy.kv_group_size) if bits in (4, 8) else None
+                           for part, bits in widths.items()}  # fmt: skip
+        self.quantized = any(quantizer is not None for quantizer in self.quantizers.values())
         self.storage_dtype: torch.dtype | None = None  # what keys, values (or their scales) are stored in
-        self.entries = PER_ENTRY + (CODING if self.quantizer is not None else ())
+        coding = tuple(name for name in CODING if self.quantizers[name.split("_")[0] + "s"] is not None)
+        self.entries = PER_ENTRY + coding
         self.key_scales = self.key_offsets = self.value_scales = self.value_offsets = None
         self.key_channels = self.recent_keys = self.recent_values = None
         self.recent_positions: torch.Tensor | None = None
@@ -281,7 +286,7 @@ class CompressedLayer(DynamicLayer):
             self.storage_dtype = self.dtype
             if self.policy.kv_bits is not None and self.dtype.itemsize > 2:
                 self.storage_dtype = torch.float16  # 16 bits (scales at 4 and 8) in a 32-bit model
-            if self.quantizer is not None:
+            if self.quantized:
                 self._start_coding(key_states)
             empty = key_states.new_zeros((batch, kv_heads, 0), dtype=torch.float32)
             self.scores, self.value_norms = empty, empty.clone()
@@ -303,7 +308,7 @@ class CompressedLayer(DynamicLayer):
         else:
             self._set_live_counts({pads: live + new for pads, live in self.live_by_pads.items()})
         self.seen += new
-        if self.quantizer is not None and not self.replaying:  # a replay's tokens are forgotten after it
+        if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
             self._remember_recent(key_states, value_states)
         keys, values = self._read(key_states, value_states, free)
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
@@ -324,10 +329,10 @@ class CompressedLayer(DynamicLayer):
         """On the first pass: measure each key channel's magnitude over the rows' real tokens, and make the
         ring of exact recent entries."""
         batch, kv_heads, new, head_dim = key_states.shape
-        self.quantizer.groups(head_dim)  # checks that the groups fit the heads
-        real = torch.arange(new, device=key_states.device) >= self.pads[:, None]  # [batch, new]
-        magnitude = torch.where(real[:, None, :, None], key_states.float().abs(), 0.0).amax(dim=2, keepdim=True)
-        self.key_channels = magnitude.clamp_(min=1e-6)
+        if self.quantizers["keys"] is not None:
+            real = torch.arange(new, device=key_states.device) >= self.pads[:, None]  # [batch, new]
+            magnitude = torch.where(real[:, None, :, None], key_states.float().abs(), 0.0).amax(dim=2, keepdim=True)
+            self.key_channels = magnitude.clamp_(min=1e-6)
         ring = self.policy.recent_tokens
         self.recent_keys = key_states.new_zeros((batch, kv_heads, ring, head_dim), dtype=self.storage_dtype)
         self.recent_values = torch.zeros_like(self.recent_keys)
@@ -336,15 +341,18 @@ class CompressedLayer(DynamicLayer):
     def _code(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[str, torch.Tensor]:
         """What a pass's keys and values store as: themselves (in 16 bits with ``kv_bits=16``), or their codes,
         scales and offsets."""
-        dtype = self.storage_dtype
-        if self.quantizer is None:
-            return {"keys": self._in_storage_dtype(key_states), "values": self._in_storage_dtype(value_states)}
-        keys = self.quantizer.encode(key_states.float() / self.key_channels, dtype)
-        values = self.quantizer.encode(value_states, dtype)
-        return {
-            "keys": keys["codes"], "key_scales": keys["scales"], "key_offsets": keys["offsets"],
-            "values": values["codes"], "value_scales": values["scales"], "value_offsets": values["offsets"],
-        }  # fmt: skip
+        coded = {}
+        for part, states in zip(PARTS, (key_states, value_states), strict=True):
+            quantizer = self.quantizers[part]
+            if quantizer is None:
+                coded[part] = self._in_storage_dtype(states)
+                continue
+            if part == "keys":
+                states = states.float() / self.key_channels
+            codes = quantizer.encode(states, self.storage_dtype)
+            prefix = part[:-1]
+            coded[part], coded[f"{prefix}_scales"], coded[f"{prefix}_offsets"] = codes.values()
+        return coded
 
     def _in_storage_dtype(self, states: torch.Tensor) -> torch.Tensor:
         """``states`` in the storage dtype; a 32-bit value beyond float16's range is held at its largest."""
@@ -383,14 +391,9 @@ class CompressedLayer(DynamicLayer):
         """The stored keys and values in the cache's dtype, ``[batch, kv_heads, slots, head_dim]``, as attention
         reads them: with quantized storage, decoded, the entries still in the ring exact; with ``kv_bits=16`` in a
         32-bit model, cast back."""
-        if self.quantizer is None:
-            if self.keys.dtype == self.dtype:
-                return self.keys, self.values
-            return self.keys.to(self.dtype), self.values.to(self.dtype)
-        decode = self.quantizer.decode
-        keys = decode({"codes": self.keys, "scales": self.key_scales, "offsets": self.key_offsets}, torch.float32)
-        keys = keys.mul_(self.key_channels).to(self.dtype)
-        values = decode({"codes": self.values, "scales": self.value_scales, "offsets": self.value_offsets}, self.dtype)
+        if not self.quantized:
+            return self.keys.to(self.dtype), self.values.to(self.dtype)  # the stored tensors themselves in 32 bits
+        keys, values = (self._decoded(part) for part in PARTS)
         ring = self.recent_keys.shape[2]
         slot = (self.positions % ring).long()
         exact = (self.recent_positions[slot] == self.positions)[..., None]
@@ -398,6 +401,22 @@ class CompressedLayer(DynamicLayer):
         keys = torch.where(exact, self.recent_keys.gather(2, index).to(self.dtype), keys)
         values = torch.where(exact, self.recent_values.gather(2, index).to(self.dtype), values)
         return keys, values
+
+    def _decoded(self, part: str) -> torch.Tensor:
+        """The stored ``part`` ("keys" or "values") decoded to the cache's dtype (ring aside)."""
+        stored, quantizer = getattr(self, part), self.quantizers[part]
+        if quantizer is None:
+            return stored.to(self.dtype)
+        prefix = part[:-1]
+        codes = {
+            "codes": stored,
+            "scales": getattr(self, f"{prefix}_scales"),
+            "offsets": getattr(self, f"{prefix}_offsets"),
+        }
+        decoded = quantizer.decode(codes, torch.float32)
+        if part == "keys":
+            decoded = decoded.mul_(self.key_channels)
+        return decoded.to(self.dtype)
 
     def _defers_scoring(self, new: int, free: torch.Tensor | None) -> bool:
         """Whether this pass's scoring waits for the next eviction: one decoding step appended to the spare
@@ -802,21 +821,21 @@ class CompressedLayer(DynamicLayer):
         pads, counts = torch.stack([self.pads, self.live[:, 0].sum(dim=-1)]).tolist()
         self._set_live_counts(dict(zip(pads, counts, strict=True)))
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens seen and forget the rest, or with a negative ``max_length`` forget
-        the last ``-max_length`` (as ``DynamicLayer.crop`` does; assisted generation rejecting candidates).
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens seen (candidate tokens rejected by assisted generation).
 
-        The newest tokens are always held (they are in the recent window), so forgetting the last pass
-        undoes it exactly, except that the attention it paid to older tokens stays in those tokens'
-        scores, and anything it evicted stays evicted.
+        The newest tokens are always held (they are in the recent window), so this undoes their
+        pass exactly, except that the attention they paid to older tokens stays in those tokens'
+        scores, and anything their pass evicted stays evicted.
         """
-        if not self.is_initialized:
-            return
-        keep = max_length if max_length >= 0 else max(self.seen + max_length, 0)
-        if keep >= self.seen:
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop takes a negative number of tokens to remove (as DynamicLayer does); got {tokens_to_remove}"
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
             return
         self._score_pending()
-        self.seen = keep
+        self.seen = max(self.seen + tokens_to_remove, 0)
         self.live &= self.positions < self.seen
         self._forget_freed()
         self._spare = None  # its room was prepared for the positions after the forgotten tokens

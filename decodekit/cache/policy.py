@@ -8,9 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from decodekit._validation import check_int, check_real
-from decodekit.cache.quantize import KV_BITS
 from decodekit.cache.size import EntryBytes
-from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS
+from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BITS
 
 SCORINGS = ("attention", "reconstruction", "attention+novelty")
 SCORING_BACKENDS = ("auto", "triton", "torch")
@@ -80,6 +79,7 @@ class EvictionPolicy:
     eviction_interval: int = 8
     kv_bits: int | None = None
     kv_group_size: int = 32
+    key_bits: int | None = None
     memory_fraction: float | None = None
     max_bytes: int | None = None
     entry_bytes: EntryBytes | None = None  # what a kept token costs: needed by memory_fraction and max_bytes
@@ -91,6 +91,13 @@ class EvictionPolicy:
                 f"got {self.kv_bits!r}"
             )
         check_int("kv_group_size", self.kv_group_size, 1)
+        if self.key_bits is not None:
+            if self.key_bits not in KV_BITS or isinstance(self.key_bits, bool):
+                raise ValueError(
+                    f"key_bits must be one of {', '.join(map(str, KV_BITS))} or None; got {self.key_bits!r}"
+                )
+            if self.kv_bits is None:
+                raise ValueError("key_bits (the keys' width) needs kv_bits (the values' width)")
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}; got {self.scoring!r}")
         if self.scoring_backend not in SCORING_BACKENDS:

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from decodekit._validation import check_int
-
-KV_BITS = (4, 8, 16)  # 16: the entries themselves, in a 16-bit dtype
+from decodekit.settings import KV_BITS  # noqa: F401  (16: the entries themselves, in a 16-bit dtype)
 
 
 def _rounded(values: torch.Tensor, dtype: torch.dtype, toward: float) -> torch.Tensor:
@@ -50,7 +49,7 @@ class Quantizer:
     group_size: int = 32
 
     def __post_init__(self) -> None:
-        if self.bits not in KV_BITS[:2] or isinstance(self.bits, bool):
+        if self.bits not in (4, 8) or isinstance(self.bits, bool):
             raise ValueError(f"a Quantizer codes in 4 or 8 bits; got {self.bits!r}")
         object.__setattr__(self, "group_size", check_int("kv_group_size", self.group_size, 1))
 
@@ -88,7 +87,7 @@ class Quantizer:
         codes = codes.clamp_(0, self.levels).to(torch.uint8).flatten(-2)
         if self.bits == 4:
             codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        return {"codes": codes, "scales": scales, "offsets": offsets}
+        return {"codes": codes, "scales": scales, "offsets": offsets}  # in this order
 
     def decode(self, coded: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The values ``coded`` stands for, in ``dtype``."""

@@ -53,26 +53,30 @@ def entry_bytes(
     *,
     kv_bits: int | None,
     group_size: int,
+    key_bits: int | None = None,
     recent_tokens: int,
     eviction_interval: int,
 ) -> EntryBytes:
     """The :class:`EntryBytes` of a compressed cache for ``model`` storing ``kv_bits`` per value (None: the
-    model's dtype) in groups of ``group_size`` channels, holding ``recent_tokens`` exact and scoring the
-    decoding steps every ``eviction_interval``."""
+    model's dtype; keys in ``key_bits`` when given) in groups of ``group_size`` channels, holding
+    ``recent_tokens`` exact and scoring the decoding steps every ``eviction_interval``."""
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads, query_heads = config.num_key_value_heads, config.num_attention_heads
     element = next(model.parameters()).element_size()
     stored = 2 if kv_bits is not None else element  # keys and values, or the scales, in 16 bits
-    if kv_bits in (4, 8):
-        key_or_value = head_dim * kv_bits / 8 + 2 * (head_dim // group_size) * stored
-        ring = 2 * recent_tokens * head_dim * stored + head_dim * 4 + recent_tokens * 4 / kv_heads
-    else:
-        key_or_value, ring = head_dim * stored, 0.0
+    widths = (key_bits or kv_bits, kv_bits)
+    coded = [
+        head_dim * bits / 8 + 2 * (head_dim // group_size) * stored if bits in (4, 8) else head_dim * stored
+        for bits in widths
+    ]
+    ring = 0.0
+    if {4, 8} & set(widths):  # exact recent keys and values, their positions, the key channels' magnitudes
+        ring = 2 * recent_tokens * head_dim * stored + recent_tokens * 4 / kv_heads + head_dim * 4
     bookkeeping = 4 + 4 + 4 + 1  # score, value norm, position, live
     # The queries of the steps waiting to be scored, with their rotation, and the reserved slots.
     waiting = eviction_interval * (query_heads * head_dim + 2 * head_dim) * element / kv_heads
-    kept = 2 * key_or_value + bookkeeping
+    kept = sum(coded) + bookkeeping
     reserved = (eviction_interval + 1) * kept
     padding = 16 / kv_heads  # the row's padding and a free-slot index
     return EntryBytes(kept, ring + waiting + reserved + padding, 2 * head_dim * 2, config.num_hidden_layers * kv_heads)
