@@ -11,12 +11,14 @@ import torch
 from transformers import DynamicCache
 
 from decodekit import Strategy, generate_text
+from decodekit.cache import CompressedCache
+from decodekit.cache.size import full_cache_bytes
 from decodekit.cli import main
 from decodekit.eval import distinct_n, self_bleu
 from decodekit.eval.data_sources import load_prompts, load_reference
 from decodekit.eval.perplexity import continuation_perplexity, perplexity
 from decodekit.eval.reports import write_reports
-from decodekit.eval.runner import evaluate_strategies
+from decodekit.eval.runner import MEMORY_FRACTIONS, evaluate_strategies
 
 SHORT = {"max_new_tokens": 8, "batch_size": 2, "context_tokens": 96, "continuation_tokens": 24, "progress": False}
 
@@ -59,7 +61,16 @@ def test_the_report_holds_what_the_pieces_compute_on_their_own(tiny):
         assert 0.0 < row["mauve"] <= 1.0
     ids = tokenizer(load_reference(), add_special_tokens=False)["input_ids"][:120]
     full = continuation_perplexity(model, DynamicCache(), torch.tensor([ids[:96]]), torch.tensor([ids[96:]]))
-    assert report.compression[0] == {"compression_ratio": 0.0, "perplexity": pytest.approx(full)}
+    full16 = full_cache_bytes(model, 120, element_size=2)
+    assert report.compression[0] == {
+        "compression_ratio": 0.0, "memory_fraction": None, "memory": 2.0, "perplexity": pytest.approx(full)
+    }  # fmt: skip
+    # Oracle for the byte-sized rows: the same cache built by hand, and its bytes against the size asked.
+    for row, fraction in zip(report.compression[2:], MEMORY_FRACTIONS, strict=True):
+        cache = CompressedCache(model, memory_fraction=fraction, kv_bits=4, key_bits=8)
+        value = continuation_perplexity(model, cache, torch.tensor([ids[:96]]), torch.tensor([ids[96:]]))
+        assert row["memory_fraction"] == fraction and row["perplexity"] == pytest.approx(value)
+        assert row["memory"] == cache.memory_bytes() / full16
 
 
 def test_the_report_does_not_depend_on_the_batch_size(tiny):

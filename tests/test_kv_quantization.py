@@ -43,7 +43,9 @@ def test_four_bit_codes_are_packed_two_per_byte_low_first():
     values = torch.arange(16.0)
     coded = Quantizer(bits=4, group_size=16).encode(values)
     assert coded["codes"].dtype == torch.uint8 and coded["codes"].shape == (8,)
-    assert coded["codes"].tolist() == [low + 16 * high for low, high in zip(range(0, 16, 2), range(1, 16, 2))]
+    assert coded["codes"].tolist() == [
+        low + 16 * high for low, high in zip(range(0, 16, 2), range(1, 16, 2), strict=True)
+    ]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -263,7 +265,7 @@ def test_byte_sizes_are_refused_by_name(fresh):
         CompressedCache(model, memory_fraction=1.5)
     with pytest.raises(ValueError, match="max_bytes must be an integer >= 1"):
         CompressedCache(model, max_bytes=0)
-    with pytest.raises(ValueError, match="give exactly one of budget .* got budget and memory_fraction"):
+    with pytest.raises(ValueError, match=r"give exactly one of budget .* got budget and memory_fraction"):
         CompressedCache(model, budget=40, memory_fraction=0.5)
 
 
@@ -284,7 +286,7 @@ def test_keys_may_keep_more_bits_than_values(fresh):
             model(ids, past_key_values=sized)
         kept[(bits, key_bits)] = sized.kept_tokens
     assert kept[(8, None)] < kept[(4, 8)] < kept[(4, None)]
-    with pytest.raises(ValueError, match="key_bits .* needs kv_bits"):
+    with pytest.raises(ValueError, match=r"key_bits .* needs kv_bits"):
         CompressedCache(model, budget=40, key_bits=8)
     with pytest.raises(ValueError, match="key_bits must be one of 16, 8, 4"):
         CompressedCache(model, budget=40, kv_bits=4, key_bits=2)

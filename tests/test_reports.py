@@ -24,7 +24,13 @@ def _report() -> EvaluationReport:
     rows += [{"strategy": f"beam 4, {n}", "num_beams": 4, "distinct_2": 0.5, "perplexity": 2.0}
              for n in ("none", "average", "gnmt")]  # fmt: skip
     rows.append({"strategy": "greedy, kv budget 64", "kv_budget": 64, "distinct_2": 0.60, "perplexity": 3.0001})
-    compression = [{"compression_ratio": r, "perplexity": 18.5 + r / 10} for r in (0.0, 0.25, 0.5, 0.75)]
+    compression = [
+        {"compression_ratio": r, "memory_fraction": None, "memory": 2 * (1 - r), "perplexity": 18.5 + r / 10}
+        for r in (0.0, 0.25, 0.5, 0.75)
+    ] + [
+        {"compression_ratio": None, "memory_fraction": f, "memory": f * 0.95, "perplexity": 18.5 + (1 - f) / 20}
+        for f in (0.5, 0.1)
+    ]
     return EvaluationReport(strategies=rows, compression=compression)
 
 
@@ -52,7 +58,12 @@ def test_the_compression_plot_marks_the_baseline_and_does_not_magnify_noise():
     low, high = axes.get_ylim()
     assert low <= 18.5 * 0.95 and high >= 18.5 * 1.05  # a 0.4% spread stays a flat line
     assert any(text.startswith("full cache") for text in _legend(figure))
-    assert [child.get_text() for child in axes.texts] == ["+0.1%", "+0.3%", "+0.4%"]
+    # Each cache's change from the full cache, at the memory it held: evicting in float32, then sized in bytes.
+    assert [child.get_text() for child in axes.texts] == ["+0.4%", "+0.3%", "+0.1%", "+0.2%", "+0.1%"]
+    lines = {line.get_label(): list(line.get_xdata()) for line in axes.get_lines()}
+    assert lines["evicting (compression_ratio)"] == [0.5, 1.0, 1.5]
+    assert lines["sized in bytes (memory_fraction)"] == pytest.approx([0.095, 0.475])
+    assert "16-bit" in axes.get_xlabel()
 
 
 def test_the_readme_documents_every_report_column(tiny):

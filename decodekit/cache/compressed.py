@@ -14,6 +14,11 @@ from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import Quantizer
 from decodekit.cache.size import entry_bytes
 
+# The widths a cache sized in bytes stores in unless told otherwise: values in 4 bits, keys in 8. Of 16, 8,
+# 8/4 and 4 bits at 50, 25 and 10% of a full 16-bit cache's bytes, 8/4 had the lowest mean perplexity rise
+# on the tuning texts (benchmarks/kv_bytes.py).
+BYTE_SIZED_WIDTHS = (4, 8)
+
 
 def _head_dim(model: nn.Module) -> int | None:
     """The model's attention head size, from its config (None when the config does not say)."""
@@ -106,7 +111,8 @@ class CompressedCache(Cache):
         memory_fraction: instead of a budget or ratio, hold at most this fraction, in (0, 1], of the bytes a
             full 16-bit cache would hold for the tokens seen so far (keys, values, scales and bookkeeping
             all counted, as ``memory_bytes()`` reports them), choosing how many tokens to keep from
-            ``kv_bits``. Below the sinks and the recent window it cannot go: on a short context the
+            ``kv_bits``; without ``kv_bits``, values are stored in 4 bits and keys in 8 (the widths that
+            did best at equal bytes). Below the sinks and the recent window it cannot go: on a short context the
             fraction is exceeded until ``sink_tokens + recent_tokens`` tokens fit in it.
         max_bytes: instead of a budget or ratio, hold at most this many bytes, all rows together, after
             each forward pass (the same accounting and the same floor).
@@ -151,6 +157,8 @@ class CompressedCache(Cache):
         sizes = (budget, compression_ratio, memory_fraction, max_bytes)
         if all(size is None for size in sizes) and kv_bits is not None:
             compression_ratio = 0.0  # quantization alone: every token is kept
+        if (memory_fraction is not None or max_bytes is not None) and kv_bits is None and key_bits is None:
+            kv_bits, key_bits = BYTE_SIZED_WIDTHS
         head_dim = _head_dim(model)
         if kv_group_size is None:
             kv_group_size = min(32, head_dim) if head_dim else 32

@@ -142,31 +142,49 @@ def plot_frontier(report: EvaluationReport, path: Path) -> None:
 
 
 def compression_figure(report: EvaluationReport):
-    """The reference continuation's perplexity against the share of the KV cache evicted, with the
-    full cache's value as a baseline and each point's change from it, on an axis spanning at least
-    +-5% of the baseline so that noise does not look like a trend."""
+    """The reference continuation's perplexity against the memory each cache held, as a share of a full
+    16-bit cache's bytes: one line for the evicting caches (``compression_ratio``, stored in the model's
+    dtype) and one for the byte-sized ones (``memory_fraction``), the full cache's value as a baseline
+    and each point's change from it, on an axis spanning at least +-5% of the baseline so that noise
+    does not look like a trend."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(6.5, 4.5))
-    points = sorted((row["compression_ratio"], row["perplexity"]) for row in report.compression)
-    ratios = [ratio for ratio, _ in points]
-    values = [value for _, value in points]
-    baseline = next((value for ratio, value in points if ratio == 0), None)
-    axes.plot(ratios, values, "o-", label="CompressedCache")
+    rows = report.compression
+    baseline = next((row["perplexity"] for row in rows if _is_full(row)), None)
+    series = {
+        "evicting (compression_ratio)": [row for row in rows if not row.get("memory_fraction") and not _is_full(row)],
+        "sized in bytes (memory_fraction)": [row for row in rows if row.get("memory_fraction")],
+    }
+    values = [row["perplexity"] for row in rows]
+    for label, members in series.items():
+        points = sorted((_memory(row), row["perplexity"]) for row in members)
+        if not points:
+            continue
+        axes.plot([x for x, _ in points], [y for _, y in points], "o-", label=label)
+        for x, y in points if baseline is not None else ():
+            axes.annotate(f"{(y / baseline - 1):+.1%}", (x, y), textcoords="offset points", xytext=(0, 8),
+                          ha="center", fontsize=8)  # fmt: skip
     if baseline is not None:
         axes.axhline(baseline, color="gray", linestyle="--", label=f"full cache ({baseline:.2f})")
-        for ratio, value in points:
-            if ratio > 0:
-                axes.annotate(f"{(value / baseline - 1):+.1%}", (ratio, value), textcoords="offset points",
-                              xytext=(0, 8), ha="center", fontsize=8)  # fmt: skip
         low, high = min([*values, baseline * 0.95]), max([*values, baseline * 1.05])
         margin = 0.05 * (high - low)
         axes.set_ylim(low - margin, high + margin)
-    axes.set_xlabel("share of the context evicted (CompressedCache compression_ratio)")
+    axes.set_xlabel("memory held: share of a full 16-bit cache's bytes")
     axes.set_ylabel("perplexity of the reference continuation (lower: better)")
-    axes.set_title("Perplexity against KV-cache compression")
-    axes.legend(fontsize=8)
+    axes.set_title("Perplexity against KV-cache memory")
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize=8)
     figure.tight_layout()
     return figure
+
+
+def _is_full(row: dict) -> bool:
+    return row.get("compression_ratio") == 0 and not row.get("memory_fraction")
+
+
+def _memory(row: dict) -> float:
+    """A compression row's memory share (reports written before it was measured: the share of tokens kept)."""
+    return row["memory"] if row.get("memory") is not None else 1 - row["compression_ratio"]
 
 
 def plot_compression(report: EvaluationReport, path: Path) -> None:

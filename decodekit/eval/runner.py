@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from decodekit._validation import check_int, check_real
-from decodekit.cache import CompressedCache
+from decodekit.cache.size import full_cache_bytes
 from decodekit.eval import diversity
 from decodekit.eval.mauve import mauve, text_features
 from decodekit.eval.perplexity import continuation_perplexity, perplexity
@@ -25,6 +25,7 @@ from decodekit.generation import check_prompts, generate_text
 from decodekit.strategies import Strategy
 
 COMPRESSION_RATIOS = (0.0, 0.25, 0.5, 0.75)
+MEMORY_FRACTIONS = (0.5, 0.25, 0.1)
 
 
 def default_strategies() -> list[Strategy]:
@@ -62,6 +63,12 @@ class EvaluationReport:
     compression: list[dict[str, float]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     generations: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _dynamic_cache_bytes(cache: DynamicCache) -> int:
+    """The bytes of a DynamicCache's keys and values."""
+    tensors = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 def _diversity(texts: list[str]) -> dict[str, float]:
@@ -133,6 +140,7 @@ def evaluate_strategies(
     context_tokens: int = 1024,
     continuation_tokens: int = 256,
     compression_ratios: Sequence[float] = COMPRESSION_RATIOS,
+    memory_fractions: Sequence[float] = MEMORY_FRACTIONS,
     progress: bool = True,
 ) -> EvaluationReport:
     """Generate a continuation of every prompt with every strategy and score the results.
@@ -141,7 +149,9 @@ def evaluate_strategies(
     model, and their MAUVE against as many prose passages of the reference text (None when fewer
     than two texts are available). For the reference text (``load_reference()`` by default): the perplexity of
     ``continuation_tokens`` tokens after ``context_tokens`` tokens kept in a CompressedCache at
-    each of ``compression_ratios`` (0 is the full cache).
+    each of ``compression_ratios`` (0 is the full cache) and each of ``memory_fractions`` (the
+    ``kv_memory_fraction`` field), with the bytes each cache held at the end as a share of a full
+    16-bit cache's (``memory``).
 
     Example (with ``model`` and ``tokenizer`` from ``load_model``)::
 
@@ -163,6 +173,8 @@ def evaluate_strategies(
     check_int("context_tokens", context_tokens, 1)
     check_int("continuation_tokens", continuation_tokens, 1)
     ratios = [check_real("compression_ratios[]", ratio, 0, 1, high_open=True) for ratio in compression_ratios]
+    caches = [Strategy(kv_compression_ratio=ratio) if ratio else None for ratio in ratios]
+    caches += [Strategy(kv_memory_fraction=fraction) for fraction in memory_fractions]  # checked by the field
     reference = reference if reference is not None else load_reference()
     ids = tokenizer(reference, add_special_tokens=False)["input_ids"]
     if len(ids) < context_tokens + continuation_tokens:
@@ -210,12 +222,18 @@ def evaluate_strategies(
     context = torch.tensor([ids[:context_tokens]], device=model.device)
     continuation = torch.tensor([ids[context_tokens : context_tokens + continuation_tokens]], device=model.device)
     clock = time.perf_counter()
-    bar = tqdm(ratios, desc="3/3 KV-cache compression", unit="ratio", disable=not shown)
-    for ratio in bar:
-        bar.set_postfix_str(f"{ratio:.0%} evicted")
-        cache = DynamicCache() if ratio == 0 else CompressedCache(model, compression_ratio=ratio)
+    full16 = full_cache_bytes(model, context.shape[1] + continuation.shape[1], element_size=2)
+    bar = tqdm(caches, desc="3/3 KV-cache compression", unit="cache", disable=not shown)
+    for strategy in bar:
+        bar.set_postfix_str(strategy.label if strategy else "full cache")
+        cache = DynamicCache() if strategy is None else strategy.plan(model).cache
         value = continuation_perplexity(model, cache, context, continuation)
-        report.compression.append({"compression_ratio": ratio, "perplexity": value})
+        held = cache.memory_bytes() if strategy else _dynamic_cache_bytes(cache)
+        report.compression.append({
+            "compression_ratio": strategy.kv_compression_ratio if strategy else 0.0,
+            "memory_fraction": strategy.kv_memory_fraction if strategy else None,
+            "memory": held / full16, "perplexity": value,
+        })  # fmt: skip
     seconds["compression"] = time.perf_counter() - clock
     report.settings["seconds"] = {phase: round(value, 1) for phase, value in seconds.items()}
     return report
