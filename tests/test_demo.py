@@ -91,6 +91,7 @@ def _text(result) -> str:
         ("greedy", {"min_p": 0.1, "temperature": 0.7}, Strategy(min_p=0.1, temperature=0.7)),
         ("greedy", {"num_beams": 3}, Strategy(num_beams=3)),
         ("staged penalty", {}, Strategy(staged_penalty="1:1.2,3:1.5,6:2.0", penalty_window=64)),
+        ("greedy", {"kv_memory_fraction": 0.5, "kv_bits": "8"}, Strategy(kv_memory_fraction=0.5, kv_bits=8)),
     ],
 )
 def test_the_api_takes_named_settings_and_streams_the_librarys_text(served, preset, settings, strategy):
@@ -109,6 +110,8 @@ def test_the_api_takes_named_settings_and_streams_the_librarys_text(served, pres
     if not strategy.beam:
         assert _text(result) == expected
         assert {"tokens/s", "time to first token (s)", "full KV cache (KiB)"} <= set(result["stats"])
+    if strategy.compresses_cache:
+        assert "compressed KV cache (KiB)" in result["stats"]
 
 
 def test_the_api_is_stable_when_a_field_is_added(tiny, monkeypatch):

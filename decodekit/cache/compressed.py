@@ -14,10 +14,18 @@ from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import Quantizer
 from decodekit.cache.size import entry_bytes
 
-# The widths a cache sized in bytes stores in unless told otherwise: values in 4 bits, keys in 8. Of 16, 8,
-# 8/4 and 4 bits at 50, 25 and 10% of a full 16-bit cache's bytes, 8/4 had the lowest mean perplexity rise
-# on the tuning texts (benchmarks/kv_bytes.py).
-BYTE_SIZED_WIDTHS = (4, 8)
+
+def byte_sized_widths(memory_fraction: float | None) -> tuple[int, int]:
+    """``(kv_bits, key_bits)`` for a cache sized in bytes and told no widths: keys in 8 bits and values in 4
+    from 45% of the full 16-bit cache's bytes up (where those widths keep nearly every token), else both in 4
+    (more tokens beat more bits once tokens must go). Chosen on the tuning texts with
+    ``benchmarks/kv_bytes.py``: of 16, 8, 8/4 and 4 bits, 8/4 was best at 50% and 4 at 25% and 10%.
+
+    Example:
+        >>> byte_sized_widths(0.5), byte_sized_widths(0.25), byte_sized_widths(None)
+        ((4, 8), (4, 4), (4, 4))
+    """
+    return (4, 8) if memory_fraction is not None and memory_fraction >= 0.45 else (4, 4)
 
 
 def _head_dim(model: nn.Module) -> int | None:
@@ -111,11 +119,12 @@ class CompressedCache(Cache):
         memory_fraction: instead of a budget or ratio, hold at most this fraction, in (0, 1], of the bytes a
             full 16-bit cache would hold for the tokens seen so far (keys, values, scales and bookkeeping
             all counted, as ``memory_bytes()`` reports them), choosing how many tokens to keep from
-            ``kv_bits``; without ``kv_bits``, values are stored in 4 bits and keys in 8 (the widths that
-            did best at equal bytes). Below the sinks and the recent window it cannot go: on a short context the
-            fraction is exceeded until ``sink_tokens + recent_tokens`` tokens fit in it.
+            ``kv_bits``; without ``kv_bits``, the widths that did best at equal bytes (keys in 8 bits and
+            values in 4 from 45% up, else both in 4: see ``byte_sized_widths``). Below the sinks and the
+            recent window it cannot go: on a short context the fraction is exceeded until
+            ``sink_tokens + recent_tokens`` tokens fit in it.
         max_bytes: instead of a budget or ratio, hold at most this many bytes, all rows together, after
-            each forward pass (the same accounting and the same floor).
+            each forward pass (the same accounting and the same floor; 4 bits unless ``kv_bits`` says).
         key_bits: the keys' width when it differs from ``kv_bits`` (16, 8 or 4; ``kv_bits`` then sets the
             values'): keys suffer more from coarse codes than values do, so ``kv_bits=4, key_bits=8``
             holds nearly what 8 bits holds in about four fifths of the bytes.
@@ -158,7 +167,7 @@ class CompressedCache(Cache):
         if all(size is None for size in sizes) and kv_bits is not None:
             compression_ratio = 0.0  # quantization alone: every token is kept
         if (memory_fraction is not None or max_bytes is not None) and kv_bits is None and key_bits is None:
-            kv_bits, key_bits = BYTE_SIZED_WIDTHS
+            kv_bits, key_bits = byte_sized_widths(memory_fraction)
         head_dim = _head_dim(model)
         if kv_group_size is None:
             kv_group_size = min(32, head_dim) if head_dim else 32

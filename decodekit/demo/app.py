@@ -97,6 +97,11 @@ def strategy_from_controls(preset: str, overrides: dict[str, Any], *, max_beams:
         if name in INTEGER_CONTROLS:
             high = max_beams if name == "num_beams" else 1 << 31
             value = whole_number(name.replace("_", " "), value, 1, high)
+        elif BY_NAME[name].kind == "choice" and isinstance(value, str):  # a dropdown's text, e.g. "8" for kv_bits
+            try:
+                value = BY_NAME[name].parse(value)
+            except ValueError as error:
+                raise _user_error(f"{name} {error}") from None
         fields[name] = value
     if fields.get("num_beams") == 1:
         fields.pop("num_beams")
