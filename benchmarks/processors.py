@@ -12,6 +12,8 @@ Ratios:
   2. staged penalty (512-token window) vs RepetitionPenalty      (target: ours <= 2x its time)
   3. DRY, XTC, top-n-sigma and Mirostat against naive per-row references written from their
      definitions (the same results, checked before timing)    (no target: how far vectorizing goes)
+     Top-H, typical, epsilon and eta against transformers' warpers, one value for the batch, and
+     per-row values against a loop of warpers (the same tokens kept, checked before timing)
   4. generate on the default model, batch 8, 64 new tokens, sampling with and without each
      recipe's processors: min-p + staged + frequency/presence; DRY + top-n-sigma + XTC; Mirostat
                                                                  (target: each <= 3% slower)
@@ -28,15 +30,27 @@ from _timing import (  # benchmarks/ is on sys.path when a script in it runs
     page_faults_per_call,
     verdict,
 )
-from transformers import LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+from transformers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TypicalLogitsWarper,
+)
+from transformers.generation.logits_process import TopHLogitsWarper
 
 from decodekit import (
     DRYLogitsProcessor,
+    EpsilonLogitsProcessor,
+    EtaLogitsProcessor,
     FrequencyPresencePenaltyLogitsProcessor,
     MinPLogitsProcessor,
     MirostatLogitsProcessor,
     StagedRepetitionPenaltyLogitsProcessor,
+    TopHLogitsProcessor,
     TopNSigmaLogitsProcessor,
+    TypicalLogitsProcessor,
     XTCLogitsProcessor,
     encode_prompts,
     load_model,
@@ -165,6 +179,47 @@ def samplers_per_call(rounds: int, device: str) -> None:
         print(f"  {name:<12} {ours * 1e3:9.3f} ms   naive per-row loop {naive * 1e3:10.3f} ms   {naive / ours:7.1f}x")
 
 
+ENTROPY_SAMPLERS = {  # name: (decodekit's processor, transformers' warper, one value, per-row values)
+    "Top-H": (TopHLogitsProcessor, TopHLogitsWarper, 0.4, (0.2, 0.4, 0.6, 0.8)),
+    "typical": (TypicalLogitsProcessor, TypicalLogitsWarper, 0.9, (0.5, 0.7, 0.9, 0.95)),
+    "epsilon": (EpsilonLogitsProcessor, EpsilonLogitsWarper, 3e-4, (1e-4, 3e-4, 1e-3, 3e-3)),
+    "eta": (EtaLogitsProcessor, EtaLogitsWarper, 3e-4, (1e-4, 3e-4, 1e-3, 3e-3)),
+}
+
+
+def _same_kept(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    kept = torch.isfinite(ours)
+    return torch.equal(kept, torch.isfinite(theirs)) and torch.equal(ours[kept], theirs[kept])
+
+
+def entropy_samplers_per_call(rounds: int, device: str) -> None:
+    generator = torch.Generator().manual_seed(2)
+    scores = (torch.randn(BATCH, VOCAB, generator=generator) * 3).to(device)
+    candidates = {}
+    for name, (processor, warper, value, per_row) in ENTROPY_SAMPLERS.items():
+        ours, theirs = processor(value), warper(value)
+        row_values = torch.tensor(per_row).repeat(BATCH // len(per_row))
+        ours_per_row = processor(row_values)
+        warpers = [warper(float(v)) for v in row_values]
+
+        def loop(scores=scores, warpers=warpers):
+            return torch.cat([w(None, scores[i : i + 1]) for i, w in enumerate(warpers)])
+
+        assert _same_kept(ours(None, scores), theirs(None, scores)), f"{name} differs from transformers' warper"
+        assert _same_kept(ours_per_row(None, scores), loop()), f"{name} per row differs from a loop of warpers"
+        candidates[f"{name} (decodekit)"] = lambda ours=ours: ours(None, scores)
+        candidates[f"{name} (warper)"] = lambda theirs=theirs: theirs(None, scores)
+        candidates[f"{name} per row (decodekit)"] = lambda ours=ours_per_row: ours(None, scores)
+        candidates[f"{name} per row (warper loop)"] = loop
+    times = interleaved_medians(candidates, rounds=max(3, rounds // 3), calls=3, warmup=1)
+    print(f"\nEntropy samplers per call on scores [{BATCH}, {VOCAB}], the same tokens kept as transformers' warpers:")
+    for name in ENTROPY_SAMPLERS:
+        ours, theirs = times[f"{name} (decodekit)"], times[f"{name} (warper)"]
+        row, loop = times[f"{name} per row (decodekit)"], times[f"{name} per row (warper loop)"]
+        print(f"  {name:<8} {ours * 1e3:8.3f} ms   warper {theirs * 1e3:8.3f} ms   {theirs / ours:5.2f}x   "
+              f"per row {row * 1e3:8.3f} ms   loop of warpers {loop * 1e3:8.3f} ms   {loop / row:5.2f}x")  # fmt: skip
+
+
 def end_to_end(rounds: int, new_tokens: int, device: str) -> None:
     model, tokenizer = load_model(device_map=None if device == "cpu" else device)
     batch = {key: value.to(model.device) for key, value in encode_prompts(tokenizer, PROMPTS).items()}
@@ -219,6 +274,7 @@ def main() -> None:
     args = parser.parse_args()
     per_call(args.rounds, allocator_pinned, args.device)
     samplers_per_call(args.rounds, args.device)
+    entropy_samplers_per_call(args.rounds, args.device)
     if args.generate_rounds > 0:
         end_to_end(args.generate_rounds, args.new_tokens, args.device)
 

@@ -20,6 +20,10 @@ _HOMES = {
     "CompressedCache": "decodekit.cache",
     "XTCLogitsProcessor": "decodekit.logits_processors",
     "TopNSigmaLogitsProcessor": "decodekit.logits_processors",
+    "EpsilonLogitsProcessor": "decodekit.logits_processors",
+    "EtaLogitsProcessor": "decodekit.logits_processors",
+    "TopHLogitsProcessor": "decodekit.logits_processors",
+    "TypicalLogitsProcessor": "decodekit.logits_processors",
     "MirostatLogitsProcessor": "decodekit.logits_processors",
     "DRYLogitsProcessor": "decodekit.logits_processors",
     "FrequencyPresencePenaltyLogitsProcessor": "decodekit.logits_processors",
@@ -36,6 +40,8 @@ _HOMES = {
 __all__ = [
     "CompressedCache",
     "DRYLogitsProcessor",
+    "EpsilonLogitsProcessor",
+    "EtaLogitsProcessor",
     "FrequencyPresencePenaltyLogitsProcessor",
     "GumbelSamplingLogitsProcessor",
     "MinPLogitsProcessor",
@@ -43,7 +49,9 @@ __all__ = [
     "ModelLoadError",
     "StagedRepetitionPenaltyLogitsProcessor",
     "Strategy",
+    "TopHLogitsProcessor",
     "TopNSigmaLogitsProcessor",
+    "TypicalLogitsProcessor",
     "XTCLogitsProcessor",
     "beam_search",
     "encode_prompts",
@@ -57,12 +65,16 @@ if TYPE_CHECKING:
     from decodekit.generation import encode_prompts, generate_text
     from decodekit.logits_processors import (
         DRYLogitsProcessor,
+        EpsilonLogitsProcessor,
+        EtaLogitsProcessor,
         FrequencyPresencePenaltyLogitsProcessor,
         GumbelSamplingLogitsProcessor,
         MinPLogitsProcessor,
         MirostatLogitsProcessor,
         StagedRepetitionPenaltyLogitsProcessor,
+        TopHLogitsProcessor,
         TopNSigmaLogitsProcessor,
+        TypicalLogitsProcessor,
         XTCLogitsProcessor,
     )
     from decodekit.models import ModelLoadError, load_model

@@ -373,6 +373,68 @@ COMPONENTS = (
         "decodekit.logits_processors.min_p:from_strategy",
     ),
     Component(
+        "top_h",
+        (
+            Field(
+                "top_h",
+                "real",
+                "sampling",
+                "Top-H: keep the likeliest tokens within this share of the entropy",
+                0.0,
+                1.0,
+                low_open=True,
+            ),
+        ),
+        "decodekit.logits_processors.top_h:from_strategy",
+    ),
+    Component(
+        "typical_p",
+        (
+            Field(
+                "typical_p",
+                "real",
+                "sampling",
+                "locally typical sampling: keep this mass of the most typical tokens",
+                0.0,
+                1.0,
+                low_open=True,
+            ),
+        ),
+        "decodekit.logits_processors.typical:from_strategy",
+    ),
+    Component(
+        "epsilon_cutoff",
+        (
+            Field(
+                "epsilon_cutoff",
+                "real",
+                "sampling",
+                "epsilon sampling: keep tokens at least this likely",
+                0.0,
+                1.0,
+                low_open=True,
+                high_open=True,
+            ),
+        ),
+        "decodekit.logits_processors.epsilon:from_strategy",
+    ),
+    Component(
+        "eta_cutoff",
+        (
+            Field(
+                "eta_cutoff",
+                "real",
+                "sampling",
+                "eta sampling: keep tokens at least min(eta, sqrt(eta) exp(-entropy)) likely",
+                0.0,
+                1.0,
+                low_open=True,
+                high_open=True,
+            ),
+        ),
+        "decodekit.logits_processors.eta:from_strategy",
+    ),
+    Component(
         "xtc",
         (
             Field("xtc_threshold", "real", "sampling", "XTC: tokens at least this likely are top choices", 0.0, 1.0),

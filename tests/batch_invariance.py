@@ -54,6 +54,10 @@ def grid() -> list[Case]:
         "min-p": Strategy(temperature=0.8, min_p=0.1),
         "top-p": Strategy(temperature=1.0, top_p=0.9),
         "top-k": Strategy(temperature=0.7, top_k=20),
+        "top-h": Strategy(temperature=1.0, top_h=0.5),
+        "typical": Strategy(temperature=0.9, typical_p=0.8),
+        "epsilon": Strategy(temperature=1.2, epsilon_cutoff=3e-4),
+        "eta": Strategy(temperature=1.2, eta_cutoff=3e-4),
         "all processors": Strategy(
             temperature=0.9, min_p=0.05, staged_penalty="1:1.2,3:1.5", frequency_penalty=0.3, presence_penalty=0.2
         ),

@@ -46,6 +46,14 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     assert "CompressedCache / DynamicCache prefill time" in out
     assert "CompressedCache / DynamicCache tokens/s" in out
     assert "most tokens held at any step" in out
+    assert "CompressedCache kv_bits=4:" in out
+
+
+def test_kv_bytes_benchmark_runs_and_prints_its_rows():
+    short = ["--context-tokens", "256", "--continuation-tokens", "32", "--fractions", "0.5", "--bits", "16,8/4"]
+    out = _run("kv_bytes.py", *short)
+    rows = [line.split() for line in out.splitlines() if line.lstrip().startswith("50%")]
+    assert [row[1] for row in rows] == ["16", "8/4"]
 
 
 def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():

@@ -5,6 +5,8 @@ parameters, and never removes every token of a row.
 """
 
 from decodekit.logits_processors.dry import DRYLogitsProcessor, breaker_token_ids
+from decodekit.logits_processors.epsilon import EpsilonLogitsProcessor
+from decodekit.logits_processors.eta import EtaLogitsProcessor
 from decodekit.logits_processors.frequency import FrequencyPresencePenaltyLogitsProcessor
 from decodekit.logits_processors.min_p import MinPLogitsProcessor
 from decodekit.logits_processors.mirostat import MirostatLogitsProcessor
@@ -14,17 +16,23 @@ from decodekit.logits_processors.repetition import (
     punctuation_token_ids,
 )
 from decodekit.logits_processors.seeded import GumbelSamplingLogitsProcessor
+from decodekit.logits_processors.top_h import TopHLogitsProcessor
 from decodekit.logits_processors.top_n_sigma import TopNSigmaLogitsProcessor
+from decodekit.logits_processors.typical import TypicalLogitsProcessor
 from decodekit.logits_processors.xtc import XTCLogitsProcessor
 
 __all__ = [
     "DRYLogitsProcessor",
+    "EpsilonLogitsProcessor",
+    "EtaLogitsProcessor",
     "FrequencyPresencePenaltyLogitsProcessor",
     "GumbelSamplingLogitsProcessor",
     "MinPLogitsProcessor",
     "MirostatLogitsProcessor",
     "StagedRepetitionPenaltyLogitsProcessor",
+    "TopHLogitsProcessor",
     "TopNSigmaLogitsProcessor",
+    "TypicalLogitsProcessor",
     "XTCLogitsProcessor",
     "breaker_token_ids",
     "parse_stages",

@@ -80,9 +80,11 @@ class RowParameter:
         [0.10000000149011612, 0.10000000149011612, 0.20000000298023224, 0.20000000298023224]
     """
 
-    def __init__(self, name: str, value: RowValues, *, low: float, high: float, low_open: bool = False) -> None:
+    def __init__(
+        self, name: str, value: RowValues, *, low: float, high: float, low_open: bool = False, high_open: bool = False
+    ) -> None:
         self.name = name
-        span = interval(low, high, low_open=low_open)
+        span = interval(low, high, low_open=low_open, high_open=high_open)
         scalar = as_real(value)
         if isinstance(value, bool) or _holds_bools(value):
             raise TypeError(f"{name} must be a number or a 1-D tensor of numbers {span}; got {value!r}")
@@ -100,7 +102,8 @@ class RowParameter:
                 )
             self.scalar = None
         below = values <= low if low_open else values < low
-        if not torch.isfinite(values).all() or below.any() or (values > high).any():
+        above = values >= high if high_open else values > high
+        if not torch.isfinite(values).all() or below.any() or above.any():
             shown = self.scalar if self.scalar is not None else values.tolist()
             raise ValueError(f"{name} must be {span}; got {shown}")
         self.values = values
