@@ -163,13 +163,18 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=2000)
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--scorings", default="attention,reconstruction,attention+novelty")
+    parser.add_argument(
+        "--memory-fractions", help="size the caches in bytes instead (memory_fraction, e.g. 0.5,0.25,0.1)"
+    )
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
-    ratios = [float(value) for value in args.ratios.split(",")]
+    size = "memory_fraction" if args.memory_fractions else "compression_ratio"
+    ratios = [float(value) for value in (args.memory_fractions or args.ratios).split(",")]
     print(f"retrieval in {args.context_tokens}-token natural-prose contexts, {args.count} tasks per kind, "
           "compressed before the question, greedy, exact match")  # fmt: skip
     header = "".join(f"{f'{ratio:.0%}':>8s}" for ratio in ratios)
+    print(f"  columns: {'memory held, of a full 16-bit cache' if args.memory_fractions else 'share evicted'}")
     print(f"  {'kind':12s}{'method':34s}{'full':>8s}{header}   (fraction of the full cache's hits kept)")
     for kind in KINDS:
         tasks = retrieval_tasks(tokenizer, kind, args.count, context_tokens=args.context_tokens)
@@ -178,7 +183,7 @@ def main() -> None:
         for scoring in args.scorings.split(","):
             cells = []
             for ratio in ratios:
-                make = partial(CompressedCache, model, compression_ratio=ratio, scoring=scoring)
+                make = partial(CompressedCache, model, scoring=scoring, **{size: ratio})
                 hits = answer_tasks(model, tokenizer, tasks, make)
                 kept = sum(h and f for h, f in zip(hits, full, strict=True)) / max(sum(full), 1)
                 cells.append(f"{sum(hits):3d} {kept:4.0%}")

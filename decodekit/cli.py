@@ -139,6 +139,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     generate.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
+    generate.add_argument(
+        "--trace", type=_bounded(int, 1), metavar="N",
+        help="after the text, print every step's N likeliest tokens, their probabilities before and after the "
+        "recipe's processors, and the token chosen",
+    )  # fmt: skip
+    generate.add_argument("--trace-json", metavar="FILE", help="write the step-by-step trace as JSON to FILE")
     add_strategy_flags(generate)
     generate.set_defaults(handler=_run_generate)
     _add_eval_command(commands)
@@ -309,6 +315,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     from decodekit.models import load_model
 
     check_prompts([args.prompt])
+    if args.trace_json:
+        _check_writable(args.trace_json, "--trace-json")
     try:
         strategy = strategy_from_args(args)
     except (TypeError, ValueError) as error:
@@ -317,6 +325,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         set_seed(args.seed)
     check_max_new_tokens(args.max_new_tokens)
+    if args.trace or args.trace_json:
+        return _run_traced(args, model, tokenizer, strategy)
     batch, plan = prepare(model, tokenizer, [args.prompt], strategy, chat=False if args.raw else None,
                           system_prompt=args.system)  # fmt: skip
     kwargs = plan.generate_kwargs()
@@ -333,6 +343,40 @@ def _run_generate(args: argparse.Namespace) -> int:
     if plan.cache is not None:
         print(cache_summary(model, plan.cache), file=sys.stderr)
     return 0
+
+
+def _run_traced(args: argparse.Namespace, model: Any, tokenizer: Any, strategy: Any) -> int:
+    """``generate --trace N`` / ``--trace-json FILE``: the text, then each step's candidates."""
+    import json
+
+    from decodekit.trace import generate_with_trace
+
+    trace = generate_with_trace(
+        model, tokenizer, args.prompt, strategy, top=args.trace or 5, max_new_tokens=args.max_new_tokens,
+        chat=False if args.raw else None, system_prompt=args.system,
+    )  # fmt: skip
+    print(trace.text)
+    if args.trace:
+        for step in trace.steps:
+            print(step.line())
+    if args.trace_json:
+        try:
+            with open(args.trace_json, "w", encoding="utf-8") as handle:
+                json.dump(trace.to_dict(), handle, ensure_ascii=False, indent=1)
+        except OSError as error:
+            raise ValueError(f"--trace-json: cannot write {args.trace_json}: {error.strerror}") from None
+    return 0
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """ValueError naming ``flag`` when ``path`` cannot be written (checked before the model loads)."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag}: cannot write {path}: the folder {folder} does not exist")
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag}: cannot write {path}")
 
 
 class BeamProgressLine:
