@@ -20,6 +20,7 @@ _HOMES = {
     "CompressedCache": "decodekit.cache",
     "XTCLogitsProcessor": "decodekit.logits_processors",
     "TopNSigmaLogitsProcessor": "decodekit.logits_processors",
+    "AdaptivePLogitsProcessor": "decodekit.logits_processors",
     "EpsilonLogitsProcessor": "decodekit.logits_processors",
     "EtaLogitsProcessor": "decodekit.logits_processors",
     "TopHLogitsProcessor": "decodekit.logits_processors",
@@ -38,6 +39,7 @@ _HOMES = {
     "load_model": "decodekit.models",
 }
 __all__ = [
+    "AdaptivePLogitsProcessor",
     "CompressedCache",
     "DRYLogitsProcessor",
     "EpsilonLogitsProcessor",
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from decodekit.decoders import beam_search
     from decodekit.generation import encode_prompts, generate_text
     from decodekit.logits_processors import (
+        AdaptivePLogitsProcessor,
         DRYLogitsProcessor,
         EpsilonLogitsProcessor,
         EtaLogitsProcessor,

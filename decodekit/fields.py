@@ -20,6 +20,7 @@ from typing import Any
 
 from decodekit._validation import check_int, check_real, in_interval, interval, is_bool
 from decodekit.settings import (
+    ADAPTIVE_P_DECAY_RANGE,
     ALPHA_RANGE,
     DEFAULT_RECENT_TOKENS,
     DEFAULT_SINK_TOKENS,
@@ -472,6 +473,28 @@ COMPONENTS = (
             ),
         ),
         "decodekit.logits_processors.mirostat:from_strategy",
+    ),
+    Component(
+        "adaptive_p",
+        (
+            Field(
+                "adaptive_p",
+                "real",
+                "sampling",
+                "Adaptive-P: favour tokens near this probability, adapting to what was drawn (last in the chain)",
+                0.0,
+                1.0,
+            ),
+            Field(
+                "adaptive_p_decay",
+                "real",
+                "sampling",
+                "Adaptive-P: weight of the past in the average of drawn probabilities (0.9)",
+                *ADAPTIVE_P_DECAY_RANGE,
+                requires="adaptive_p",
+            ),
+        ),
+        "decodekit.logits_processors.adaptive_p:from_strategy",
     ),
 )
 

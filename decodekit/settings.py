@@ -22,6 +22,7 @@ DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
 # Mirostat v2: the target surprise in bits (open at 0) and the learning rate (open at 0).
 MIROSTAT_TAU_RANGE = (0.0, 64.0)
 MIROSTAT_ETA_RANGE = (0.0, 1.0)
+ADAPTIVE_P_DECAY_RANGE = (0.0, 0.99)  # llama.cpp clamps the decay to 0.99
 TOP_N_SIGMA_RANGE = (0.0, 1e4)
 
 # Beam search. Each step ranks 2 x beams candidates per request over the whole vocabulary; far

@@ -4,6 +4,7 @@ Each is vectorized over the batch, keeps the scores' dtype and device, accepts p
 parameters, and never removes every token of a row.
 """
 
+from decodekit.logits_processors.adaptive_p import AdaptivePLogitsProcessor
 from decodekit.logits_processors.dry import DRYLogitsProcessor, breaker_token_ids
 from decodekit.logits_processors.epsilon import EpsilonLogitsProcessor
 from decodekit.logits_processors.eta import EtaLogitsProcessor
@@ -22,6 +23,7 @@ from decodekit.logits_processors.typical import TypicalLogitsProcessor
 from decodekit.logits_processors.xtc import XTCLogitsProcessor
 
 __all__ = [
+    "AdaptivePLogitsProcessor",
     "DRYLogitsProcessor",
     "EpsilonLogitsProcessor",
     "EtaLogitsProcessor",
