@@ -24,6 +24,8 @@ def test_processor_benchmark_runs_and_prints_its_ratios():
     out = _run("processors.py", "--rounds", "1", "--generate-rounds", "0")
     assert "min-p speedup over MinPLogitsWarper" in out
     assert "staged penalty / RepetitionPenalty" in out
+    assert "32-bit / 24-bit time" in out
+    assert all(f"{name} " in out for name in ("Top-H", "typical", "epsilon", "eta"))
 
 
 def test_beam_search_benchmark_runs_and_prints_its_ratio():
