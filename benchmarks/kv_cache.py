@@ -17,6 +17,10 @@ Prints, measured side by side in one run on the default model (SmolLM2-135M-Inst
   4. long generation: 2048 new tokens under a 256-token budget: the most tokens held at any step,
      and tokens/s against the full cache                                  (target: >= 1.0x)
 
+Host-bound mode (--host-bound): a random Llama of 16 layers, hidden size 64, 8 query and 4 KV heads, on
+the CPU; a 512-token prompt, then greedy steps, tokens/s as the median of interleaved rounds, each cache
+against DynamicCache (target for the default CompressedCache: >= 0.95x).
+
 GPU mode (--shape llama-1b): a random-weight model of Llama-3.2-1B's shape in bf16 (speed and memory
 do not depend on the weights), batch 1, 25% budget, at each of --lengths: prefill time, peak memory
 above the weights, decode tokens/s and cache bytes, for DynamicCache, the default CompressedCache and
@@ -55,6 +59,10 @@ SHAPES = {
                  "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256},
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256},
+    # Small enough that a decoding step on a CPU is bound by the host (Python, operator dispatch), as a
+    # 1B model's step is on a GPU at batch 1.
+    "host-bound": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 16, "num_attention_heads": 8,
+                   "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 256},
 }  # fmt: skip
 
 
@@ -291,6 +299,34 @@ def _prefill(model, prompt, cache, cuda: bool) -> tuple[float, float]:
     return seconds, (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
 
 
+def host_bound_mode(args) -> None:
+    model = shaped_model("host-bound", torch.device("cpu"))
+    prompt = torch.randint(0, SHAPES["host-bound"]["vocab_size"], (1, args.host_prompt),
+                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    budget = max(args.host_prompt // 4, 36)  # a quarter of the prompt, never below the sinks and recent window
+    caches = {
+        "DynamicCache": DynamicCache,
+        f"CompressedCache(budget={budget})": lambda: CompressedCache(model, budget=budget),
+        "  eviction_interval=1": lambda: CompressedCache(model, budget=budget, eviction_interval=1),
+        "  kv_bits=8": lambda: CompressedCache(model, budget=budget, kv_bits=8),
+        "  kv_bits=4": lambda: CompressedCache(model, budget=budget, kv_bits=4),
+    }
+    rates = {name: [] for name in caches}
+    decode(model, prompt, DynamicCache(), 8)  # warm-up
+    for _ in range(args.host_rounds):
+        for name, make in caches.items():
+            rates[name].append(decode(model, prompt, make(), args.host_tokens).tokens_per_second())
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    full = medians["DynamicCache"]
+    print(f"host-bound mode: {SHAPES['host-bound']['num_hidden_layers']} layers, hidden size 64, on the CPU; "
+          f"{args.host_prompt}-token prompt, {args.host_tokens} greedy tokens, median of {args.host_rounds} "
+          "interleaved rounds")  # fmt: skip
+    for name, rate in medians.items():
+        print(f"   {name:<36} {rate:8.1f} tok/s   {rate / full:.2f}x DynamicCache")
+    ratio = medians[f"CompressedCache(budget={budget})"] / full
+    print(f"   CompressedCache / DynamicCache tokens/s, host-bound: {ratio:.2f}x ({verdict(ratio >= 0.95)})")
+
+
 def gpu_mode(args, device: torch.device) -> None:
     model = shaped_model(args.shape, device)
     cuda = device.type == "cuda"
@@ -377,9 +413,16 @@ def main() -> None:
     parser.add_argument("--gpu-tokens", type=int, default=128, help="GPU mode: tokens decoded per measurement")
     parser.add_argument("--gpu-rounds", type=int, default=3, help="GPU mode: prefills timed per cache (median)")
     parser.add_argument("--gpu-batch", type=int, default=8, help="GPU mode: rows of the batched decode")
+    parser.add_argument("--host-bound", action="store_true", help="the host-bound CPU mode only")
+    parser.add_argument("--host-prompt", type=int, default=512, help="host-bound mode: prompt tokens")
+    parser.add_argument("--host-tokens", type=int, default=128, help="host-bound mode: tokens decoded per round")
+    parser.add_argument("--host-rounds", type=int, default=5, help="host-bound mode: interleaved rounds")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     device = torch.device(args.device)
+    if args.host_bound:
+        host_bound_mode(args)
+        return
     if args.shape:
         gpu_mode(args, device)
         return

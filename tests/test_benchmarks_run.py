@@ -51,6 +51,11 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     assert "CompressedCache kv_bits=4:" in out
 
 
+def test_kv_cache_benchmark_host_bound_mode_runs():
+    out = _run("kv_cache.py", "--host-bound", "--host-prompt", "64", "--host-tokens", "4", "--host-rounds", "1")
+    assert "CompressedCache / DynamicCache tokens/s, host-bound" in out and "kv_bits=4" in out
+
+
 def test_kv_bytes_benchmark_runs_and_prints_its_rows():
     short = ["--context-tokens", "256", "--continuation-tokens", "32", "--fractions", "0.5", "--bits", "16,8/4"]
     out = _run("kv_bytes.py", *short)
