@@ -392,7 +392,9 @@ class CompressedLayer(DynamicLayer):
         reads them: with quantized storage, decoded, the entries still in the ring exact; with ``kv_bits=16`` in a
         32-bit model, cast back."""
         if not self.quantized:
-            return self.keys.to(self.dtype), self.values.to(self.dtype)  # the stored tensors themselves in 32 bits
+            if self.storage_dtype == self.dtype:
+                return self.keys, self.values
+            return self.keys.to(self.dtype), self.values.to(self.dtype)  # 16-bit storage of a 32-bit model
         keys, values = (self._decoded(part) for part in PARTS)
         ring = self.recent_keys.shape[2]
         slot = (self.positions % ring).long()
