@@ -3,9 +3,25 @@ them (so that the same tokens are kept, rounding included)."""
 
 from __future__ import annotations
 
-import torch
+import math
 
-from decodekit.logits_processors._rows import RowParameter
+import torch
+from transformers import LogitsProcessor
+
+from decodekit.logits_processors._rows import TEMPERATURE_RANGE, RowParameter, RowValues, check_filter_value
+
+
+class TemperatureFilter(LogitsProcessor):
+    """A filter with one parameter (one value, or one per row or request), judged on the distribution at
+    the temperature the tokens will be sampled at; removed tokens get ``filter_value``."""
+
+    supports_continuous_batching = False
+
+    def __init__(self, parameter: RowParameter, temperature: RowValues = 1.0, filter_value: float = -math.inf) -> None:
+        self.parameter = parameter
+        self.temperature = RowParameter("temperature", temperature, low=TEMPERATURE_RANGE[0], high=TEMPERATURE_RANGE[1])
+        self.filter_value = check_filter_value(filter_value)
+        self.supports_continuous_batching = parameter.is_scalar and self.temperature.is_scalar
 
 
 def at_temperature(scores: torch.Tensor, temperature: RowParameter) -> torch.Tensor:

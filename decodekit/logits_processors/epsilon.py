@@ -7,14 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor
 
-from decodekit.logits_processors._entropy import at_temperature, filtered
-from decodekit.logits_processors._rows import RowParameter, RowValues, check_filter_value, check_scores
-from decodekit.settings import TEMPERATURE_RANGE
+from decodekit.logits_processors._entropy import TemperatureFilter, at_temperature, filtered
+from decodekit.logits_processors._rows import RowParameter, RowValues, check_scores
 
 
-class EpsilonLogitsProcessor(LogitsProcessor):
+class EpsilonLogitsProcessor(TemperatureFilter):
     r"""Epsilon sampling (Hewitt et al., 2022, "Truncation Sampling as Language Model Desmoothing").
 
     A token is kept when its probability, at the temperature it will be sampled at, is at least
@@ -35,13 +33,13 @@ class EpsilonLogitsProcessor(LogitsProcessor):
         [[True, True, True, False]]
     """
 
-    supports_continuous_batching = False
-
     def __init__(self, epsilon: RowValues, temperature: RowValues = 1.0, filter_value: float = -math.inf) -> None:
-        self.epsilon = RowParameter("epsilon_cutoff", epsilon, low=0.0, high=1.0, low_open=True, high_open=True)
-        self.temperature = RowParameter("temperature", temperature, low=TEMPERATURE_RANGE[0], high=TEMPERATURE_RANGE[1])
-        self.filter_value = check_filter_value(filter_value)
-        self.supports_continuous_batching = self.epsilon.is_scalar and self.temperature.is_scalar
+        super().__init__(
+            RowParameter("epsilon_cutoff", epsilon, low=0.0, high=1.0, low_open=True, high_open=True),
+            temperature,
+            filter_value,
+        )
+        self.epsilon = self.parameter
 
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
         rows, _ = check_scores(scores, "EpsilonLogitsProcessor")

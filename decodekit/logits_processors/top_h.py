@@ -7,16 +7,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor
 
-from decodekit.logits_processors._entropy import filtered
-from decodekit.logits_processors._rows import RowParameter, RowValues, check_filter_value, check_scores
-from decodekit.settings import TEMPERATURE_RANGE
+from decodekit.logits_processors._entropy import TemperatureFilter, filtered
+from decodekit.logits_processors._rows import RowParameter, RowValues, check_scores
 
 TOP_H_CANDIDATES = 100  # the likeliest tokens the bound is computed over, as transformers' TopHLogitsWarper
 
 
-class TopHLogitsProcessor(LogitsProcessor):
+class TopHLogitsProcessor(TemperatureFilter):
     r"""Top-H sampling (Potraghloo et al., NeurIPS 2025, "Top-H Decoding", arXiv 2509.02510), as
     transformers 5.23's ``TopHLogitsWarper`` computes it, with per-row parameters.
 
@@ -39,13 +37,9 @@ class TopHLogitsProcessor(LogitsProcessor):
         [[True, True, False, False]]
     """
 
-    supports_continuous_batching = False
-
     def __init__(self, top_h: RowValues, temperature: RowValues = 1.0, filter_value: float = -math.inf) -> None:
-        self.top_h = RowParameter("top_h", top_h, low=0.0, high=1.0, low_open=True)
-        self.temperature = RowParameter("temperature", temperature, low=TEMPERATURE_RANGE[0], high=TEMPERATURE_RANGE[1])
-        self.filter_value = check_filter_value(filter_value)
-        self.supports_continuous_batching = self.top_h.is_scalar and self.temperature.is_scalar
+        super().__init__(RowParameter("top_h", top_h, low=0.0, high=1.0, low_open=True), temperature, filter_value)
+        self.top_h = self.parameter
 
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
         rows, vocab = check_scores(scores, "TopHLogitsProcessor")

@@ -7,14 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor
 
-from decodekit.logits_processors._entropy import at_temperature, filtered
-from decodekit.logits_processors._rows import RowParameter, RowValues, check_filter_value, check_scores
-from decodekit.settings import TEMPERATURE_RANGE
+from decodekit.logits_processors._entropy import TemperatureFilter, at_temperature, filtered
+from decodekit.logits_processors._rows import RowParameter, RowValues, check_scores
 
 
-class TypicalLogitsProcessor(LogitsProcessor):
+class TypicalLogitsProcessor(TemperatureFilter):
     r"""Locally typical sampling (Meister et al., 2023, "Locally Typical Sampling").
 
     Tokens are ranked by how far their surprise ``-log p`` lies from the entropy ``H`` of the
@@ -35,13 +33,11 @@ class TypicalLogitsProcessor(LogitsProcessor):
         [[True, True, False, False]]
     """
 
-    supports_continuous_batching = False
-
     def __init__(self, typical_p: RowValues, temperature: RowValues = 1.0, filter_value: float = -math.inf) -> None:
-        self.typical_p = RowParameter("typical_p", typical_p, low=0.0, high=1.0, low_open=True)
-        self.temperature = RowParameter("temperature", temperature, low=TEMPERATURE_RANGE[0], high=TEMPERATURE_RANGE[1])
-        self.filter_value = check_filter_value(filter_value)
-        self.supports_continuous_batching = self.typical_p.is_scalar and self.temperature.is_scalar
+        super().__init__(
+            RowParameter("typical_p", typical_p, low=0.0, high=1.0, low_open=True), temperature, filter_value
+        )
+        self.typical_p = self.parameter
 
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
         rows, vocab = check_scores(scores, "TypicalLogitsProcessor")
