@@ -396,19 +396,25 @@ class CompressedLayer(DynamicLayer):
                 return self.keys, self.values
             return self.keys.to(self.dtype), self.values.to(self.dtype)  # 16-bit storage of a 32-bit model
         keys, values = (self._decoded(part) for part in PARTS)
+        # The ring's tokens are the latest positions: find the slots of the last ``ring`` positions and, where
+        # the ring still holds that position (a crop or replay may have overwritten it), read it exact.
         ring = self.recent_keys.shape[2]
-        slot = (self.positions % ring).long()
-        exact = (self.recent_positions[slot] == self.positions)[..., None]
-        index = slot[..., None].expand(-1, -1, -1, keys.shape[-1])
-        keys = torch.where(exact, self.recent_keys.gather(2, index).to(self.dtype), keys)
-        values = torch.where(exact, self.recent_values.gather(2, index).to(self.dtype), values)
+        latest = self.positions.topk(min(ring, self.slots), dim=-1).indices  # [batch, kv_heads, ring]
+        latest_positions = self.positions.gather(2, latest)
+        ring_slot = (latest_positions % ring).long()
+        held = (self.recent_positions[ring_slot] == latest_positions)[..., None]
+        head_dim = keys.shape[-1]
+        into, out_of = latest[..., None].expand(-1, -1, -1, head_dim), ring_slot[..., None].expand(-1, -1, -1, head_dim)
+        for decoded, recent in ((keys, self.recent_keys), (values, self.recent_values)):
+            exact = recent.gather(2, out_of).to(self.dtype)
+            decoded.scatter_(2, into, torch.where(held, exact, decoded.gather(2, into)))
         return keys, values
 
     def _decoded(self, part: str) -> torch.Tensor:
         """The stored ``part`` ("keys" or "values") decoded to the cache's dtype (ring aside)."""
         stored, quantizer = getattr(self, part), self.quantizers[part]
         if quantizer is None:
-            return stored.to(self.dtype)
+            return stored.to(self.dtype, copy=True)  # a copy: the ring's entries are written into it
         prefix = part[:-1]
         codes = {
             "codes": stored,
