@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -43,23 +44,17 @@ def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
     """float32 Gumbel(0, 1) noise ``-log(-log(u))`` of the 32-bit centred uniforms ``u`` of ``bits``
     (int64 tensors holding values below 2**32): finite for every bit pattern, non-decreasing in ``bits``.
 
-    ``u`` itself is never formed in float32, where values near 1 round to 1.0 (infinite noise): the
-    lower half takes ``log(u)``, the upper half ``log1p(-(1 - u))`` with ``1 - u`` built from the
-    complementary bits, so both start from a distance to 0 or to 1 that float32 holds to 24 bits.
-    The noise then spans about -3.13 to 22.9, and its tails follow the Gumbel law down to the resolution
-    of 32 bits (near the median, where float32 holds fewer, neighbouring bit patterns may share a value).
+    ``u`` is formed in float64, where it is exact, and so is ``-log(u)`` to float32's precision even for
+    ``u`` within 2**-33 of 1 (in float32 such a ``u`` rounds to 1.0: infinite noise). The noise then spans
+    about -3.13 to 22.9, and its tails follow the Gumbel law down to the resolution of 32 bits.
 
     Example:
         >>> noise = gumbel_from_bits(torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]))
         >>> bool(noise.isfinite().all()), bool((noise.diff() >= 0).all()), round(float(noise[-1]), 2)
         (True, True, 22.87)
     """
-    signed = bits.to(torch.int32)  # two's complement: the upper half becomes negative
-    # The distance of u to 0 (lower half) or to 1 (upper half: ~signed is 2**32 - 1 - bits), in (0, 0.5].
-    distance = (signed ^ (signed >> 31)).to(torch.float32).add_(0.5).mul_(2.0**-32)
-    upper = signed.lt(0).to(torch.float32)
-    log_uniform = torch.lerp(distance.log(), distance.neg().log1p_(), upper)  # exact at weights 0 and 1
-    return log_uniform.neg_().log_().neg_()
+    exponential = uniform_from_bits(bits).log_().neg_().to(torch.float32)  # -log(u) > 0, never 0
+    return exponential.log_().neg_()
 
 
 def uniform_draws(seeds: torch.Tensor, step: int, device: torch.device, stream: int = 1) -> torch.Tensor:
@@ -88,8 +83,13 @@ def gumbel_noise(seeds: torch.Tensor, step: int, vocab: int, device: torch.devic
         True
     """
     key = _mix((seeds.to(device=device, dtype=torch.int64) & MASK32) ^ _mix(torch.tensor(step, device=device)))
-    tokens = torch.arange(vocab, device=device, dtype=torch.int64)
-    return gumbel_from_bits(_mix(key[:, None] ^ _mix(tokens + MULTIPLIERS[0])))
+    return gumbel_from_bits(_mix(key[:, None] ^ _token_hashes(vocab, device)))
+
+
+@functools.lru_cache(maxsize=8)
+def _token_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    """Each token id's hash, the same at every step (computed once per vocabulary size and device)."""
+    return _mix(torch.arange(vocab, device=device, dtype=torch.int64) + MULTIPLIERS[0])
 
 
 class GumbelSamplingLogitsProcessor(LogitsProcessor):
