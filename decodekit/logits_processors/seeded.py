@@ -37,7 +37,7 @@ def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
         >>> uniform_from_bits(torch.tensor([0, 2**32 - 1])).tolist() == [0.5 / 2**32, 1 - 0.5 / 2**32]
         True
     """
-    return (bits.to(torch.float64) + 0.5) * 2.0**-32
+    return bits.to(torch.float64).add_(0.5).mul_(2.0**-32)
 
 
 def gumbel_from_bits(bits: torch.Tensor) -> torch.Tensor:
