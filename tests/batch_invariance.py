@@ -68,6 +68,9 @@ def grid() -> list[Case]:
         "kv budget": Strategy(kv_budget=40),
         "kv ratio": Strategy(kv_compression_ratio=0.5),
         "beam gnmt + kv budget": Strategy(num_beams=3, length_normalization="gnmt", length_alpha=0.6, kv_budget=40),
+        "kv 4-bit budget": Strategy(kv_budget=40, kv_bits=4),
+        "kv memory fraction": Strategy(kv_memory_fraction=0.5),
+        "beam + kv 8-bit": Strategy(num_beams=3, kv_budget=40, kv_bits=8),
     }
     cases = [strategy_case(name, strategy) for name, strategy in strategies.items()]
     return [*cases, Case("min-p per row", _per_row_min_p)]
