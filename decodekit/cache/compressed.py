@@ -12,7 +12,7 @@ from decodekit.cache.layer import CompressedLayer, rank_fractions, storage_bytes
 from decodekit.cache.observer import bind
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import Quantizer
-from decodekit.cache.size import entry_bytes
+from decodekit.cache.size import attention_head_size, entry_bytes
 
 
 def byte_sized_widths(memory_fraction: float | None) -> tuple[int, int]:
@@ -33,11 +33,7 @@ def _head_dim(model: nn.Module) -> int | None:
     config = getattr(model, "config", None)
     if config is None:
         return None
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None and getattr(config, "num_attention_heads", None):
-        head_dim = config.hidden_size // config.num_attention_heads
-    return head_dim
+    return attention_head_size(config.get_text_config() if hasattr(config, "get_text_config") else config)
 
 
 def _union_of_ranks(attention: torch.Tensor, replay: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,21 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def attention_head_size(config: Any) -> int | None:
+    """A text config's attention head size: its ``head_dim``, else the hidden size over the query heads;
+    None when it says neither.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> attention_head_size(SimpleNamespace(hidden_size=64, num_attention_heads=4))
+        16
+    """
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    return head_dim
+
+
 def full_cache_bytes(model: Any, tokens: int, rows: int = 1, element_size: int | None = None) -> int:
     """The bytes a full KV cache of ``tokens`` tokens per row holds for ``model`` (keys and values,
     every layer and KV head, in the model's parameter dtype, or ``element_size`` bytes per value).
@@ -21,7 +36,7 @@ def full_cache_bytes(model: Any, tokens: int, rows: int = 1, element_size: int |
         5120
     """
     config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = attention_head_size(config)
     element = element_size or next(model.parameters()).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * rows * element
 
@@ -61,7 +76,7 @@ def entry_bytes(
     model's dtype; keys in ``key_bits`` when given) in groups of ``group_size`` channels, holding
     ``recent_tokens`` exact and scoring the decoding steps every ``eviction_interval``."""
     config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = attention_head_size(config)
     kv_heads, query_heads = config.num_key_value_heads, config.num_attention_heads
     element = next(model.parameters()).element_size()
     stored = 2 if kv_bits is not None else element  # keys and values, or the scales, in 16 bits
