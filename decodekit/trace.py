@@ -114,7 +114,11 @@ def _rescored(model: Any, sequence: torch.Tensor, prompt_length: int, plan: Any)
     return logits, torch.stack(processed) if processed else logits
 
 
-def _step(tokenizer: Any, number: int, raw: torch.Tensor, processed: torch.Tensor, token: int, top: int) -> TraceStep:
+def rank_candidates(
+    tokenizer: Any, raw: torch.Tensor, processed: torch.Tensor, top: int, chosen: int = -1
+) -> tuple[tuple[Candidate, ...], Candidate | None]:
+    """One step's ``top`` likeliest tokens under the model (``raw`` logits), with their probabilities before
+    and after the processors (``processed`` scores), and the ``chosen`` token's (None when not given)."""
     before = torch.softmax(raw.float(), dim=-1)
     after = torch.softmax(processed.float(), dim=-1)
 
@@ -122,4 +126,9 @@ def _step(tokenizer: Any, number: int, raw: torch.Tensor, processed: torch.Tenso
         return Candidate(tokenizer.decode([index]), index, float(before[index]), float(after[index]))
 
     shown = before.topk(min(top, before.shape[-1])).indices.tolist()
-    return TraceStep(number, tuple(candidate(index) for index in shown), candidate(token))
+    return tuple(candidate(index) for index in shown), (candidate(chosen) if chosen >= 0 else None)
+
+
+def _step(tokenizer: Any, number: int, raw: torch.Tensor, processed: torch.Tensor, token: int, top: int) -> TraceStep:
+    shown, chosen = rank_candidates(tokenizer, raw, processed, top, token)
+    return TraceStep(number, shown, chosen)

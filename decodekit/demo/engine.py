@@ -20,6 +20,7 @@ from decodekit.cache import CompressedCache, full_cache_bytes
 from decodekit.decoders import BeamSearchStreamer
 from decodekit.generation import encode_prompts
 from decodekit.strategies import Strategy
+from decodekit.trace import rank_candidates
 
 TOP_CANDIDATES = 8
 GENERATION_THREAD = "decodekit-generate"
@@ -140,13 +141,11 @@ class _Stop(StoppingCriteria):
 
 
 def _candidates(tokenizer, raw: torch.Tensor, processed: torch.Tensor) -> dict[str, Any]:
-    before = torch.softmax(raw.float(), dim=-1)
-    after = torch.softmax(processed.float(), dim=-1)
-    top = before.topk(TOP_CANDIDATES).indices.tolist()
+    shown, _ = rank_candidates(tokenizer, raw, processed, TOP_CANDIDATES)
     return {
-        "tokens": [tokenizer.decode([index]) for index in top],
-        "before": [float(before[index]) for index in top],
-        "after": [float(after[index]) for index in top],
+        "tokens": [candidate.token for candidate in shown],
+        "before": [candidate.before for candidate in shown],
+        "after": [candidate.after for candidate in shown],
     }
 
 
