@@ -10,7 +10,7 @@ and a candidate that then pays fresh pages on every call looks up to twice as sl
 Ratios:
   1. min-p vs MinPLogitsWarper on scores [32, 49152]            (target: ours >= 5x faster)
   2. staged penalty (512-token window) vs RepetitionPenalty      (target: ours <= 2x its time)
-  3. DRY, XTC, top-n-sigma and Mirostat against naive per-row references written from their
+  3. DRY, XTC, top-n-sigma, Mirostat and p-less against naive per-row references written from their
      definitions (the same results, checked before timing)    (no target: how far vectorizing goes)
      Top-H, typical, epsilon and eta against transformers' warpers, one value for the batch, and
      per-row values against a loop of warpers (the same tokens kept, checked before timing)
@@ -24,6 +24,7 @@ Ratios:
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 from _timing import (  # benchmarks/ is on sys.path when a script in it runs
@@ -49,6 +50,7 @@ from decodekit import (
     FrequencyPresencePenaltyLogitsProcessor,
     MinPLogitsProcessor,
     MirostatLogitsProcessor,
+    PLessLogitsProcessor,
     StagedRepetitionPenaltyLogitsProcessor,
     TopHLogitsProcessor,
     TopNSigmaLogitsProcessor,
@@ -155,6 +157,16 @@ def naive_mirostat(scores, tau):
     return out
 
 
+def naive_p_less(scores, order):
+    """p-less row by row from the paper: keep p >= (sum p^q)^(1/(q-1))."""
+    out = scores.clone()
+    for row in range(scores.shape[0]):
+        probabilities = torch.softmax(scores[row].float(), dim=-1)
+        threshold = probabilities.pow(order).sum().pow(1.0 / (order - 1.0))
+        out[row][probabilities < threshold * (1 - 1e-5)] = -math.inf
+    return out
+
+
 def samplers_per_call(rounds: int, device: str) -> None:
     generator = torch.Generator().manual_seed(1)
     scores = (torch.randn(BATCH, VOCAB, generator=generator) * 4).to(device)
@@ -169,6 +181,7 @@ def samplers_per_call(rounds: int, device: str) -> None:
         "XTC": (lambda: xtc(input_ids, scores), lambda: naive_xtc(scores, 0.01, 0.5, seeds, 0)),
         "top-n-sigma": (lambda: sigma(None, scores), lambda: naive_top_n_sigma(scores, 1.0)),
         "Mirostat": (lambda: MirostatLogitsProcessor(3.0)(input_ids, scores), lambda: naive_mirostat(scores, 3.0)),
+        "p-less": (lambda: PLessLogitsProcessor(2.0)(None, scores), lambda: naive_p_less(scores, 2.0)),
     }
     for name, (ours, naive) in pairs.items():
         assert torch.allclose(ours(), naive(), rtol=1e-5, atol=1e-4), f"{name} differs from its reference"

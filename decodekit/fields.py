@@ -33,6 +33,7 @@ from decodekit.settings import (
     MIROSTAT_ETA_RANGE,
     MIROSTAT_TAU_RANGE,
     NORMALIZATIONS,
+    P_LESS_ORDER_RANGE,
     PENALTY_RANGE,
     REWARD_RANGE,
     TEMPERATURE_RANGE,
@@ -387,6 +388,20 @@ COMPONENTS = (
             ),
         ),
         "decodekit.logits_processors.top_h:from_strategy",
+    ),
+    Component(
+        "p_less",
+        (
+            Field(
+                "p_less",
+                "real",
+                "sampling",
+                "p-less: keep tokens at least as likely as two draws agree (the Rényi order: 2 is p-less)",
+                *P_LESS_ORDER_RANGE,
+                low_open=True,
+            ),
+        ),
+        "decodekit.logits_processors.p_less:from_strategy",
     ),
     Component(
         "typical_p",

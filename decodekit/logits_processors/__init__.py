@@ -11,6 +11,7 @@ from decodekit.logits_processors.eta import EtaLogitsProcessor
 from decodekit.logits_processors.frequency import FrequencyPresencePenaltyLogitsProcessor
 from decodekit.logits_processors.min_p import MinPLogitsProcessor
 from decodekit.logits_processors.mirostat import MirostatLogitsProcessor
+from decodekit.logits_processors.p_less import PLessLogitsProcessor
 from decodekit.logits_processors.repetition import (
     StagedRepetitionPenaltyLogitsProcessor,
     parse_stages,
@@ -31,6 +32,7 @@ __all__ = [
     "GumbelSamplingLogitsProcessor",
     "MinPLogitsProcessor",
     "MirostatLogitsProcessor",
+    "PLessLogitsProcessor",
     "StagedRepetitionPenaltyLogitsProcessor",
     "TopHLogitsProcessor",
     "TopNSigmaLogitsProcessor",
