@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from inspect import signature
 
 import torch
 from torch import nn
 from transformers import Cache
 
+from decodekit.cache.allocation import layer_counts
 from decodekit.cache.layer import CompressedLayer, rank_fractions, storage_bytes
 from decodekit.cache.observer import bind
 from decodekit.cache.policy import EvictionPolicy
@@ -126,6 +128,13 @@ class CompressedCache(Cache):
             holds nearly what 8 bits holds in about four fifths of the bytes.
         kv_group_size: channels per scale group with ``kv_bits``, a divisor of the model's head size
             (default: 32, or the head size when it is smaller).
+        allocation: how a row's tokens are shared among layers: "uniform" (every layer keeps the same number)
+            or "global" (one ranking of the reconstruction scores over all layers decides how many each
+            layer keeps, each at least a fifth of the even share; the row's total is unchanged, and every
+            KV head of a layer keeps that layer's number, so the storage freed is real). The default is
+            "global" with ``scoring="reconstruction"`` (which it needs: replay scores are probabilities, the
+            same in every layer) and "uniform" otherwise. Under "global" a token ranks by its
+            reconstruction score alone, as KVzip ranks it (no value norm, no attention rank).
 
     Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
 
@@ -158,6 +167,7 @@ class CompressedCache(Cache):
         key_bits: int | None = None,
         memory_fraction: float | None = None,
         max_bytes: int | None = None,
+        allocation: str | None = None,
     ) -> None:
         sizes = (budget, compression_ratio, memory_fraction, max_bytes)
         if all(size is None for size in sizes) and kv_bits is not None:
@@ -167,6 +177,8 @@ class CompressedCache(Cache):
         head_dim = _head_dim(model)
         if kv_group_size is None:
             kv_group_size = min(32, head_dim) if head_dim else 32
+        if allocation is None:
+            allocation = "global" if scoring == "reconstruction" else "uniform"
         by_bytes = None
         if memory_fraction is not None or max_bytes is not None:
             by_bytes = entry_bytes(
@@ -176,7 +188,7 @@ class CompressedCache(Cache):
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
             value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,
-            key_bits, memory_fraction, max_bytes, by_bytes,
+            key_bits, memory_fraction, max_bytes, by_bytes, allocation,
         )  # fmt: skip
         modules = bind(model)
         if head_dim and {kv_bits, key_bits} & {4, 8}:
@@ -240,9 +252,25 @@ class CompressedCache(Cache):
         finally:
             for layer in layers:
                 layer.replaying = layer.deferred = False
-        for layer, paid in zip(layers, attention, strict=True):
-            layer.set_priority(_union_of_ranks(paid, layer.scores))
+        if self.policy.allocation == "global":
+            self._allocate()
+        else:
+            for layer, paid in zip(layers, attention, strict=True):
+                layer.set_priority(_union_of_ranks(paid, layer.scores))
+        for layer in layers:
             layer.compress(length)
+
+    def _allocate(self) -> None:
+        """Share each row's tokens among the layers by one ranking of their scores (``allocation="global"``)."""
+        layers = self.layers
+        first = layers[0]
+        real = first.seen - first.pads  # [rows]: real tokens seen
+        targets = self.policy.targets(real, first.rows)
+        priorities = [torch.where(layer.live, layer._priority(), -math.inf) for layer in layers]
+        counts = layer_counts(priorities, targets, self.policy.allocation_floor).tolist()
+        bases = targets.tolist()
+        for layer, layer_count in zip(layers, counts, strict=True):
+            layer.allocate(layer_count, bases)
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """Queries follow the stored entries physically (the attention mask is built on stored entries)."""
@@ -255,5 +283,6 @@ class CompressedCache(Cache):
 
     @property
     def kept_tokens(self) -> int:
-        """The most tokens any row keeps per layer and KV head (padding never counts)."""
-        return self.layers[0].kept if self.layers else 0
+        """The most tokens any row keeps per layer and KV head (padding never counts); under
+        ``allocation="global"``, in the layer that keeps the most."""
+        return max((layer.kept for layer in self.layers), default=0)

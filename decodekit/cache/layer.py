@@ -28,7 +28,7 @@ import torch
 from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
-from decodekit.cache.policy import EvictionPolicy
+from decodekit.cache.policy import Allocated, EvictionPolicy
 from decodekit.cache.quantize import Quantizer
 from decodekit.cache.rotary import rotate
 
@@ -125,12 +125,16 @@ class CompressedLayer(DynamicLayer):
         self.key_scales = self.key_offsets = self.value_scales = self.value_offsets = None
         self.key_channels = self.recent_keys = self.recent_values = None
         self.recent_positions: torch.Tensor | None = None
+        # Under allocation="global": per row, this layer's share of the tokens, ``[batch, 2]`` (count, base:
+        # see ``Allocated``); None for the even share.
+        self.allocated: torch.Tensor | None = None
         # Host-side bookkeeping, so that no decision needs a device read: how many live entries the
-        # rows of each padding hold (a row's count depends only on its padding and the tokens seen;
-        # beams share their request's), the least and most padding of any row, and the least and
-        # most live entries of any row. Counts need not grow with a row's real tokens: a decoding
-        # step's eviction takes a row below rows that have not reached their target yet.
-        self.live_by_pads: dict[int, int] = {}
+        # rows of each group hold, a group being the rows of one padding and one allocated share (a row's
+        # count depends only on those and the tokens seen; beams share their request's), the least and
+        # most padding of any row, and the least and most live entries of any row. Counts need not grow
+        # with a row's real tokens: a decoding step's eviction takes a row below rows that have not
+        # reached their target yet.
+        self.live_by_group: dict[tuple[int, Allocated | None], int] = {}
         self.pad_range = (0, 0)
         self.live_range = (0, 0)
         # The attention module's own shape: a sliding window (a query sees the last ``sliding_window``
@@ -213,7 +217,7 @@ class CompressedLayer(DynamicLayer):
             if pads is None:
                 raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
             self.pads = pads.to(dtype=torch.long)
-            self._set_live_counts(dict.fromkeys(self.pads.unique().tolist(), 0))
+            self._set_live_counts({(pads, None): 0 for pads in self.pads.unique().tolist()})
         free = None
         if self._fills_free_slot(query_length):
             if self._freed is not None and self._freed_taken < self._freed.shape[-1]:
@@ -239,16 +243,19 @@ class CompressedLayer(DynamicLayer):
         """``[batch, kv_heads, query_length, slots]``, True where a query of the coming pass may attend.
 
         None when the model's own mask is right: on the first pass, and later when no row has a dead
-        slot, none was padded and the layer has no sliding window (the stored layout is then the
-        plain causal one). Queries after the
-        first pass are real tokens; they see every live entry and the new tokens up to themselves.
+        slot, none was padded, the layer has no sliding window (the stored layout is then the plain
+        causal one) and its length is the even share's (no ``allocation="global"`` share). Queries
+        after the first pass are real tokens; they see every live entry and the new tokens up to
+        themselves.
         """
         if not self.is_initialized:
             return None
         free = self._free
         least_live = self.live_range[0] + query_length
         stored = self.slots + (0 if free is not None else query_length)
-        if self.pad_range[1] == 0 and least_live >= stored and self.sliding_window is None:
+        # Under allocation="global" layers differ in length, and the model's mask fits only the first's.
+        plain = self.pad_range[1] == 0 and least_live >= stored and self.sliding_window is None
+        if plain and self.allocated is None:
             return None
         device = self.live.device
         query_positions = torch.arange(self.seen, self.seen + query_length, device=device)[:, None]
@@ -304,9 +311,9 @@ class CompressedLayer(DynamicLayer):
         else:
             self._store(coded, value_states, free, first_pass)
         if first_pass:
-            self._set_live_counts({pads: max(new - pads, 0) for pads in self.live_by_pads})
+            self._set_live_counts({group: max(new - group[0], 0) for group in self.live_by_group})
         else:
-            self._set_live_counts({pads: live + new for pads, live in self.live_by_pads.items()})
+            self._set_live_counts({group: live + new for group, live in self.live_by_group.items()})
         self.seen += new
         if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
             self._remember_recent(key_states, value_states)
@@ -516,7 +523,7 @@ class CompressedLayer(DynamicLayer):
         reserve = not first_pass and new == 1 and interval > 1 and self.pad_range[1] == 0
         if reserve:
             capacity += interval - 1
-            fixed = self.policy.fixed_target(self.rows)
+            fixed = self._fixed_target()
             if fixed is not None:
                 capacity = max(stored + new, min(capacity, fixed + 1))
         spare = {}
@@ -694,12 +701,17 @@ class CompressedLayer(DynamicLayer):
         return hidden
 
     def priority_scores(self) -> torch.Tensor:
-        """The entries' scores as eviction ranks them: times the value norm when the policy says so."""
-        return self.scores * self.value_norms if self.policy.value_norm else self.scores
+        """The entries' scores as eviction ranks them: times the value norm when the policy says so (never
+        under ``allocation="global"``, whose reconstruction scores rank as they are, as KVzip ranks them)."""
+        if self.policy.value_norm and self.policy.allocation != "global":
+            return self.scores * self.value_norms
+        return self.scores
 
     def set_priority(self, priority: torch.Tensor) -> None:
         """Store scores such that ``priority_scores()`` returns ``priority``."""
-        self.scores = priority / self.value_norms.clamp(min=1e-30) if self.policy.value_norm else priority
+        if self.policy.value_norm and self.policy.allocation != "global":
+            priority = priority / self.value_norms.clamp(min=1e-30)
+        self.scores = priority
 
     def _priority(self) -> torch.Tensor:
         """Sinks and recent tokens above every score, then score (times value norm); under a sliding
@@ -742,12 +754,15 @@ class CompressedLayer(DynamicLayer):
         if self.deferred:
             return
         slack = self.policy.slack(new)
-        before = self.live_by_pads
+        before = self.live_by_group
         rows = self.rows
-        after = {pads: self.policy.kept(live, self.seen - pads, slack, rows) for pads, live in before.items()}
+        after = {
+            (pads, allocated): self.policy.kept(live, self.seen - pads, slack, rows, allocated)
+            for (pads, allocated), live in before.items()
+        }
         self._set_live_counts(after)
-        uniform = len(before) == 1  # one padding: every row holds the same entries
-        bound = max(before[pads] - after[pads] for pads in before)  # the most any row evicts
+        uniform = len(before) == 1  # one group: every row holds the same entries
+        bound = max(before[group] - after[group] for group in before)  # the most any row evicts
         keep_most = self.live_range[1]
         in_place = self.slots - keep_most <= 1 + slack
         if bound == 0 and in_place:
@@ -766,7 +781,8 @@ class CompressedLayer(DynamicLayer):
             return
         self._forget_freed()
         live_count = self.live[:, :1].sum(dim=-1, keepdim=True)  # [batch, 1, 1]: the same for every head
-        keep = self.policy.kept_counts(live_count, (self.seen - self.pads)[:, None, None], slack, rows)
+        allocated = self.allocated[:, None, None] if self.allocated is not None else None
+        keep = self.policy.kept_counts(live_count, (self.seen - self.pads)[:, None, None], slack, rows, allocated)
         priority = self._priority()
         if in_place:
             # Mark the lowest-ranked live entries dead, in place.
@@ -784,7 +800,7 @@ class CompressedLayer(DynamicLayer):
     # -- batch bookkeeping (beam search, assisted generation) -------------------------------------
 
     def _per_row(self) -> tuple[str, ...]:
-        return (*self.entries, "pads", *EXACT)
+        return (*self.entries, "pads", "allocated", *EXACT)
 
     def _apply_to_rows(self, operation) -> None:
         """Apply a row operation (select, reorder, repeat) to every per-row tensor; with reserved room, to
@@ -817,17 +833,37 @@ class CompressedLayer(DynamicLayer):
             self._apply_to_rows(lambda tensor: tensor[indices.to(tensor.device)])
             self._recount()
 
-    def _set_live_counts(self, live_by_pads: dict[int, int]) -> None:
-        """Record each padding's live count, the least and most padding, and the least and most count."""
-        self.live_by_pads = live_by_pads
-        pads, counts = live_by_pads.keys(), live_by_pads.values()
-        self.pad_range = (min(pads), max(pads)) if live_by_pads else (0, 0)
-        self.live_range = (min(counts), max(counts)) if live_by_pads else (0, 0)
+    def _set_live_counts(self, live_by_group: dict[tuple[int, Allocated | None], int]) -> None:
+        """Record each group's live count, the least and most padding, and the least and most count."""
+        self.live_by_group = live_by_group
+        pads, counts = [group[0] for group in live_by_group], live_by_group.values()
+        self.pad_range = (min(pads), max(pads)) if live_by_group else (0, 0)
+        self.live_range = (min(counts), max(counts)) if live_by_group else (0, 0)
 
     def _recount(self) -> None:
-        """Read the paddings and live counts back from the device (after a change the host cannot follow)."""
-        pads, counts = torch.stack([self.pads, self.live[:, 0].sum(dim=-1)]).tolist()
-        self._set_live_counts(dict(zip(pads, counts, strict=True)))
+        """Read the paddings, shares and live counts back from the device (after a change the host cannot follow)."""
+        columns = [self.pads, self.live[:, 0].sum(dim=-1)]
+        if self.allocated is not None:
+            columns += [self.allocated[:, 0], self.allocated[:, 1]]
+        values = torch.stack(columns).T.tolist()
+        self._set_live_counts({(row[0], tuple(row[2:]) or None): row[1] for row in values})
+
+    def allocate(self, counts: list[int], bases: list[int]) -> None:
+        """Give each row its own share of the tokens: ``counts[row]`` kept per KV head where an even share
+        keeps ``bases[row]`` (``allocation="global"``); the eviction that follows applies it."""
+        if len(counts) != self.rows or len(bases) != self.rows:
+            raise ValueError(f"allocate needs one count and one base per row ({self.rows}); got {counts}, {bases}")
+        self.allocated = torch.tensor([counts, bases], dtype=torch.long, device=self.pads.device).T.contiguous()
+        live = {pads: count for (pads, _), count in self.live_by_group.items()}
+        groups = zip(self.pads.tolist(), counts, bases, strict=True)
+        self._set_live_counts({(pads, (count, base)): live[pads] for pads, count, base in groups})
+
+    def _fixed_target(self) -> int | None:
+        """The most tokens any row keeps when the target does not grow with the tokens seen, else None."""
+        fixed = self.policy.fixed_target(self.rows)
+        if fixed is None or self.allocated is None:
+            return fixed
+        return max(self.policy.target(0, self.rows, allocated) for _, allocated in self.live_by_group)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens seen (candidate tokens rejected by assisted generation).
@@ -860,7 +896,7 @@ class CompressedLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self._pending = []
-        self._scores = self.value_norms = self.positions = self.live = self.pads = None
+        self._scores = self.value_norms = self.positions = self.live = self.pads = self.allocated = None
         for name in (*CODING, *EXACT, "recent_positions"):
             setattr(self, name, None)
         self._queries = self._free = None

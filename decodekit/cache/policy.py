@@ -8,11 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from decodekit._validation import check_int, check_real
+from decodekit.cache.allocation import ALLOCATIONS
 from decodekit.cache.size import EntryBytes
 from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BITS
 
 SCORINGS = ("attention", "reconstruction", "attention+novelty")
 SCORING_BACKENDS = ("auto", "triton", "torch")
+# A layer's share of the tokens, when it is chosen by the allocation: it keeps ``count`` tokens per KV head
+# when a uniform layer keeps ``base``, and ``count * target // base`` when a uniform layer keeps ``target``.
+Allocated = tuple[int, int]
 
 
 def check_cache_size(
@@ -83,8 +87,18 @@ class EvictionPolicy:
     memory_fraction: float | None = None
     max_bytes: int | None = None
     entry_bytes: EntryBytes | None = None  # what a kept token costs: needed by memory_fraction and max_bytes
+    allocation: str = "uniform"
+    allocation_floor: float = 0.2  # under allocation="global", the least share of the even one a layer keeps
 
     def __post_init__(self) -> None:
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {', '.join(map(repr, ALLOCATIONS))}; got {self.allocation!r}")
+        if self.allocation == "global" and self.scoring != "reconstruction":
+            raise ValueError(
+                "allocation='global' needs scoring='reconstruction': only reconstruction scores mean the same in "
+                f"every layer (got scoring={self.scoring!r}); use allocation='uniform' with other scorings"
+            )
+        check_real("allocation_floor", self.allocation_floor, 0, 1)
         if self.kv_bits is not None and (self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool)):
             raise ValueError(
                 f"kv_bits must be one of {', '.join(map(str, KV_BITS))} or None (the model's dtype); "
@@ -165,31 +179,41 @@ class EvictionPolicy:
         """The fewest tokens a ratio keeps: the sinks and the recent window."""
         return self.sink_tokens + self.recent_tokens
 
-    def target(self, seen: int, rows: int = 1) -> int:
+    def target(self, seen: int, rows: int = 1, allocated: Allocated | None = None) -> int:
         """How many tokens a row that has seen ``seen`` real tokens keeps (at most; fewer if it has fewer);
-        ``rows`` is how many rows share ``max_bytes``."""
+        ``rows`` is how many rows share ``max_bytes``; ``allocated`` is the layer's share (``Allocated``)."""
         fixed = self.fixed_target(rows)
         if fixed is not None:
-            return fixed
-        if self.memory_fraction is not None:
+            target = fixed
+        elif self.memory_fraction is not None:
             entry = self.entry_bytes  # the same float64 arithmetic as ``targets``
-            return max(math.floor((self.memory_fraction * seen * entry.full - entry.fixed) / entry.kept), self.floor)
-        return max(math.ceil((1.0 - self.compression_ratio) * seen), self.floor)
+            target = max(math.floor((self.memory_fraction * seen * entry.full - entry.fixed) / entry.kept), self.floor)
+        else:
+            target = max(math.ceil((1.0 - self.compression_ratio) * seen), self.floor)
+        if allocated is None:
+            return target
+        count, base = allocated
+        return max(count * target // base, self.floor)
 
-    def targets(self, seen: torch.Tensor, rows: int = 1) -> torch.Tensor:
-        """``target`` for a tensor of per-row real-token counts (the same float64 arithmetic as ``target``)."""
+    def targets(self, seen: torch.Tensor, rows: int = 1, allocated: torch.Tensor | None = None) -> torch.Tensor:
+        """``target`` for a tensor of per-row real-token counts (the same float64 arithmetic as ``target``);
+        ``allocated``: each row's ``(count, base)``, shaped like ``seen`` plus a last dimension of 2."""
         fixed = self.fixed_target(rows)
         if fixed is not None:
-            return torch.full_like(seen, fixed)
-        if self.memory_fraction is not None:
+            kept = torch.full_like(seen, fixed)
+        elif self.memory_fraction is not None:
             entry = self.entry_bytes
             allowed = self.memory_fraction * seen.to(torch.float64) * entry.full
             kept = torch.floor((allowed - entry.fixed) / entry.kept).to(seen.dtype)
         else:
             kept = torch.ceil((1.0 - self.compression_ratio) * seen.to(torch.float64)).to(seen.dtype)
-        return kept.clamp(min=self.floor)
+        kept = kept.clamp(min=self.floor)
+        if allocated is None:
+            return kept
+        count, base = allocated[..., 0].to(kept.dtype), allocated[..., 1].to(kept.dtype)
+        return torch.div(count * kept, base, rounding_mode="floor").clamp(min=self.floor)
 
-    def kept(self, live: int, seen: int, slack: int = 0, rows: int = 1) -> int:
+    def kept(self, live: int, seen: int, slack: int = 0, rows: int = 1, allocated: Allocated | None = None) -> int:
         """How many of ``live`` stored tokens a row that has seen ``seen`` real tokens keeps: all of them
         up to its target; over it, the target less ``slack`` (room for the next tokens), never below the floor.
 
@@ -197,12 +221,19 @@ class EvictionPolicy:
             >>> EvictionPolicy(budget=64).kept(live=65, seen=1000, slack=7)
             57
         """
-        target = self.target(seen, rows)
+        target = self.target(seen, rows, allocated)
         return live if live <= target else max(target - slack, self.floor)
 
-    def kept_counts(self, live: torch.Tensor, seen: torch.Tensor, slack: int = 0, rows: int = 1) -> torch.Tensor:
+    def kept_counts(
+        self,
+        live: torch.Tensor,
+        seen: torch.Tensor,
+        slack: int = 0,
+        rows: int = 1,
+        allocated: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``kept`` for tensors of per-row live and real-token counts."""
-        targets = self.targets(seen, rows)
+        targets = self.targets(seen, rows, allocated)
         return torch.where(live <= targets, live, (targets - slack).clamp(min=self.floor))
 
     def slack(self, new: int) -> int:

@@ -93,5 +93,5 @@ def entry_bytes(
     waiting = eviction_interval * (query_heads * head_dim + 2 * head_dim) * element / kv_heads
     kept = sum(coded) + bookkeeping
     reserved = (eviction_interval + 1) * kept
-    padding = 16 / kv_heads  # the row's padding and a free-slot index
+    padding = 32 / kv_heads  # the row's padding, a free-slot index and its allocated share (allocation="global")
     return EntryBytes(kept, ring + waiting + reserved + padding, 2 * head_dim * 2, config.num_hidden_layers * kv_heads)

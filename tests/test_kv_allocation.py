@@ -1,0 +1,193 @@
+"""allocation="global": one ranking of reconstruction scores shares a row's tokens among the layers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decodekit.cache import CompressedCache
+from decodekit.cache.allocation import layer_counts
+from decodekit.cache.size import full_cache_bytes
+from decodekit.decoders import beam_search
+from tests.tiny import build_model
+
+TEXT = (
+    "The class statement creates a new class object. A function body runs when it is called, and its "
+    "names are local. The pass key is 7311. Modules hold definitions; import binds them to a name. "
+)
+
+
+@pytest.fixture
+def four_layers(tiny):
+    _, tokenizer = tiny
+    return build_model(tokenizer, num_layers=4), tokenizer
+
+
+def _ids(tokenizer, text=TEXT * 3):
+    return tokenizer([text], return_tensors="pt")["input_ids"]
+
+
+def _naive_counts(priorities: list[torch.Tensor], target: int, floor: float) -> list[int]:
+    """One row: every layer's j-th offer is the mean of its heads' j-th best scores; the first
+    ceil(floor * target) offers of each layer come first, then the best offers, layers * target in all."""
+    offers = []
+    for layer, priority in enumerate(priorities):
+        ordered = [sorted(head.tolist(), reverse=True) for head in priority]
+        for rank in range(len(ordered[0])):
+            value = sum(head[rank] for head in ordered) / len(ordered)
+            if value == -math.inf:
+                continue
+            forced = rank < math.ceil(floor * target)
+            offers.append((forced, value, -layer, -rank, layer))
+    offers.sort(reverse=True)
+    counts = [0] * len(priorities)
+    for *_, layer in offers[: len(priorities) * target]:
+        counts[layer] += 1
+    return counts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("floor", [0.0, 0.2, 1.0])
+def test_layer_counts_match_a_naive_ranking(seed, floor):
+    generator = torch.Generator().manual_seed(seed)
+    slots = [12, 9, 12]  # layers may hold different numbers of entries
+    priorities = [torch.rand(2, 3, n, generator=generator) ** (layer + 1) for layer, n in enumerate(slots)]
+    priorities[1][1, :, 7:] = -math.inf  # row 1 holds only 7 live entries in layer 1
+    targets = torch.tensor([5, 4])
+    counts = layer_counts(priorities, targets, floor)
+    for row in range(2):
+        expected = _naive_counts([p[row] for p in priorities], int(targets[row]), floor)
+        assert counts[:, row].tolist() == expected
+        assert int(counts[:, row].sum()) == 3 * int(targets[row])
+        if floor == 1.0:
+            assert counts[:, row].tolist() == [int(targets[row])] * 3
+
+
+def test_a_row_with_fewer_live_tokens_than_its_share_keeps_them_all():
+    priorities = [torch.tensor([[[0.5, 0.4, -math.inf, -math.inf]]]), torch.tensor([[[0.3, 0.2, 0.1, 0.05]]])]
+    assert layer_counts(priorities, torch.tensor([3]), 0.0).flatten().tolist() == [2, 4]
+
+
+def _prefill(model, ids, **kwargs):
+    cache = CompressedCache(model, scoring="reconstruction", reconstruction_chunk=16, **kwargs)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    return cache
+
+
+def test_layers_keep_their_share_of_one_budget_and_store_nothing_more(four_layers):
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    length = ids.shape[1]
+    target = math.ceil(0.5 * length)
+    cache = _prefill(model, ids, compression_ratio=0.5)
+    kept = [layer.kept for layer in cache.layers]
+    assert sum(kept) == 4 * target and len(set(kept)) > 1  # one budget, not the same in every layer
+    assert min(kept) >= math.ceil(0.2 * target)
+    for layer in cache.layers:
+        assert layer.slots == layer.kept  # storage shrank to what the layer keeps
+        assert bool(layer.live.all())
+    assert cache.kept_tokens == max(kept)
+    uniform = _prefill(model, ids, compression_ratio=0.5, allocation="uniform")
+    assert {layer.kept for layer in uniform.layers} == {target}
+    # The same tokens in all, so the same memory, but for each layer's share (two int64 per row).
+    assert cache.memory_bytes() == uniform.memory_bytes() + 4 * 16
+
+
+def test_each_layer_keeps_its_best_scored_tokens(four_layers):
+    """Oracle: the replay scores of a cache that evicts nothing, ranked by the naive allocation."""
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    full = _prefill(model, ids, compression_ratio=0.0)
+    priorities = [layer._priority()[0] for layer in full.layers]
+    target = math.ceil(0.25 * ids.shape[1])
+    counts = _naive_counts(priorities, target, 0.2)
+    cache = _prefill(model, ids, compression_ratio=0.25 * 3)
+    for layer, priority, count in zip(cache.layers, priorities, counts, strict=True):
+        assert layer.kept == count
+        expected = priority.topk(count, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(layer.kept_positions()[0].long(), expected)
+
+
+def test_decoding_holds_each_layer_to_its_share_of_the_budget(four_layers):
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    cache = CompressedCache(model, budget=40, scoring="reconstruction", eviction_interval=4)
+    output = model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=30,
+                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    assert output.shape[1] == ids.shape[1] + 30
+    kept = [layer.kept for layer in cache.layers]
+    counts = [int(layer.allocated[0, 0]) for layer in cache.layers]
+    assert sum(counts) == 4 * 40 and len(set(counts)) > 1
+    for layer, count in zip(cache.layers, counts, strict=True):
+        assert layer.slots <= count + 1  # its share and the one slot the next token takes
+        assert count - 3 <= layer.kept <= count  # between evictions, at most interval - 1 below
+    assert sum(kept) <= 4 * 40
+
+
+def test_rows_of_a_batch_get_their_own_allocation(four_layers):
+    """Two prompts of the same length: batched, each decodes what it decodes alone."""
+    model, tokenizer = four_layers
+    first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
+    assert first.shape == second.shape
+    alone = []
+    for ids in (first, second):
+        cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction")
+        alone.append(model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=12))
+    cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction")
+    together = model.generate(torch.cat([first, second]), past_key_values=cache, do_sample=False, max_new_tokens=12)
+    assert torch.equal(together, torch.cat(alone))
+    assert not torch.equal(cache.layers[1].allocated[0], cache.layers[1].allocated[1])  # own shares
+
+
+def test_beam_search_moves_each_rows_share_with_its_beams(four_layers):
+    model, tokenizer = four_layers
+    first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
+    kwargs = {"num_beams": 3, "max_new_tokens": 10, "custom_generate": beam_search, "do_sample": False}
+    alone = [
+        model.generate(ids, past_key_values=CompressedCache(model, budget=48, scoring="reconstruction"), **kwargs)
+        for ids in (first, second)
+    ]
+    cache = CompressedCache(model, budget=48, scoring="reconstruction")
+    together = model.generate(torch.cat([first, second]), past_key_values=cache, **kwargs)
+    assert torch.equal(together, torch.cat(alone))
+
+
+def test_crop_keeps_the_shares_and_the_counts(four_layers):
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    cache = _prefill(model, ids, compression_ratio=0.5)
+    before = [layer.allocated.clone() for layer in cache.layers]
+    with torch.no_grad():
+        model(ids[:, :5], past_key_values=cache, position_ids=torch.arange(ids.shape[1], ids.shape[1] + 5)[None])
+    cache.crop(-5)
+    for layer, allocated in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.allocated, allocated)
+        (group,) = layer.live_by_group
+        assert group[1] == tuple(allocated[0].tolist())
+        assert layer.live_by_group[group] == int(layer.live[0, 0].sum())
+
+
+def test_a_memory_fraction_holds_with_a_global_allocation(four_layers):
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer, TEXT * 6)
+    for fraction in (0.5, 0.25):
+        cache = _prefill(model, ids, memory_fraction=fraction)
+        assert len({layer.kept for layer in cache.layers}) > 1
+        assert cache.memory_bytes() <= fraction * full_cache_bytes(model, ids.shape[1], element_size=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"allocation": "layers"}, r"allocation must be one of 'uniform', 'global'; got 'layers'"),
+        ({"allocation": "global"}, r"allocation='global' needs scoring='reconstruction'"),
+        ({"allocation": "global", "scoring": "attention+novelty"}, r"allocation='global' needs scoring="),
+    ],
+)
+def test_bad_allocations_are_named(four_layers, kwargs, message):
+    model, _ = four_layers
+    with pytest.raises(ValueError, match=message):
+        CompressedCache(model, compression_ratio=0.5, **kwargs)
