@@ -1,19 +1,25 @@
 """Ablation: how the tokens a compressed cache keeps are shared out among layers and KV heads.
 
 At equal tokens kept, on the tuning texts only (never the protocol's), the prompt is scored by
-CompressedCache's default attention scoring, then each allocation decides what every (layer, KV
-head) keeps, and the continuation is scored over what was kept:
+CompressedCache's default attention scoring (``--scoring attention``) or by its reconstruction
+scores alone (``--scoring reconstruction``: the most attention any replay query pays a token, as
+KVzip scores), then each allocation decides what every (layer, KV head) keeps, and the continuation
+is scored over what was kept:
 
-- uniform: every (layer, head) keeps the same share, its best-ranked tokens (what CompressedCache does);
+- uniform: every (layer, head) keeps the same share, its best-ranked tokens;
 - per layer: a layer's heads share the layer's budget through one ranking (AdaKV);
 - global: all layers and heads share one budget through one ranking (KVzip's allocation), on raw
-  scores, or on scores divided by their layer's mean (so that layers with flat attention compete).
+  scores, or on scores divided by their layer's mean (so that layers with flat attention compete);
+- layers: all layers share one budget, every head of a layer keeping the same number of tokens
+  (``CompressedCache(allocation="global")``: ``decodekit.cache.allocation.layer_counts``).
 
-Non-uniform allocations keep a floor per head (each keeps at least ``--floor`` of the uniform share)
-and are applied as masks: this measures the quality of the choice, not the memory (the memory would
-need storage of a different length per head). Sinks and the recent window are always kept.
+Non-uniform allocations keep a floor per head (each keeps at least ``--floor`` of the uniform share;
+for "layers", each layer) and are applied as masks: this measures the quality of the choice, not the
+memory. "layers" needs no more memory than "uniform" (each layer's storage holds only what it
+keeps); "per layer" and "global" would need storage of a different length per head, or about 1.3x
+to 2x the memory in a rectangular layout. Sinks and the recent window are always kept.
 
-    python benchmarks/kv_allocation.py [--ratios 0.5,0.75,0.9] [--floor 0.2]
+    python benchmarks/kv_allocation.py [--scoring attention|reconstruction] [--ratios 0.5,0.75,0.9] [--floor 0.2]
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from torch.nn import functional
 
 from decodekit import load_model
 from decodekit.cache import CompressedCache
+from decodekit.cache.allocation import layer_counts
 from decodekit.cache.layer import PROTECTED
 from decodekit.eval.perplexity import continuation_perplexity as evicting_perplexity
 
-ALLOCATIONS = ("uniform", "per layer", "global", "global, layer-normalized")
+ALLOCATIONS = ("uniform", "per layer", "global", "global, layer-normalized", "layers")
 
 
 def _ranked(priority: torch.Tensor, keep: int) -> torch.Tensor:
@@ -46,6 +53,9 @@ def allocate(priorities: list[torch.Tensor], ratio: float, how: str, floor: floa
     share = math.ceil((1 - ratio) * tokens)  # a head's tokens under the uniform allocation
     if how == "uniform":
         return [_ranked(priority, share) for priority in priorities]
+    if how == "layers":
+        counts = layer_counts([priority[None] for priority in priorities], torch.tensor([share]), floor)
+        return [_ranked(priority, int(count)) for priority, count in zip(priorities, counts[:, 0], strict=True)]
     protected_floor = math.ceil(floor * share)
     lifted = []  # every head's best ``protected_floor`` entries are kept whatever the ranking
     for priority in priorities:
@@ -61,9 +71,13 @@ def allocate(priorities: list[torch.Tensor], ratio: float, how: str, floor: floa
     return list(_ranked(flat, len(priorities) * heads * share).reshape(len(priorities), heads, tokens))
 
 
-def continuation_perplexity(model, context, continuation, ratio: float | None, how: str, floor: float) -> float:
+def continuation_perplexity(
+    model, context, continuation, ratio: float | None, how: str, floor: float, scoring: str = "attention"
+) -> float:
     """The continuation's perplexity after the context, its cache cut down by ``how`` (None: the full cache)."""
-    cache = CompressedCache(model, compression_ratio=0.0)  # scores everything, evicts nothing
+    # Scores everything and evicts nothing; "global" ranks the reconstruction scores as they are.
+    allocation = "global" if scoring == "reconstruction" else "uniform"
+    cache = CompressedCache(model, compression_ratio=0.0, scoring=scoring, allocation=allocation)
     with torch.inference_mode():
         prefill = model(context, past_key_values=cache)
         if ratio is not None:
@@ -71,7 +85,8 @@ def continuation_perplexity(model, context, continuation, ratio: float | None, h
             for layer, keep in zip(cache.layers, masks, strict=True):
                 layer.live &= keep[None]
                 counts = layer.live[0].sum(dim=-1).tolist()
-                layer._set_live_counts({0: min(counts)})  # a mask is built for every later pass
+                (group,) = layer.live_by_group  # one row: one group (no padding, one share)
+                layer._set_live_counts({group: min(counts)})  # a mask is built for every later pass
         positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1])
         logits = model(continuation, past_key_values=cache, position_ids=positions[None]).logits
     logits = torch.cat([prefill.logits[:, -1:], logits[:, :-1]], dim=1).float()
@@ -84,6 +99,7 @@ def main() -> None:
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--floor", type=float, default=0.2, help="each head keeps at least this share of its own")
+    parser.add_argument("--scoring", choices=("attention", "reconstruction"), default="attention")
     parser.add_argument(
         "--allocations", default=";".join(("CompressedCache, evicting", *ALLOCATIONS)),
         help="the rows to measure, separated by ';' (default: all, the evicting cache first)",
@@ -98,7 +114,7 @@ def main() -> None:
         full[name] = continuation_perplexity(model, context, continuation, None, "", args.floor)
     print(f"tuning texts ({', '.join(tasks)}): {args.context_tokens}-token contexts, "
           f"{args.continuation_tokens}-token continuations; mean (worst) perplexity increase over the full cache; "
-          f"head floor {args.floor:.0%}")  # fmt: skip
+          f"head floor {args.floor:.0%}; {args.scoring} scores")  # fmt: skip
     print(f"  {'allocation':28s}" + "".join(f"{f'{ratio:.0%} evicted':>22s}" for ratio in ratios))
     for how in args.allocations.split(";"):  # "CompressedCache, evicting": the cache itself, uniform's twin
         cells = []
@@ -107,10 +123,10 @@ def main() -> None:
             for name, task in tasks.items():
                 context, continuation = torch.tensor([task["context"]]), torch.tensor([task["continuation"]])
                 if how in ALLOCATIONS:
-                    value = continuation_perplexity(model, context, continuation, ratio, how, args.floor)
+                    value = continuation_perplexity(model, context, continuation, ratio, how, args.floor, args.scoring)
                 else:
-                    value = evicting_perplexity(model, CompressedCache(model, compression_ratio=ratio), context,
-                                                continuation)  # fmt: skip
+                    cache = CompressedCache(model, compression_ratio=ratio, scoring=args.scoring)
+                    value = evicting_perplexity(model, cache, context, continuation)
                 increases.append(value / full[name] - 1)
             cells.append(f"{statistics.fmean(increases):+8.2%} ({max(increases):+7.2%})")
         print(f"  {how:28s}" + "".join(f"{cell:>22s}" for cell in cells), flush=True)

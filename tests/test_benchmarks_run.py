@@ -87,3 +87,14 @@ def test_the_allocation_ablation_runs_and_its_uniform_row_is_the_cache_itself():
     rows = {line[:30].strip(): line[30:].strip() for line in out.splitlines() if line.startswith("  ")}
     assert {"uniform", "per layer", "global", "global, layer-normalized"} <= set(rows)
     assert rows["uniform"] == rows["CompressedCache, evicting"]  # the masks reproduce the evicting cache
+
+
+def test_the_allocation_ablation_on_reconstruction_scores_reproduces_the_global_cache():
+    out = _run(
+        "kv_allocation.py", "--context-tokens", "256", "--continuation-tokens", "32", "--ratios", "0.75",
+        "--scoring", "reconstruction", "--allocations", "CompressedCache, evicting;layers;uniform",
+    )  # fmt: skip
+    rows = {line[:30].strip(): line[30:].strip() for line in out.splitlines() if line.startswith("  ")}
+    assert "reconstruction scores" in out
+    assert rows["layers"] == rows["CompressedCache, evicting"]  # allocation="global" is the "layers" masks
+    assert rows["layers"] != rows["uniform"]
