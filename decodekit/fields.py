@@ -29,6 +29,7 @@ from decodekit.settings import (
     DRY_MULTIPLIER_RANGE,
     EARLY_STOPPING,
     KV_BITS,
+    KV_SCORINGS,
     MAX_BEAMS,
     MIROSTAT_ETA_RANGE,
     MIROSTAT_TAU_RANGE,
@@ -247,6 +248,15 @@ CORE_FIELDS = (
         "cache",
         "compressed KV cache storing keys and values in 16, 8 or 4 bits (alone: every token kept)",
         choices=KV_BITS,
+        widget="choice",
+    ),
+    Field(
+        "kv_scoring",
+        "choice",
+        "cache",
+        "how the compressed cache ranks tokens: attention (the default), reconstruction (replays the prompt; "
+        "one budget shared by all layers) or attention+novelty (with a cache size)",
+        choices=KV_SCORINGS,
         widget="choice",
     ),
 )

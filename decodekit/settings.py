@@ -41,6 +41,7 @@ EARLY_STOPPING = (True, False, "never")
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
 KV_BITS = (16, 8, 4)  # a compressed cache's storage widths (None: the model's dtype)
+KV_SCORINGS = ("attention", "reconstruction", "attention+novelty")  # how a compressed cache ranks its tokens
 
 # Generation.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."

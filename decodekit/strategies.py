@@ -47,8 +47,8 @@ class Strategy:
       ``frequency_penalty``, ``presence_penalty``, ``dry_multiplier`` and its ``dry_*`` settings;
     - beam search: ``num_beams``, ``length_normalization``, ``length_alpha``, ``length_reward``,
       ``early_stopping``;
-    - cache: ``kv_budget``, ``kv_compression_ratio`` or ``kv_memory_fraction``, and ``kv_bits`` (a
-      ``CompressedCache``; ``kv_bits`` alone quantizes every token).
+    - cache: ``kv_budget``, ``kv_compression_ratio`` or ``kv_memory_fraction``, ``kv_scoring``, and
+      ``kv_bits`` (a ``CompressedCache``; ``kv_bits`` alone quantizes every token).
 
     Values are checked on construction (a ValueError names the field, its range and the value)
     and stored as plain Python values; a Strategy is immutable and hashable.
@@ -104,6 +104,11 @@ class Strategy:
                     values["kv_budget"], values["kv_compression_ratio"], names=("kv_budget", "kv_compression_ratio")
                 )
             raise ValueError(f"give one cache size, not {' and '.join(sizes)}")
+        if "kv_scoring" in values and not sizes:
+            raise ValueError(
+                "kv_scoring applies to a compressed cache: "
+                "set kv_budget, kv_compression_ratio or kv_memory_fraction too"
+            )
         if self._do_sample is False and self._sampling_fields():
             names = ", ".join(self._sampling_fields())
             raise ValueError(f"{names} only apply when sampling: leave do_sample unset or set it to True")
@@ -225,7 +230,7 @@ class Strategy:
 
             cache = CompressedCache(
                 model, self.kv_budget, compression_ratio=self.kv_compression_ratio,
-                memory_fraction=self.kv_memory_fraction, kv_bits=self.kv_bits,
+                memory_fraction=self.kv_memory_fraction, kv_bits=self.kv_bits, scoring=self.kv_scoring or "attention",
             )  # fmt: skip
         plan = GenerationPlan(processors=processors, sampling=sampling, beam=self.beam,
                               decoder_kwargs=decoder_kwargs, cache=cache)  # fmt: skip

@@ -191,3 +191,16 @@ def test_bad_allocations_are_named(four_layers, kwargs, message):
     model, _ = four_layers
     with pytest.raises(ValueError, match=message):
         CompressedCache(model, compression_ratio=0.5, **kwargs)
+
+
+def test_the_kv_scoring_field_builds_a_global_reconstruction_cache(four_layers):
+    from decodekit import Strategy
+
+    model, _ = four_layers
+    cache = Strategy(kv_compression_ratio=0.5, kv_scoring="reconstruction").plan(model).cache
+    assert (cache.policy.scoring, cache.policy.allocation) == ("reconstruction", "global")
+    assert Strategy(kv_budget=64).plan(model).cache.policy.allocation == "uniform"
+    with pytest.raises(ValueError, match="kv_scoring applies to a compressed cache"):
+        Strategy(kv_scoring="reconstruction")
+    with pytest.raises(ValueError, match="kv_scoring must be one of attention, reconstruction, attention"):
+        Strategy(kv_budget=64, kv_scoring="kvzip")

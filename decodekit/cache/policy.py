@@ -10,9 +10,9 @@ import torch
 from decodekit._validation import check_int, check_real
 from decodekit.cache.allocation import ALLOCATIONS
 from decodekit.cache.size import EntryBytes
-from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BITS
+from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BITS, KV_SCORINGS
 
-SCORINGS = ("attention", "reconstruction", "attention+novelty")
+SCORINGS = KV_SCORINGS
 SCORING_BACKENDS = ("auto", "triton", "torch")
 # A layer's share of the tokens, when it is chosen by the allocation: it keeps ``count`` tokens per KV head
 # when a uniform layer keeps ``base``, and ``count * target // base`` when a uniform layer keeps ``target``.
