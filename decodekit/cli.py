@@ -235,6 +235,20 @@ def _add_eval_command(commands: Any) -> None:
     evaluation.add_argument("--max-new-tokens", type=_bounded(int, 1), default=64, help="per generation (64)")
     evaluation.add_argument("--batch-size", type=_bounded(int, 1), default=8, help="prompts per batch (8)")
     evaluation.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    evaluation.add_argument(
+        "--seeds", type=_bounded(int, 1), default=1, help="seeds per sampling strategy, for the 95%% intervals (1)"
+    )
+    evaluation.add_argument(
+        "--resamples", type=_bounded(int, 2), default=200, help="resamples behind each 95%% interval (200)"
+    )
+    evaluation.add_argument(
+        "--grid", choices=("default", "samplers"), default="default",
+        help="default: decodekit's recipes; samplers: every sampler at each of --temperatures",
+    )  # fmt: skip
+    evaluation.add_argument(
+        "--temperatures", type=_temperatures, default=(1.0, 1.5),
+        help="the sampler grid's temperatures, comma-separated (1.0,1.5); several draw temperature.png",
+    )  # fmt: skip
     evaluation.add_argument("--context-tokens", type=_bounded(int, 1), default=1024, help="reference context (1024)")
     evaluation.add_argument(
         "--continuation-tokens", type=_bounded(int, 1), default=256, help="reference tokens scored (256)"
@@ -248,7 +262,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     from decodekit.eval.data_sources import load_prompts, load_reference
     from decodekit.eval.reports import check_output_dir, write_reports
-    from decodekit.eval.runner import evaluate_strategies
+    from decodekit.eval.runner import evaluate_strategies, sampler_grid
     from decodekit.models import load_model
 
     check_output_dir(args.out)  # before any work: a bad --out must not cost a whole run
@@ -258,7 +272,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     try:
         report = evaluate_strategies(
             model, tokenizer, prompts, reference=reference, max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size, seed=args.seed, context_tokens=args.context_tokens,
+            batch_size=args.batch_size, seed=args.seed, seeds=args.seeds, resamples=args.resamples,
+            strategies=sampler_grid(args.temperatures) if args.grid == "samplers" else None,
+            context_tokens=args.context_tokens,
             continuation_tokens=args.continuation_tokens,
         )  # fmt: skip
         paths = write_reports(report, args.out) if PartialState().is_main_process else None
@@ -271,12 +287,34 @@ def _run_eval(args: argparse.Namespace) -> int:
         return 130
     if paths is not None:
         for row in report.strategies:
-            perplexity = "n/a" if row["perplexity"] is None else f"{row['perplexity']:.2f}"
-            print(f"{row['strategy']:32s} distinct-2 {row['distinct_2']:.3f}  perplexity {perplexity}")
+            print(f"{row['strategy']:32s} distinct-2 {_with_interval(row, 'distinct_2', '.3f')}  "
+                  f"perplexity {_with_interval(row, 'perplexity', '.2f')}")  # fmt: skip
         phases = ", ".join(f"{phase} {value:.0f} s" for phase, value in report.settings["seconds"].items())
         print(f"time: {phases}")
         print("reports: " + ", ".join(str(path) for path in paths.values()))
     return 0
+
+
+def _with_interval(row: dict, metric: str, spec: str) -> str:
+    """``0.875 [0.861, 0.890]``: a metric with its 95% interval (n/a when it could not be computed)."""
+    value, low, high = row.get(metric), row.get(f"{metric}_low"), row.get(f"{metric}_high")
+    if value is None:
+        return "n/a"
+    return f"{value:{spec}}" + (f" [{low:{spec}}, {high:{spec}}]" if low is not None and high is not None else "")
+
+
+def _temperatures(text: str) -> tuple[float, ...]:
+    """``--temperatures``: comma-separated temperatures, each in the range a Strategy allows."""
+    from decodekit.settings import TEMPERATURE_RANGE
+
+    low, high = TEMPERATURE_RANGE
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, e.g. 0.7,1.0,1.5; got {text!r}") from None
+    if not all(low <= value <= high for value in values):
+        raise argparse.ArgumentTypeError(f"each temperature must be in [{low:g}, {high:g}]; got {text!r}")
+    return values
 
 
 def _quiet_libraries() -> None:

@@ -106,7 +106,7 @@ def test_reports_are_written_as_json_csv_and_png(tiny, tmp_path):
     data = json.loads(paths["report.json"].read_text())
     assert [row["strategy"] for row in data["strategies"]] == [s.label for s in strategies]
     assert paths["report.csv"].read_text().splitlines()[0].startswith("strategy,")
-    for name in ("frontier.png", "compression.png"):
+    for name in ("frontier.png", "temperature.png", "compression.png"):
         assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -126,7 +126,8 @@ def test_the_cli_runs_on_two_processes_as_on_one(tiny_model_dir, tmp_path):
         reports[name] = json.loads((tmp_path / name / "report.json").read_text())
     assert (reports["one"]["settings"].pop("processes"), reports["two"]["settings"].pop("processes")) == (1, 2)
     for report in reports.values():  # wall times differ from run to run
-        assert set(report["settings"].pop("seconds")) == {"generation", "perplexity", "mauve", "compression"}
+        assert set(report["settings"].pop("seconds")) == {"generation", "perplexity", "mauve", "intervals",
+                                                           "compression"}  # fmt: skip
     assert reports["one"] == reports["two"]
 
 
@@ -135,6 +136,10 @@ def test_the_cli_runs_on_two_processes_as_on_one(tiny_model_dir, tmp_path):
     [
         (["eval", "--prompts", "no/such/file.jsonl"], "prompts file not found"),
         (["eval", "--limit", "0"], "--limit: must be >= 1"),
+        (["eval", "--seeds", "0"], "--seeds: must be >= 1"),
+        (["eval", "--resamples", "1"], "--resamples: must be >= 2"),
+        (["eval", "--grid", "samplers", "--temperatures", "0.7,x"], "--temperatures: must be comma-separated"),
+        (["eval", "--grid", "samplers", "--temperatures", "nan"], "each temperature must be in"),
     ],
 )
 def test_bad_eval_input_gets_one_line(capsys, argv, message):
@@ -144,3 +149,41 @@ def test_bad_eval_input_gets_one_line(capsys, argv, message):
         code = exit_.code
     err = capsys.readouterr().err
     assert code != 0 and message in err and "Traceback" not in err
+
+
+def test_seeds_average_per_seed_metrics_and_give_intervals_over_prompts_and_seeds(tiny):
+    """Oracle: the generations rebuilt with the documented row seeds, each metric per seed by the plain
+    functions, and the interval recomputed with numpy's percentiles over the same half-samples."""
+    import numpy
+
+    from decodekit.eval.intervals import half_samples
+    from decodekit.eval.runner import SEED_STRIDE
+
+    model, tokenizer = tiny
+    prompts = load_prompts()[:6]
+    strategies = [Strategy(name="greedy"), Strategy(name="hot", temperature=1.3)]
+    report = evaluate_strategies(model, tokenizer, prompts, strategies, seed=7, seeds=3, resamples=50,
+                                 compression_ratios=(0.0,), memory_fractions=(), **SHORT)  # fmt: skip
+    greedy, hot = report.strategies
+    assert (greedy["seeds"], hot["seeds"]) == (1, 3)
+    assert len(report.generations["greedy"]) == 6 and len(report.generations["hot"]) == 18
+    per_seed = []
+    for seed_index in range(3):
+        seeds = [7 + SEED_STRIDE * seed_index + 100_003 + row for row in range(6)]
+        texts = [generate_text(model, tokenizer, [p], strategies[1], max_new_tokens=8, row_seeds=[s])[0]
+                 for p, s in zip(prompts, seeds, strict=True)]  # fmt: skip
+        per_seed.append(texts)
+    assert report.generations["hot"] == [text for texts in per_seed for text in texts]
+    assert len({tuple(texts) for texts in per_seed}) == 3  # the seeds differ
+    assert hot["distinct_2"] == pytest.approx(numpy.mean([distinct_n(texts, 2) for texts in per_seed]))
+    draws = half_samples(6, 3, 50, seed=7)
+    values = numpy.array([numpy.mean([distinct_n([per_seed[k][p] for p in chosen], 2) for k in ks])
+                          for chosen, ks in draws])  # fmt: skip
+    deviations = values - values.mean()
+    low, high = (min(max(hot["distinct_2"] + numpy.percentile(deviations, q), 0.0), 1.0) for q in (2.5, 97.5))
+    assert (hot["distinct_2_low"], hot["distinct_2_high"]) == (pytest.approx(low), pytest.approx(high))
+    for row in (greedy, hot):
+        for name in ("distinct_2", "self_bleu", "perplexity", "rep_16"):
+            assert row[f"{name}_low"] <= row[name] <= row[f"{name}_high"], (row["strategy"], name)
+        assert row["mauve_low"] is None and row["mauve_high"] is None
+    assert hot["distinct_2_high"] - hot["distinct_2_low"] > 0

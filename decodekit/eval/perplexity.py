@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ class PerplexityResult:
     mean_perplexity: float
     total_nll: float
     scored_tokens: int
+    text_nll: list[float] = field(default_factory=list)  # per text: its summed negative log-likelihood
+    text_tokens: list[int] = field(default_factory=list)  # per text: the tokens scored
 
 
 def _windows(ids: list[int], max_length: int, stride: int) -> list[tuple[list[int], int]]:
@@ -134,6 +136,8 @@ def perplexity(
         mean_perplexity=sum(perplexities) / len(perplexities),
         total_nll=sum(nll),
         scored_tokens=sum(counts),
+        text_nll=nll,
+        text_tokens=counts,
     )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from decodekit.eval.runner import EvaluationReport
 
-REPORT_FILES = ("report.json", "report.csv", "frontier.png", "compression.png")
+REPORT_FILES = ("report.json", "report.csv", "frontier.png", "temperature.png", "compression.png")
 STAGING_PREFIX = ".decodekit-reports-"
 
 
@@ -40,9 +40,10 @@ def check_output_dir(directory: str | Path) -> Path:
 
 
 def write_reports(report: EvaluationReport, directory: str | Path) -> dict[str, Path]:
-    """Write report.json, report.csv, frontier.png and compression.png into ``directory``; return their paths.
+    """Write report.json, report.csv, frontier.png, temperature.png and compression.png into ``directory``;
+    return their paths.
 
-    The four are written as a set: into a hidden staging folder first, then moved into place
+    The five are written as a set: into a hidden staging folder first, then moved into place
     with Ctrl-C held back, so an interrupted run leaves the previous complete set, never a mix.
     """
     directory = check_output_dir(directory)
@@ -59,6 +60,7 @@ def write_reports(report: EvaluationReport, directory: str | Path) -> dict[str, 
             writer.writeheader()
             writer.writerows(report.strategies)
         plot_frontier(report, staged["frontier.png"])
+        _save(temperature_figure(report), staged["temperature.png"])
         plot_compression(report, staged["compression.png"])
         with _interrupts_held():
             for name, path in staged.items():
@@ -127,11 +129,63 @@ def frontier_figure(report: EvaluationReport):
     for index, ((x, y), labels) in enumerate(points.items()):
         marker = POINT_MARKERS[index % len(POINT_MARKERS)]
         axes.plot(x, y, marker, linestyle="none", markersize=8, label=" = ".join(labels))
+    for row in rows:
+        _error_bars(axes, row, "distinct_2", "perplexity")
     axes.set_xlabel("diversity: distinct-2, unique / all bigrams (higher: more diverse)")
     axes.set_ylabel("perplexity of the generations, log scale (lower: more fluent)")
     axes.set_yscale("log")
     axes.set_title("Quality-diversity frontier (better: right and down)")
     axes.legend(fontsize=7, loc="best")
+    figure.tight_layout()
+    return figure
+
+
+def _error_bars(axes, row: dict, x: str, y: str) -> None:
+    """Grey 95% interval bars on a point (``<metric>_low``/``_high``), where the row has them."""
+    bounds = {name: (row.get(f"{name}_low"), row.get(f"{name}_high")) for name in (x, y)}
+    if row.get(x) is None or row.get(y) is None:
+        return
+    spans = {}
+    for name, (low, high) in bounds.items():
+        spans[name] = None if low is None or high is None else [[row[name] - low], [high - row[name]]]
+    if spans[x] is None and spans[y] is None:
+        return
+    axes.errorbar(row[x], row[y], xerr=spans[x], yerr=spans[y], fmt="none", ecolor="gray", alpha=0.6,
+                  elinewidth=0.8, capsize=2)  # fmt: skip
+
+
+def temperature_figure(report: EvaluationReport):
+    """Each sampler across temperatures: distinct-2 (top) and the generations' perplexity (bottom, log),
+    with their 95% intervals. A sampler is the strategies named "<sampler>, T=<t>" (as ``sampler_grid``
+    and the default grid name them); those with one temperature only are left out."""
+    plt = _pyplot()
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    families: dict[str, list[dict]] = {}
+    for row in report.strategies:
+        name, separator, _ = str(row["strategy"]).rpartition(", T=")
+        if separator and row.get("temperature") is not None:
+            families.setdefault(name, []).append(row)
+    drawn = 0
+    for index, (name, members) in enumerate(families.items()):
+        if len({row["temperature"] for row in members}) < 2:
+            continue
+        members = sorted(members, key=lambda row: row["temperature"])
+        marker = POINT_MARKERS[index % len(POINT_MARKERS)] + "-"
+        for axes, metric in ((top, "distinct_2"), (bottom, "perplexity")):
+            points = [row for row in members if row.get(metric) is not None]
+            axes.plot([row["temperature"] for row in points], [row[metric] for row in points], marker, label=name)
+            for row in points:
+                _error_bars(axes, {**row, "t": row["temperature"]}, "t", metric)
+        drawn += 1
+    top.set_ylabel("distinct-2 (higher: more diverse)")
+    bottom.set_ylabel("perplexity, log scale (lower: more fluent)")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("temperature")
+    top.set_title("Samplers across temperatures (bars: 95% intervals over prompts and seeds)")
+    if drawn:
+        top.legend(fontsize=7, ncol=2, loc="best")
+    else:
+        top.text(0.5, 0.5, "no sampler was run at two temperatures or more", ha="center", transform=top.transAxes)
     figure.tight_layout()
     return figure
 

@@ -1,16 +1,22 @@
 """The evaluation runner: generate with each strategy, then score diversity and perplexity.
 
 Prompts are cut into fixed batches, and each prompt samples from its own seed, derived from the
-run's seed, the strategy and the prompt's index, so the report does not depend on the batch size.
+run's seed, the seed's index (``seeds``), the strategy and the prompt's index, so the report does
+not depend on the batch size. A sampling strategy generates once per seed (a greedy or beam one
+once); each metric is computed per seed on that seed's texts and averaged, with a 95% interval over
+prompts and seeds (``decodekit.eval.intervals``).
 Under ``accelerate launch`` or ``torchrun`` the batches are dealt out to the processes and gathered
 again, so a run on N processes reports what a run on one does.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,13 +25,27 @@ from transformers import DynamicCache
 from decodekit._validation import check_int, check_real
 from decodekit.cache.size import full_cache_bytes
 from decodekit.eval import diversity
+from decodekit.eval.intervals import half_samples, intervals
 from decodekit.eval.mauve import mauve, text_features
 from decodekit.eval.perplexity import continuation_perplexity, perplexity
 from decodekit.generation import check_prompts, generate_text
 from decodekit.strategies import Strategy
 
 COMPRESSION_RATIOS = (0.0, 0.25, 0.5, 0.75)
+SEED_STRIDE = 1_000_003  # between the row seeds of one seed index and the next
+METRICS = (
+    "distinct_1", "distinct_2", "distinct_2_per_token", "self_bleu", "seq_rep_4", "rep_16", "entropy_2",
+    "gzip_ratio", "perplexity", "mean_perplexity", "mauve",
+)  # fmt: skip
 MEMORY_FRACTIONS = (0.5, 0.25, 0.1)
+# Where a metric's values lie, so that an interval never leaves them; MAUVE gets no interval (one
+# value clusters every text, about 1.6 s on a CPU, and half-corpora of a few dozen texts are too few
+# for its clusters).
+RANGES = {
+    "distinct_1": (0.0, 1.0), "distinct_2": (0.0, 1.0), "distinct_2_per_token": (0.0, 1.0), "self_bleu": (0.0, 1.0),
+    "seq_rep_4": (0.0, 1.0), "rep_16": (0.0, 1.0), "entropy_2": (0.0, None), "gzip_ratio": (0.0, None),
+    "perplexity": (1.0, None), "mean_perplexity": (1.0, None),
+}  # fmt: skip
 
 
 def default_strategies() -> list[Strategy]:
@@ -53,6 +73,38 @@ def default_strategies() -> list[Strategy]:
         )
     grid.append(Strategy(name="greedy, kv budget 64", kv_budget=64))
     return grid
+
+
+# The samplers the sampler grid compares, each at its usual setting (fields of a Strategy).
+SAMPLERS: dict[str, dict[str, Any]] = {
+    "top-p 0.9": {"top_p": 0.9},
+    "min-p 0.1": {"min_p": 0.1},
+    "top-n-sigma 1.0": {"top_n_sigma": 1.0},
+    "Top-H 0.4": {"top_h": 0.4},
+    "typical 0.9": {"typical_p": 0.9},
+    "epsilon 3e-4": {"epsilon_cutoff": 3e-4},
+    "eta 3e-4": {"eta_cutoff": 3e-4},
+    "p-less": {"p_less": 2.0},
+    "XTC 0.1/0.5": {"xtc_threshold": 0.1, "xtc_probability": 0.5},
+    "mirostat 5/0.1": {"mirostat_tau": 5.0, "mirostat_eta": 0.1},
+    "DRY 0.8": {"dry_multiplier": 0.8},
+    "adaptive-p 0.4": {"min_p": 0.05, "adaptive_p": 0.4},
+}
+
+
+def sampler_grid(temperatures: Sequence[float] = (1.0, 1.5)) -> list[Strategy]:
+    """Every sampler of ``SAMPLERS`` at every temperature (named "<sampler>, T=<t>"), for
+    ``decodekit eval --grid samplers``; several temperatures make ``temperature.png`` a sweep.
+
+    Example:
+        >>> [s.label for s in sampler_grid([0.7])][:2]
+        ['top-p 0.9, T=0.7', 'min-p 0.1, T=0.7']
+    """
+    return [
+        Strategy(name=f"{name}, T={temperature:g}", temperature=temperature, **fields)
+        for temperature in temperatures
+        for name, fields in SAMPLERS.items()
+    ]
 
 
 @dataclass
@@ -84,16 +136,64 @@ def _diversity(texts: list[str]) -> dict[str, float]:
     }
 
 
-def _generation_perplexity(model: Any, tokenizer: Any, scorable: list[str]) -> dict[str, float | None]:
-    """Corpus and mean perplexity of the generations that hold a token (None when none does)."""
-    if not scorable:
-        return {"perplexity": None, "mean_perplexity": None, "scored_texts": 0}
-    result = perplexity(scorable, model, tokenizer)
-    return {
-        "perplexity": result.corpus_perplexity,
-        "mean_perplexity": result.mean_perplexity,
-        "scored_texts": len(scorable),
-    }
+@dataclass
+class _Scored:
+    """One strategy's texts per seed, with what the metrics need per text: the negative log-likelihood
+    and tokens scored (None for a text with no token) and the MAUVE features (None without them)."""
+
+    texts: list[list[str]]
+    nll: list[list[tuple[float, int] | None]]
+    features: list[list[torch.Tensor | None]]
+
+    def metrics(self, prompts: list[int], seed: int, human: torch.Tensor | None) -> dict[str, float | None]:
+        """Every metric on the texts of ``prompts`` (indices) generated with seed index ``seed`` (MAUVE only
+        against ``human`` features)."""
+        texts = [self.texts[seed][prompt] for prompt in prompts]
+        values: dict[str, float | None] = dict(_diversity(texts))
+        scored = [self.nll[seed][prompt] for prompt in prompts if self.nll[seed][prompt] is not None]
+        values["perplexity"] = values["mean_perplexity"] = None
+        if scored:
+            values["perplexity"] = math.exp(sum(nll for nll, _ in scored) / sum(count for _, count in scored))
+            values["mean_perplexity"] = statistics.fmean(math.exp(nll / count) for nll, count in scored)
+        features = [self.features[seed][prompt] for prompt in prompts if self.features[seed][prompt] is not None]
+        values["mauve"] = mauve(torch.stack(features), human) if human is not None and len(features) >= 2 else None
+        return values
+
+
+def _score(model: Any, tokenizer: Any, texts: list[list[str]], with_features: bool) -> _Scored:
+    """Score every text of every seed once (perplexity, MAUVE features), for the metrics to combine."""
+    flat = [text for seed_texts in texts for text in seed_texts]
+    scorable = [index for index, text in enumerate(flat) if tokenizer(text, add_special_tokens=False)["input_ids"]]
+    nll: list[tuple[float, int] | None] = [None] * len(flat)
+    features: list[torch.Tensor | None] = [None] * len(flat)
+    if scorable:
+        result = perplexity([flat[index] for index in scorable], model, tokenizer)
+        for index, total, count in zip(scorable, result.text_nll, result.text_tokens, strict=True):
+            nll[index] = (total, count)
+        if with_features:
+            for index, row in zip(scorable, text_features([flat[i] for i in scorable], model, tokenizer), strict=True):
+                features[index] = row
+    width = len(texts[0])
+    per_seed = [slice(start, start + width) for start in range(0, len(flat), width)]
+    return _Scored(texts, [nll[part] for part in per_seed], [features[part] for part in per_seed])
+
+
+def _within(bounds: tuple[float, float] | None, span: tuple[float | None, float | None] | None) -> tuple:
+    """``bounds`` cut to the metric's ``span``; (None, None) without bounds."""
+    if bounds is None or span is None:
+        return None, None
+    low, high = bounds
+    least, most = span
+    if least is not None:
+        low, high = max(low, least), max(high, least)
+    if most is not None:
+        low, high = min(low, most), min(high, most)
+    return low, high
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the values, or None when any is missing."""
+    return None if any(value is None for value in values) else statistics.fmean(values)
 
 
 def _reference_passages(reference: str, count: int) -> list[str]:
@@ -102,27 +202,35 @@ def _reference_passages(reference: str, count: int) -> list[str]:
     return [passage for passage in passages if len(passage) >= 80][:count]
 
 
-def _generate_all(model, tokenizer, prompts, strategies, *, max_new_tokens, batch_size, seed, state, progress):
+def _generate_all(
+    model, tokenizer, prompts, strategies, *, max_new_tokens, batch_size, seed, seeds, state, progress
+) -> dict[str, list[list[str]]]:
+    """Per strategy, its texts per seed index (one seed for a strategy that does not sample)."""
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
 
     batches = [prompts[start : start + batch_size] for start in range(0, len(prompts), batch_size)]
     mine = [index for index in range(len(batches)) if index % state.num_processes == state.process_index]
-    jobs = [(s, b) for s in range(len(strategies)) for b in mine]
+    jobs = [(s, k, b) for s, strategy in enumerate(strategies) for k in range(seeds if strategy.sampling else 1)
+            for b in mine]  # fmt: skip
     produced = []
     bar = tqdm(jobs, desc="1/3 generating", unit="batch", disable=not (progress and state.is_main_process))
-    for strategy_index, batch_index in bar:
+    for strategy_index, seed_index, batch_index in bar:
         bar.set_postfix_str(strategies[strategy_index].label)
         first = batch_index * batch_size
-        row_seeds = [seed + 100_003 * strategy_index + first + row for row in range(len(batches[batch_index]))]
+        base = seed + SEED_STRIDE * seed_index + 100_003 * strategy_index + first
+        row_seeds = [base + row for row in range(len(batches[batch_index]))]
         texts = generate_text(
             model, tokenizer, batches[batch_index], strategies[strategy_index], max_new_tokens=max_new_tokens,
             row_seeds=row_seeds,
         )  # fmt: skip
-        produced.append((strategy_index, batch_index, texts))
+        produced.append((strategy_index, seed_index, batch_index, texts))
     everything = sorted(gather_object(produced) if state.num_processes > 1 else produced)
     return {
-        strategy.label: [text for s, _, texts in everything if s == index for text in texts]
+        strategy.label: [
+            [text for s, k, _, texts in everything if s == index and k == seed_index for text in texts]
+            for seed_index in range(seeds if strategy.sampling else 1)
+        ]
         for index, strategy in enumerate(strategies)
     }
 
@@ -137,6 +245,8 @@ def evaluate_strategies(
     max_new_tokens: int = 64,
     batch_size: int = 8,
     seed: int = 0,
+    seeds: int = 1,
+    resamples: int = 200,
     context_tokens: int = 1024,
     continuation_tokens: int = 256,
     compression_ratios: Sequence[float] = COMPRESSION_RATIOS,
@@ -147,7 +257,12 @@ def evaluate_strategies(
 
     For each strategy: the diversity metrics of its generations, their perplexity under the
     model, and their MAUVE against as many prose passages of the reference text (None when fewer
-    than two texts are available). For the reference text (``load_reference()`` by default): the perplexity of
+    than two texts are available). A sampling strategy generates with ``seeds`` seeds; each metric
+    is the mean over seeds of its value on one seed's texts, with a 95% interval
+    (``<metric>_low``, ``<metric>_high``) from ``resamples`` half-samples of the prompts and
+    resamples of the seeds (``decodekit.eval.intervals``; a greedy or beam strategy's text does not
+    change with the seed, so its interval is over prompts), cut to the metric's range. MAUVE gets
+    no interval (see ``RANGES``). For the reference text (``load_reference()`` by default): the perplexity of
     ``continuation_tokens`` tokens after ``context_tokens`` tokens kept in a CompressedCache at
     each of ``compression_ratios`` (0 is the full cache) and each of ``memory_fractions`` (the
     ``kv_memory_fraction`` field), with the bytes each cache held at the end as a share of a full
@@ -170,6 +285,8 @@ def evaluate_strategies(
     check_prompts(prompts)
     check_int("max_new_tokens", max_new_tokens, 1)
     check_int("batch_size", batch_size, 1)
+    check_int("seeds", seeds, 1)
+    check_int("resamples", resamples, 2)
     check_int("context_tokens", context_tokens, 1)
     check_int("continuation_tokens", continuation_tokens, 1)
     ratios = [check_real("compression_ratios[]", ratio, 0, 1, high_open=True) for ratio in compression_ratios]
@@ -188,15 +305,18 @@ def evaluate_strategies(
     started = time.perf_counter()
     generations = _generate_all(
         model, tokenizer, list(prompts), strategies, max_new_tokens=max_new_tokens, batch_size=batch_size,
-        seed=seed, state=state, progress=progress,
+        seed=seed, seeds=seeds, state=state, progress=progress,
     )  # fmt: skip
-    report = EvaluationReport(generations=generations)
+    flat = {label: [text for seed_texts in per_seed for text in seed_texts] for label, per_seed in generations.items()}
+    report = EvaluationReport(generations=flat)
     report.settings = {
         "prompts": len(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size, "seed": seed,
+        "seeds": seeds, "resamples": resamples,
         "context_tokens": context_tokens, "continuation_tokens": continuation_tokens, "processes": state.num_processes,
     }  # fmt: skip
     shown = progress and state.is_main_process
-    seconds = {"generation": time.perf_counter() - started, "perplexity": 0.0, "mauve": 0.0, "compression": 0.0}
+    seconds = {"generation": time.perf_counter() - started, "perplexity": 0.0, "mauve": 0.0, "intervals": 0.0,
+               "compression": 0.0}  # fmt: skip
     human = _reference_passages(reference, len(prompts))
     clock = time.perf_counter()
     human_features = text_features(human, model, tokenizer) if len(human) >= 2 else None
@@ -204,20 +324,24 @@ def evaluate_strategies(
     bar = tqdm(strategies, desc="2/3 scoring", unit="strategy", disable=not shown)
     for strategy in bar:
         bar.set_postfix_str(strategy.label)
-        texts = generations[strategy.label]
-        row = {"strategy": strategy.label, **strategy.to_dict(), "generated_texts": len(texts)}
-        row.update(_diversity(texts))
-        scorable = [text for text in texts if tokenizer(text, add_special_tokens=False)["input_ids"]]
+        per_seed = generations[strategy.label]
         clock = time.perf_counter()
-        row.update(_generation_perplexity(model, tokenizer, scorable))
+        scored = _score(model, tokenizer, per_seed, with_features=human_features is not None)
         seconds["perplexity"] += time.perf_counter() - clock
         clock = time.perf_counter()
-        row["mauve"] = (
-            mauve(text_features(scorable, model, tokenizer), human_features)
-            if human_features is not None and len(scorable) >= 2
-            else None
-        )
-        seconds["mauve"] += time.perf_counter() - clock
+        everything = list(range(len(prompts)))
+        by_seed = [scored.metrics(everything, index, human_features) for index in range(len(per_seed))]
+        estimates = {name: _mean([values[name] for values in by_seed]) for name in METRICS}
+        draws = half_samples(len(prompts), len(per_seed), resamples, seed=seed)
+        with_ranges = {name: value for name, value in estimates.items() if name in RANGES}
+        bounds = intervals(with_ranges, partial(scored.metrics, human=None), draws)
+        row = {"strategy": strategy.label, **strategy.to_dict(), "generated_texts": len(flat[strategy.label]),
+               "seeds": len(per_seed),
+               "scored_texts": sum(entry is not None for seed_nll in scored.nll for entry in seed_nll)}  # fmt: skip
+        for name in METRICS:
+            low, high = _within(bounds.get(name), RANGES.get(name))
+            row.update({name: estimates[name], f"{name}_low": low, f"{name}_high": high})
+        seconds["intervals"] += time.perf_counter() - clock
         report.strategies.append(row)
     context = torch.tensor([ids[:context_tokens]], device=model.device)
     continuation = torch.tensor([ids[context_tokens : context_tokens + continuation_tokens]], device=model.device)
