@@ -11,7 +11,10 @@ is scored over what was kept:
 - global: all layers and heads share one budget through one ranking (KVzip's allocation), on raw
   scores, or on scores divided by their layer's mean (so that layers with flat attention compete);
 - layers: all layers share one budget, every head of a layer keeping the same number of tokens
-  (``CompressedCache(allocation="global")``: ``decodekit.cache.allocation.layer_counts``).
+  (``CompressedCache(allocation="global")``: ``decodekit.cache.allocation.layer_counts``);
+- global, rectangular: the global ranking given only the memory of the even share in rectangular
+  per-layer tensors (a layer as long as its longest head): the most tokens whose ranking fits, each
+  head then filling up to its layer's length. Prints the memory the plain global ranking would need.
 
 Non-uniform allocations keep a floor per head (each keeps at least ``--floor`` of the uniform share;
 for "layers", each layer) and are applied as masks: this measures the quality of the choice, not the
@@ -38,7 +41,7 @@ from decodekit.cache.allocation import layer_counts
 from decodekit.cache.layer import PROTECTED
 from decodekit.eval.perplexity import continuation_perplexity as evicting_perplexity
 
-ALLOCATIONS = ("uniform", "per layer", "global", "global, layer-normalized", "layers")
+ALLOCATIONS = ("uniform", "per layer", "global", "global, layer-normalized", "layers", "global, rectangular")
 
 
 def _ranked(priority: torch.Tensor, keep: int) -> torch.Tensor:
@@ -65,10 +68,35 @@ def allocate(priorities: list[torch.Tensor], ratio: float, how: str, floor: floa
             ordinary = scores < PROTECTED
             scores = torch.where(ordinary, scores / scores[ordinary].mean().clamp(min=1e-30), scores)
         lifted.append(torch.where(floor_mask, PROTECTED, scores))
+    if how == "global, rectangular":
+        return _rectangular(lifted, priorities, share, ratio)
     if how == "per layer":
         return [_ranked(scores.reshape(1, -1), heads * share).reshape(heads, tokens) for scores in lifted]
     flat = torch.stack(lifted).reshape(1, -1)
     return list(_ranked(flat, len(priorities) * heads * share).reshape(len(priorities), heads, tokens))
+
+
+def _global_masks(lifted: list[torch.Tensor], total: int) -> torch.Tensor:
+    """``[layers, heads, tokens]``: the ``total`` best entries of all layers and heads together."""
+    flat = torch.stack(lifted).reshape(1, -1)
+    return _ranked(flat, total).reshape(len(lifted), *lifted[0].shape)
+
+
+def _rectangular(lifted: list[torch.Tensor], priorities: list[torch.Tensor], share: int, ratio: float) -> list:
+    """The global ranking within the memory of the even share in rectangular per-layer tensors."""
+    layers, heads = len(lifted), lifted[0].shape[0]
+    memory = layers * heads * share  # entries a rectangular layout holds at the even share
+
+    def lengths(total: int) -> torch.Tensor:  # each layer's longest head under the global ranking
+        return _global_masks(lifted, total).sum(dim=-1).amax(dim=-1)
+
+    needed = int(lengths(memory).sum()) * heads / memory
+    low, high = layers * share, memory  # the even share always fits; the whole memory may not
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if int(lengths(middle).sum()) * heads <= memory else (low, middle - 1)
+    print(f"    {ratio:.0%} evicted: the plain global ranking needs {needed:.2f}x the memory", flush=True)
+    return [_ranked(priority, int(length)) for priority, length in zip(priorities, lengths(low), strict=True)]
 
 
 def continuation_perplexity(
