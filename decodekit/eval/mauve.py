@@ -3,10 +3,17 @@
 The recipe of the reference implementation, with the feature model swapped for the one at hand:
 each text becomes the final hidden state of its last token; the features of both sets are
 L2-normalized, reduced by PCA to the components explaining ``explained_variance`` of the variance,
-and quantized together by k-means into ``clusters`` buckets (default: a tenth of the texts). The
+and quantized together by k-means into ``clusters`` buckets (default: a tenth of the smaller set, as
+mauve-text's ``num_buckets="auto"``). The
 two bucket histograms P (references) and Q (generations) give a divergence curve
 ``(exp(-c KL(Q || R)), exp(-c KL(P || R)))`` over mixtures ``R = w P + (1 - w) Q``; MAUVE is the
 area under it, 1 for identical distributions and near 0 for disjoint ones.
+
+The authors' ``mauve-text`` (with faiss and scikit-learn) is the test oracle: on the same features,
+averaged over five k-means seeds, the two agree within 0.02 where MAUVE is near 1 or near 0 and
+within 0.06 in between, on 200 texts a side (``tests/test_mauve.py``); one seed of ours varies more
+than one of mauve-text's (its k-means runs fewer iterations). decodekit keeps its own
+so that MAUVE runs on torch alone, on any device, with no further dependency.
 """
 
 from __future__ import annotations
@@ -114,7 +121,8 @@ def mauve(
     variance = singular**2 / (singular**2).sum()
     keep = int((variance.cumsum(0) < explained_variance).sum()) + 1
     reduced = centered @ vectors[:keep].T
-    count = clusters if clusters is not None else max(2, len(features) // 10)
+    # As mauve-text's num_buckets="auto": a tenth of the smaller side.
+    count = clusters if clusters is not None else max(2, round(min(len(p_features), len(q_features)) / 10))
     if not 1 <= count <= len(features):
         raise ValueError(f"clusters must be between 1 and the number of texts ({len(features)}); got {count}")
     labels = _kmeans(reduced, count, seed=seed)
