@@ -92,6 +92,11 @@ def _text(result) -> str:
         ("greedy", {"num_beams": 3}, Strategy(num_beams=3)),
         ("staged penalty", {}, Strategy(staged_penalty="1:1.2,3:1.5,6:2.0", penalty_window=64)),
         ("greedy", {"kv_memory_fraction": 0.5, "kv_bits": "8"}, Strategy(kv_memory_fraction=0.5, kv_bits=8)),
+        (
+            "greedy",
+            {"kv_budget": 40, "kv_scoring": "reconstruction"},
+            Strategy(kv_budget=40, kv_scoring="reconstruction"),
+        ),
     ],
 )
 def test_the_api_takes_named_settings_and_streams_the_librarys_text(served, preset, settings, strategy):
