@@ -239,23 +239,22 @@ class CompressedLayer(DynamicLayer):
         rotary embedding (``cos``, ``sin``) they are to be turned by."""
         self._queries = (queries, scaling, cos, sin)
 
-    def pass_mask(self, query_length: int) -> torch.Tensor | None:
+    def pass_mask(self, query_length: int, *, plain: bool = False) -> torch.Tensor | None:
         """``[batch, kv_heads, query_length, slots]``, True where a query of the coming pass may attend.
 
         None when the model's own mask is right: on the first pass, and later when no row has a dead
-        slot, none was padded, the layer has no sliding window (the stored layout is then the plain
-        causal one) and its length is the even share's (no ``allocation="global"`` share). Queries
-        after the first pass are real tokens; they see every live entry and the new tokens up to
-        themselves.
+        slot, none was padded and the layer has no sliding window (the stored layout is then the
+        plain causal one), unless ``plain`` asks for the mask of that layout too (under
+        ``allocation="global"`` layers differ in length, and the model's mask fits the first's).
+        Queries after the first pass are real tokens; they see every live entry and the new tokens
+        up to themselves.
         """
         if not self.is_initialized:
             return None
         free = self._free
         least_live = self.live_range[0] + query_length
         stored = self.slots + (0 if free is not None else query_length)
-        # Under allocation="global" layers differ in length, and the model's mask fits only the first's.
-        plain = self.pad_range[1] == 0 and least_live >= stored and self.sliding_window is None
-        if plain and self.allocated is None:
+        if self.pad_range[1] == 0 and least_live >= stored and self.sliding_window is None and not plain:
             return None
         device = self.live.device
         query_positions = torch.arange(self.seen, self.seen + query_length, device=device)[:, None]
