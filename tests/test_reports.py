@@ -74,9 +74,13 @@ def test_the_readme_documents_every_report_column(tiny):
     )  # fmt: skip
     text = README.read_text()
     columns = {key for row in report.strategies for key in row} - set(BY_NAME)
-    missing = sorted(column for column in columns if f"`{column}`" not in text)
+    # An interval's bounds are documented by the one row `<metric>_low`, `<metric>_high` and their metric's.
+    bounds = {column for column in columns if column.endswith(("_low", "_high"))}
+    assert bounds and "`<metric>_low`, `<metric>_high`" in text
+    assert {column.rsplit("_", 1)[0] for column in bounds} <= columns
+    missing = sorted(column for column in columns - bounds if f"`{column}`" not in text)
     assert not missing, f"report columns missing from README.md: {missing}"
-    assert set(report.settings["seconds"]) == {"generation", "perplexity", "mauve", "compression"}
+    assert set(report.settings["seconds"]) == {"generation", "perplexity", "mauve", "intervals", "compression"}
 
 
 @pytest.mark.parametrize("figure_of", [frontier_figure, compression_figure])
