@@ -72,8 +72,7 @@ def allocate(priorities: list[torch.Tensor], ratio: float, how: str, floor: floa
         return _rectangular(lifted, priorities, share, ratio)
     if how == "per layer":
         return [_ranked(scores.reshape(1, -1), heads * share).reshape(heads, tokens) for scores in lifted]
-    flat = torch.stack(lifted).reshape(1, -1)
-    return list(_ranked(flat, len(priorities) * heads * share).reshape(len(priorities), heads, tokens))
+    return list(_global_masks(lifted, len(priorities) * heads * share))
 
 
 def _global_masks(lifted: list[torch.Tensor], total: int) -> torch.Tensor:

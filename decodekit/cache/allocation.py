@@ -43,7 +43,7 @@ def layer_counts(priorities: list[torch.Tensor], targets: torch.Tensor, floor: f
     for priority in priorities:
         ordered = priority.double().sort(dim=-1, descending=True).values
         offer = ordered.mean(dim=1)  # -inf where a head has no j-th live entry
-        offers.append(functional_pad(offer, slots))
+        offers.append(_padded(offer, slots))
     offers = torch.stack(offers)  # [layers, rows, slots]
     layers = offers.shape[0]
     targets = targets.to(device=offers.device, dtype=torch.long)
@@ -59,7 +59,7 @@ def layer_counts(priorities: list[torch.Tensor], targets: torch.Tensor, floor: f
     return kept.reshape(rows, layers, slots).sum(dim=-1).T.contiguous()
 
 
-def functional_pad(offer: torch.Tensor, slots: int) -> torch.Tensor:
+def _padded(offer: torch.Tensor, slots: int) -> torch.Tensor:
     """``offer`` ([rows, n]) extended with -inf to ``slots`` columns."""
     missing = slots - offer.shape[-1]
     if missing == 0:
