@@ -700,17 +700,13 @@ class CompressedLayer(DynamicLayer):
         return hidden
 
     def priority_scores(self) -> torch.Tensor:
-        """The entries' scores as eviction ranks them: times the value norm when the policy says so (never
-        under ``allocation="global"``, whose reconstruction scores rank as they are, as KVzip ranks them)."""
-        if self.policy.value_norm and self.policy.allocation != "global":
-            return self.scores * self.value_norms
-        return self.scores
+        """The entries' scores as eviction ranks them: times the value norm when the policy says so
+        (``EvictionPolicy.ranks_by_value_norm``)."""
+        return self.scores * self.value_norms if self.policy.ranks_by_value_norm else self.scores
 
     def set_priority(self, priority: torch.Tensor) -> None:
         """Store scores such that ``priority_scores()`` returns ``priority``."""
-        if self.policy.value_norm and self.policy.allocation != "global":
-            priority = priority / self.value_norms.clamp(min=1e-30)
-        self.scores = priority
+        self.scores = priority / self.value_norms.clamp(min=1e-30) if self.policy.ranks_by_value_norm else priority
 
     def _priority(self) -> torch.Tensor:
         """Sinks and recent tokens above every score, then score (times value norm); under a sliding

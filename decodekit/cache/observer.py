@@ -145,11 +145,13 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     _pending()[id(module)] = (layer, window, cos, sin)
     pads = None if layer.is_initialized else _left_padding(kwargs.get("attention_mask"), batch, hidden_states.device)
     softcap = getattr(module, "attn_logit_softcapping", None)
-    keys = layer.get_mask_sizes(length)[0] if layer.is_initialized else None
+    first_pass = not layer.is_initialized
     visible = layer.begin_pass(length, pads, sliding_window=_sliding_window(module), softcap=softcap)
     if visible is None:
         model_mask = kwargs.get("attention_mask")
-        if keys is None or not isinstance(model_mask, torch.Tensor) or model_mask.shape[-1] == keys:
+        if first_pass or not isinstance(model_mask, torch.Tensor):
+            return None
+        if model_mask.shape[-1] == layer.get_mask_sizes(length)[0]:
             return None
         # The model's mask was made for another layer's length (allocation="global"): this layer's own.
         visible = layer.pass_mask(length, plain=True)

@@ -12,7 +12,6 @@ from decodekit.cache.allocation import ALLOCATIONS
 from decodekit.cache.size import EntryBytes
 from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BITS, KV_SCORINGS
 
-SCORINGS = KV_SCORINGS
 SCORING_BACKENDS = ("auto", "triton", "torch")
 # A layer's share of the tokens, when it is chosen by the allocation: it keeps ``count`` tokens per KV head
 # when a uniform layer keeps ``base``, and ``count * target // base`` when a uniform layer keeps ``target``.
@@ -112,8 +111,8 @@ class EvictionPolicy:
                 )
             if self.kv_bits is None:
                 raise ValueError("key_bits (the keys' width) needs kv_bits (the values' width)")
-        if self.scoring not in SCORINGS:
-            raise ValueError(f"scoring must be one of {', '.join(map(repr, SCORINGS))}; got {self.scoring!r}")
+        if self.scoring not in KV_SCORINGS:
+            raise ValueError(f"scoring must be one of {', '.join(map(repr, KV_SCORINGS))}; got {self.scoring!r}")
         if self.scoring_backend not in SCORING_BACKENDS:
             raise ValueError(
                 f"scoring_backend must be one of {', '.join(map(repr, SCORING_BACKENDS))}; got {self.scoring_backend!r}"
@@ -160,6 +159,12 @@ class EvictionPolicy:
         if self.memory_fraction is not None:
             return {"memory_fraction": check_real("memory_fraction", self.memory_fraction, 0, 1, low_open=True)}
         return {"max_bytes": check_int("max_bytes", self.max_bytes, 1)}
+
+    @property
+    def ranks_by_value_norm(self) -> bool:
+        """Whether eviction ranks a score times its value's norm (``value_norm``; never under
+        ``allocation="global"``, whose reconstruction scores rank as they are, as KVzip ranks them)."""
+        return self.value_norm and self.allocation != "global"
 
     @property
     def sized_in_bytes(self) -> bool:

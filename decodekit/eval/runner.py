@@ -160,19 +160,24 @@ class _Scored:
         return values
 
 
-def _score(model: Any, tokenizer: Any, texts: list[list[str]], with_features: bool) -> _Scored:
-    """Score every text of every seed once (perplexity, MAUVE features), for the metrics to combine."""
+def _score(model: Any, tokenizer: Any, texts: list[list[str]], with_features: bool, seconds: dict) -> _Scored:
+    """Score every text of every seed once (perplexity, MAUVE features), for the metrics to combine;
+    the time each takes is added to ``seconds["perplexity"]`` and ``seconds["mauve"]``."""
     flat = [text for seed_texts in texts for text in seed_texts]
     scorable = [index for index, text in enumerate(flat) if tokenizer(text, add_special_tokens=False)["input_ids"]]
     nll: list[tuple[float, int] | None] = [None] * len(flat)
     features: list[torch.Tensor | None] = [None] * len(flat)
     if scorable:
+        clock = time.perf_counter()
         result = perplexity([flat[index] for index in scorable], model, tokenizer)
         for index, total, count in zip(scorable, result.text_nll, result.text_tokens, strict=True):
             nll[index] = (total, count)
+        seconds["perplexity"] += time.perf_counter() - clock
         if with_features:
+            clock = time.perf_counter()
             for index, row in zip(scorable, text_features([flat[i] for i in scorable], model, tokenizer), strict=True):
                 features[index] = row
+            seconds["mauve"] += time.perf_counter() - clock
     width = len(texts[0])
     per_seed = [slice(start, start + width) for start in range(0, len(flat), width)]
     return _Scored(texts, [nll[part] for part in per_seed], [features[part] for part in per_seed])
@@ -325,13 +330,13 @@ def evaluate_strategies(
     for strategy in bar:
         bar.set_postfix_str(strategy.label)
         per_seed = generations[strategy.label]
-        clock = time.perf_counter()
-        scored = _score(model, tokenizer, per_seed, with_features=human_features is not None)
-        seconds["perplexity"] += time.perf_counter() - clock
-        clock = time.perf_counter()
+        scored = _score(model, tokenizer, per_seed, human_features is not None, seconds)
+        clock = time.perf_counter()  # the estimates' time is MAUVE's: the other metrics take milliseconds
         everything = list(range(len(prompts)))
         by_seed = [scored.metrics(everything, index, human_features) for index in range(len(per_seed))]
         estimates = {name: _mean([values[name] for values in by_seed]) for name in METRICS}
+        seconds["mauve"] += time.perf_counter() - clock
+        clock = time.perf_counter()
         draws = half_samples(len(prompts), len(per_seed), resamples, seed=seed)
         with_ranges = {name: value for name, value in estimates.items() if name in RANGES}
         bounds = intervals(with_ranges, partial(scored.metrics, human=None), draws)
