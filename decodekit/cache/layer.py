@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import cache
 from types import ModuleType
 
@@ -43,8 +43,10 @@ def _triton_scoring() -> ModuleType | None:
     return kernels
 
 
-# The per-entry tensors, [batch, kv_heads, slots, ...] (``_scores`` is behind the ``scores`` property).
-PER_ENTRY = ("keys", "values", "_scores", "value_norms", "positions", "live")
+# The per-entry tensors, [batch, kv_heads, slots, ...], as stored: the bookkeeping ones are behind the properties
+# ``scores``, ``value_norms``, ``positions`` and ``live``, which bring them up to date first.
+BOOKKEEPING = ("_scores", "_value_norms", "_positions", "_live")
+PER_ENTRY = ("keys", "values", *BOOKKEEPING)
 # With quantized storage, ``keys`` and ``values`` hold codes, and these hold each entry's group scales and offsets.
 CODING = ("key_scales", "key_offsets", "value_scales", "value_offsets")
 PARTS = ("keys", "values")
@@ -69,6 +71,16 @@ def rank_fractions(values: torch.Tensor, live: torch.Tensor | None = None) -> to
     count = live.sum(dim=-1, keepdim=True)
     order = torch.where(live, values.double(), -math.inf).argsort(dim=-1, stable=True).argsort(dim=-1)
     return (order - (live.shape[-1] - count)).double() / count.clamp(min=1)
+
+
+@cache
+def _step_tensors(steps: int, group: int, decay: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For scoring ``steps`` waiting decoding steps at once (``CompressedLayer._score_pending``): ``[steps, steps]``,
+    True where step t may not see step u's token (u > t), and ``[steps, 1]``, the weight of step t's attention
+    (``decay ** (steps - 1 - t)``) over the ``group`` query heads that share a KV head. Built once per shape."""
+    later = torch.ones(steps, steps, dtype=torch.bool, device=device).triu_(1)
+    exponents = torch.arange(steps - 1, -1, -1, dtype=torch.float64, device=device)
+    return later, (decay**exponents / group).to(torch.float32)[:, None]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
@@ -102,14 +114,17 @@ class CompressedLayer(DynamicLayer):
 
     def __init__(self, policy: EvictionPolicy) -> None:
         super().__init__()
+        # Whether decoding steps were appended to the reserved room since the bookkeeping views last covered
+        # every entry (``_append_to_prepared_room``, ``_catch_up``).
+        self._lagging = False
         self.policy = policy
         self.seen = 0  # tokens given to this layer, padding included: the logical length
         self.pads: torch.Tensor | None = None  # [batch]: each row's left padding (its first pads positions)
         # Per entry, [batch, kv_heads, slots]: score, value norm, logical position, live.
         self._scores: torch.Tensor | None = None
-        self.value_norms: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-        self.live: torch.Tensor | None = None
+        self._value_norms: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._live: torch.Tensor | None = None
         # Quantized storage (``policy.kv_bits``, ``policy.key_bits``): ``keys`` or ``values`` or both hold codes,
         # with each entry's group scales and offsets beside them (``CODING``); per row, the key channels' magnitudes
         # [batch, kv_heads, 1, head_dim] and the last ``recent_tokens`` tokens' exact keys and values in a
@@ -137,6 +152,9 @@ class CompressedLayer(DynamicLayer):
         self.live_by_group: dict[tuple[int, Allocated | None], int] = {}
         self.pad_range = (0, 0)
         self.live_range = (0, 0)
+        # Decoding steps that cannot make any row go over its target (targets never shrink as tokens come),
+        # so that ``compress`` skips them; 0 after anything that changes the counts.
+        self._quiet_steps = 0
         # The attention module's own shape: a sliding window (a query sees the last ``sliding_window``
         # positions only) and a logit soft cap, both None for plain causal attention.
         self.sliding_window: int | None = None
@@ -158,7 +176,10 @@ class CompressedLayer(DynamicLayer):
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending_first = 0
         self._pending_scaling = 1.0
-        self._queries: tuple[torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None
+        # The coming pass's observed tokens: the query columns of their projection, the function that makes
+        # queries of them (``observer.queries_from_projection``), the scaling and their rotation (cos, sin).
+        self._queries: tuple[torch.Tensor, Callable, float, torch.Tensor, torch.Tensor] | None = None
+        self._to_queries: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # -- what the model sees ------------------------------------------------------------------------
 
@@ -172,6 +193,45 @@ class CompressedLayer(DynamicLayer):
     def scores(self, value: torch.Tensor | None) -> None:
         self._score_pending()
         self._scores = value
+
+    @property
+    def value_norms(self) -> torch.Tensor | None:
+        """Per entry, the norm of its value vector (decoding steps not yet scored have theirs added first)."""
+        self._score_pending()
+        return self._value_norms
+
+    @value_norms.setter
+    def value_norms(self, value: torch.Tensor | None) -> None:
+        self._value_norms = value
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Per entry, its logical position (int32)."""
+        self._catch_up()
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor | None) -> None:
+        self._positions = value
+
+    @property
+    def live(self) -> torch.Tensor | None:
+        """Per entry, whether it is a token attention may see (not padding, not evicted in place, not cropped)."""
+        self._catch_up()
+        return self._live
+
+    @live.setter
+    def live(self, value: torch.Tensor | None) -> None:
+        self._live = value
+
+    def _catch_up(self) -> None:
+        """Extend the bookkeeping views over the decoding steps appended to the reserved room since they last
+        covered every entry (those steps wrote their keys and values only: the room was prepared for them)."""
+        if self._lagging:
+            self._lagging = False
+            slots = self.slots
+            for name in BOOKKEEPING:
+                setattr(self, name, self._spare[name].narrow(2, 0, slots))
 
     @property
     def slots(self) -> int:
@@ -209,11 +269,11 @@ class CompressedLayer(DynamicLayer):
     ) -> torch.Tensor | None:
         """Prepare a forward pass of ``query_length`` tokens; return its attention mask (see ``pass_mask``).
 
-        ``pads`` (read on the first pass only) is each row's left padding; ``sliding_window`` and
-        ``softcap`` describe the attention module (a local-attention layer, capped logits).
+        ``pads``, ``sliding_window`` and ``softcap`` are read on the first pass only: each row's left
+        padding, and the attention module's shape (a local-attention layer, capped logits).
         """
-        self.sliding_window, self.softcap = sliding_window, softcap
         if not self.is_initialized:
+            self.sliding_window, self.softcap = sliding_window, softcap
             if pads is None:
                 raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
             self.pads = pads.to(dtype=torch.long)
@@ -234,10 +294,22 @@ class CompressedLayer(DynamicLayer):
         """Drop the list of freed slots (after anything that moves entries or changes which are live)."""
         self._freed, self._freed_taken = None, 0
 
-    def observe(self, queries: torch.Tensor, scaling: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Receive the queries of the coming forward pass's last tokens, before ``update``, with the
-        rotary embedding (``cos``, ``sin``) they are to be turned by."""
-        self._queries = (queries, scaling, cos, sin)
+    def observe(
+        self,
+        columns: torch.Tensor,
+        to_queries: Callable[[torch.Tensor], torch.Tensor],
+        scaling: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Receive the coming forward pass's observed (last) tokens before ``update``: their query projection's
+        columns ``[batch, tokens, heads * head_dim]``, the function that makes queries ``[batch, heads, tokens,
+        head_dim]`` of them, and the rotary embedding ``[batch, tokens, rotary]`` (cos, sin) that turns them."""
+        self._queries = (columns, to_queries, scaling, cos, sin)
+
+    def _rotated_queries(self, columns: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The observed tokens' queries, ``[batch, heads, tokens, head_dim]``, rotated to their positions."""
+        return rotate(self._to_queries(columns), cos.unsqueeze(1), sin.unsqueeze(1))
 
     def pass_mask(self, query_length: int, *, plain: bool = False) -> torch.Tensor | None:
         """``[batch, kv_heads, query_length, slots]``, True where a query of the coming pass may attend.
@@ -283,9 +355,17 @@ class CompressedLayer(DynamicLayer):
                 "as past_key_values to that model's forward or generate, not to another model and not to "
                 "cache.update() directly; after unbind(model), build a new CompressedCache(model, ...)"
             )
-        (queries, scaling, cos, sin), free = self._queries, self._free
+        (columns, self._to_queries, scaling, cos, sin), free = self._queries, self._free
         self._queries = self._free = None
         batch, kv_heads, new, _ = key_states.shape
+        stored_as_given = not self.quantized and self.storage_dtype == key_states.dtype
+        if stored_as_given and self._appends_to_prepared_room(new, free):
+            # A decoding step between evictions: store the key and value; its scoring waits.
+            self._append_to_prepared_room({"keys": key_states, "values": value_states})
+            self._add_live(new)
+            self.seen += new
+            self._wait_for_scoring(columns, scaling, cos, sin)
+            return self.keys, self.values
         first_pass = not self.is_initialized
         if first_pass:
             self.lazy_initialization(key_states, value_states)
@@ -312,22 +392,40 @@ class CompressedLayer(DynamicLayer):
         if first_pass:
             self._set_live_counts({group: max(new - group[0], 0) for group in self.live_by_group})
         else:
-            self._set_live_counts({group: live + new for group, live in self.live_by_group.items()})
+            self._add_live(new)
         self.seen += new
         if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
             self._remember_recent(key_states, value_states)
         keys, values = self._read(key_states, value_states, free)
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
-            if not self._pending:
-                self._pending_first, self._pending_scaling = self.slots - 1, scaling
-            self._pending.append((queries, cos, sin))
+            self._wait_for_scoring(columns, scaling, cos, sin)
             return keys, values
-        received = self._attention_received(rotate(queries, cos, sin), scaling, keys)
+        received = self._attention_received(self._rotated_queries(columns, cos, sin), scaling, keys)
         if self.replaying:
             self.scores = torch.maximum(self.scores, received)
         else:
             self.scores.add_(received)
         return keys, values
+
+    def _appends_to_prepared_room(self, new: int, free: torch.Tensor | None) -> bool:
+        """Whether this pass is one decoding step whose scoring waits (``_defers_scoring``) and whose entry
+        fits in the room prepared for it, so that only its key and value need writing."""
+        return (
+            new == 1 and free is None and len(self._pending) < self.policy.eviction_interval
+            and self._spare_room() >= 1 and self._defers_scoring(new, free)
+        )  # fmt: skip
+
+    def _wait_for_scoring(self, columns: torch.Tensor, scaling: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Queue a decoding step's observed query columns and rotation until the next eviction scores them."""
+        if not self._pending:
+            self._pending_first, self._pending_scaling = self.slots - 1, scaling
+        self._pending.append((columns, cos, sin))
+
+    def _add_live(self, new: int) -> None:
+        """Count ``new`` more live entries in every row (a pass appended or filled a slot in each)."""
+        self.live_by_group = {group: live + new for group, live in self.live_by_group.items()}
+        least, most = self.live_range
+        self.live_range = (least + new, most + new)
 
     # -- quantized storage ----------------------------------------------------------------------------
 
@@ -454,12 +552,13 @@ class CompressedLayer(DynamicLayer):
         decayed ``m`` times and step ``t``'s attention ``m - 1 - t`` times. Entries appended during the
         steps start from 0.
         """
+        self._catch_up()
         pending = self._pending
         if not pending:
             return
         self._pending = []
-        queries, cos, sin = (torch.cat(parts, dim=-2) for parts in zip(*pending, strict=True))
-        queries = rotate(queries, cos, sin)  # [batch, heads, steps, head_dim]
+        columns, cos, sin = (torch.cat(parts, dim=1) for parts in zip(*pending, strict=True))
+        queries = self._rotated_queries(columns, cos, sin)  # [batch, heads, steps, head_dim]
         steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
         keys, values = self.dense()
         batch, kv_heads, _, head_dim = keys.shape
@@ -468,13 +567,11 @@ class CompressedLayer(DynamicLayer):
         grouped = queries.to(keys.dtype).reshape(batch, kv_heads, group * steps, head_dim)
         logits = torch.matmul(grouped, keys[:, :, :visible].transpose(-1, -2)).float()
         logits = logits.mul_(self._pending_scaling).view(batch, kv_heads, group, steps, visible)
-        device = logits.device
-        later = torch.arange(visible, device=device) > first + torch.arange(steps, device=device)[:, None]
-        probabilities = logits.masked_fill_(later, -math.inf).softmax(dim=-1)
-        weights = decay ** torch.arange(steps - 1, -1, -1, device=device, dtype=torch.float64) / group
-        received = torch.einsum("bkgtn,t->bkn", probabilities, weights.to(probabilities.dtype))
+        later, weights = _step_tensors(steps, group, decay, logits.device)
+        logits[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
+        received = logits.softmax(dim=-1).mul_(weights).sum(dim=(2, 3))
         self._scores[:, :, :visible].mul_(decay**steps).add_(received)
-        self.value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
+        self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
 
     def _has_spare(self) -> bool:
         """Whether the per-entry tensors are views of larger ones (spare room, possibly all used)."""
@@ -494,7 +591,7 @@ class CompressedLayer(DynamicLayer):
             self._fill(free, coded, value_norms, positions)
             return
         live = positions >= self.pads[:, None, None] if first_pass else True
-        entries = {**coded, "_scores": 0.0, "value_norms": value_norms, "positions": positions, "live": live}
+        entries = {**coded, "_scores": 0.0, "_value_norms": value_norms, "_positions": positions, "_live": live}
         self._append(entries, first_pass)
 
     def _spare_room(self) -> int:
@@ -509,6 +606,7 @@ class CompressedLayer(DynamicLayer):
         eviction (never beyond ``budget + 1`` slots), so that those steps copy one entry each
         instead of the whole layer.
         """
+        self._catch_up()
         new, stored = entries["keys"].shape[2], 0 if first_pass else self.slots
         if self._spare_room() >= new:
             for name, entry in entries.items():
@@ -547,18 +645,20 @@ class CompressedLayer(DynamicLayer):
         room = self._spare["keys"].shape[2] - filled
         if room <= 0:
             return
-        self._spare["live"].narrow(2, filled, room).fill_(True)
+        self._spare["_live"].narrow(2, filled, room).fill_(True)
         self._spare["_scores"].narrow(2, filled, room).zero_()
         positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=self.keys.device)
-        self._spare["positions"].narrow(2, filled, room).copy_(positions)
+        self._spare["_positions"].narrow(2, filled, room).copy_(positions)
 
     def _append_to_prepared_room(self, coded: dict[str, torch.Tensor]) -> None:
-        """One decoding step whose scoring waits: only its key and value (as stored) are written."""
+        """One decoding step whose scoring waits: only its key and value (as stored) are written, and only their
+        views extended; the bookkeeping views follow when read (``_catch_up``)."""
         stored = self.slots
         for name, entry in coded.items():
-            self._spare[name].narrow(2, stored, 1).copy_(entry)
-        for name in self.entries:
-            setattr(self, name, self._spare[name].narrow(2, 0, stored + 1))
+            base = self._spare[name]
+            base.narrow(2, stored, 1).copy_(entry)
+            setattr(self, name, base.narrow(2, 0, stored + 1))
+        self._lagging = True
 
     def _fill(self, free, coded, value_norms, positions) -> None:
         slot = free[..., None]
@@ -748,6 +848,27 @@ class CompressedLayer(DynamicLayer):
         """
         if self.deferred:
             return
+        if new == 1 and self._quiet_steps > 0:
+            self._quiet_steps -= 1
+            return
+        self._evict(new)
+        self._quiet_steps = self._steps_without_eviction()
+
+    def _steps_without_eviction(self) -> int:
+        """How many decoding steps from now can evict nothing: the least room under its target of any row
+        (targets never shrink as tokens come), when the stored slots are few enough that such a step
+        reshapes nothing; else 0."""
+        if self.slots - self.live_range[1] > 1 + self.policy.slack(1):
+            return 0
+        rows, seen = self.rows, self.seen
+        room = (
+            self.policy.target(seen - pads, rows, allocated) - live
+            for (pads, allocated), live in self.live_by_group.items()
+        )
+        return max(min(room, default=0), 0)
+
+    def _evict(self, new: int) -> None:
+        """``compress``'s work when a row may be over its target."""
         slack = self.policy.slack(new)
         before = self.live_by_group
         rows = self.rows
@@ -765,8 +886,10 @@ class CompressedLayer(DynamicLayer):
         if uniform and self._has_spare():
             # Decoding with spare room: keep the best-ranked entries at the front, in order; the next
             # tokens go after them without a mask for dead slots.
-            ranked = torch.where(self.live, self._priority(), -math.inf).topk(keep_most, dim=-1).indices
-            self._keep(ranked.sort(dim=-1).values)
+            priority = self._priority()
+            if self.live_range[0] < self.slots:  # a row holds dead slots
+                priority = torch.where(self.live, priority, -math.inf)
+            self._keep(priority.topk(keep_most, dim=-1).indices.sort(dim=-1).values)
             return
         if uniform and in_place:
             # Every row drops its ``bound`` lowest-ranked entries, in place; the next tokens take their slots.
@@ -802,6 +925,7 @@ class CompressedLayer(DynamicLayer):
         the whole room, so that beam search keeps it (its prepared entries are the same in every row)."""
         self._score_pending()
         self._forget_freed()
+        self._quiet_steps = 0  # a new batch of rows may share max_bytes differently
         names = self._per_row()
         if self._has_spare():
             slots = self.slots
@@ -831,6 +955,7 @@ class CompressedLayer(DynamicLayer):
     def _set_live_counts(self, live_by_group: dict[tuple[int, Allocated | None], int]) -> None:
         """Record each group's live count, the least and most padding, and the least and most count."""
         self.live_by_group = live_by_group
+        self._quiet_steps = 0
         pads, counts = [group[0] for group in live_by_group], live_by_group.values()
         self.pad_range = (min(pads), max(pads)) if live_by_group else (0, 0)
         self.live_range = (min(counts), max(counts)) if live_by_group else (0, 0)
@@ -896,6 +1021,7 @@ class CompressedLayer(DynamicLayer):
             setattr(self, name, None)
         self._queries = self._free = None
         self._spare = None
+        self._lagging = False
         self._forget_freed()
         self.sliding_window = self.softcap = None
         self.deferred, self.replaying = self.policy.scoring == "reconstruction", False

@@ -63,7 +63,8 @@ def bind(model: nn.Module) -> list[nn.Module]:
         handles = []
         for module in modules:
             handles.append(module.register_forward_pre_hook(_before_attention, with_kwargs=True))
-            handles.append(_query_projection(module).register_forward_hook(partial(_capture_queries, module)))
+            capture = partial(_capture_queries, module, partial(queries_from_projection, module))
+            handles.append(_query_projection(module).register_forward_hook(capture))
             handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
         handles.append(model.register_forward_hook(_after_model, with_kwargs=True))
         setattr(model, HOOKS_ATTRIBUTE, handles)
@@ -84,12 +85,19 @@ def _compressed_cache(kwargs: dict[str, Any]):
     return cache if getattr(cache, "observes_attention", False) else None
 
 
-def _queries_from_projection(module: nn.Module, projected: torch.Tensor) -> torch.Tensor:
-    """The module's queries from its projection's output, ``[batch, heads, tokens, head_dim]``, before rotation."""
-    batch, length, _ = projected.shape
-    if not isinstance(getattr(module, "q_proj", None), nn.Module):  # fused: the queries come first
-        projected = projected[..., : module.config.num_attention_heads * module.head_dim]
-    queries = projected.reshape(batch, length, -1, module.head_dim)
+def _query_columns(module: nn.Module, projected: torch.Tensor) -> torch.Tensor:
+    """The query part of the module's projection output, ``[batch, tokens, heads * head_dim]``: all of it,
+    or a copy of a fused projection's first columns (so that the keys and values are not held with it)."""
+    if isinstance(getattr(module, "q_proj", None), nn.Module):
+        return projected
+    return projected[..., : module.config.num_attention_heads * module.head_dim].contiguous()
+
+
+def queries_from_projection(module: nn.Module, columns: torch.Tensor) -> torch.Tensor:
+    """The module's queries from the query columns of its projection (``_query_columns``),
+    ``[batch, heads, tokens, head_dim]``, before rotation."""
+    batch, length, _ = columns.shape
+    queries = columns.reshape(batch, length, -1, module.head_dim)
     if isinstance(getattr(module, "q_norm", None), nn.Module):
         queries = module.q_norm(queries)
     return queries.transpose(1, 2)
@@ -119,7 +127,7 @@ def _left_padding(attention_mask: torch.Tensor | None, batch: int, device: torch
     return leading.to(device=device, dtype=torch.long).expand(batch).clone()
 
 
-# The pass each attention module is in, per thread: (layer, observed tokens, cos, sin), set before the
+# The pass each attention module is in, per thread: (layer, observed tokens, (cos, sin)), set before the
 # module runs and taken by the hook on its query projection, so that the queries are not computed twice.
 _PENDING = threading.local()
 
@@ -141,12 +149,14 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     layer = cache.layer_for(module)
     batch, length = hidden_states.shape[:2]
     window = length if cache.policy.observation_window is None else min(length, cache.policy.observation_window)
-    cos, sin = (embedding[:, -window:].unsqueeze(1) for embedding in position_embeddings)
-    _pending()[id(module)] = (layer, window, cos, sin)
-    pads = None if layer.is_initialized else _left_padding(kwargs.get("attention_mask"), batch, hidden_states.device)
-    softcap = getattr(module, "attn_logit_softcapping", None)
+    _pending()[id(module)] = (layer, window, position_embeddings)
     first_pass = not layer.is_initialized
-    visible = layer.begin_pass(length, pads, sliding_window=_sliding_window(module), softcap=softcap)
+    if first_pass:
+        pads = _left_padding(kwargs.get("attention_mask"), batch, hidden_states.device)
+        softcap = getattr(module, "attn_logit_softcapping", None)
+        visible = layer.begin_pass(length, pads, sliding_window=_sliding_window(module), softcap=softcap)
+    else:
+        visible = layer.begin_pass(length)
     if visible is None:
         model_mask = kwargs.get("attention_mask")
         if first_pass or not isinstance(model_mask, torch.Tensor):
@@ -159,13 +169,17 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
     return args, kwargs
 
 
-def _capture_queries(module: nn.Module, projection: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    """Hand the layer the queries of the observed tokens, from the module's own projection, with their rotation."""
+def _capture_queries(module: nn.Module, to_queries, projection: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """Hand the layer the observed tokens' query columns, as the module's own projection made them, with their
+    rotation; the layer turns them into queries (``to_queries``) when it scores, which a decoding step between
+    evictions does not."""
     pending = _pending().pop(id(module), None)
     if pending is None:
         return
-    layer, window, cos, sin = pending
-    layer.observe(_queries_from_projection(module, output[:, -window:]), module.scaling, cos, sin)
+    layer, window, (cos, sin) = pending
+    if window < output.shape[1]:
+        output, cos, sin = output[:, -window:], cos[:, -window:], sin[:, -window:]
+    layer.observe(_query_columns(module, output), to_queries, module.scaling, cos, sin)
 
 
 def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

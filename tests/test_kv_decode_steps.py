@@ -1,0 +1,178 @@
+"""CompressedCache decoding steps: no device synchronization, and the shortcuts of the steps between
+evictions (skipped eviction checks, bookkeeping views extended on read) change nothing."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import decodekit
+from decodekit.cache import CompressedCache
+from decodekit.cache.layer import CompressedLayer
+from tests.tiny import build_model
+
+# Operators that make the host wait for the device: reading a value (item, int(), float(), bool()), and
+# those whose output shape depends on tensor contents.
+SYNCING = {
+    "aten._local_scalar_dense.default",
+    "aten.nonzero.default",
+    "aten.masked_select.default",
+    "aten._unique2.default",
+    "aten.unique_dim.default",
+    "aten.unique_consecutive.default",
+    "aten.repeat_interleave.Tensor",
+}
+
+
+PACKAGE = str(Path(decodekit.__file__).parent)
+
+
+def _from_decodekit() -> bool:
+    """Whether decodekit's code is on the call stack (transformers' own mask code reads a value when an
+    attention mask is passed, with any cache)."""
+    return any(frame.filename.startswith(PACKAGE) for frame in traceback.extract_stack())
+
+
+class SyncRecorder(TorchDispatchMode):
+    """Records every operator that synchronizes with the device, and every boolean-mask index, that
+    decodekit's code runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        indices = args[1] if name.startswith(("aten.index.", "aten.index_put")) and len(args) > 1 else ()
+        masks = [index for index in indices if isinstance(index, torch.Tensor) and index.dtype == torch.bool]
+        if (name in SYNCING or masks) and _from_decodekit():
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def fresh(tiny):
+    _, tokenizer = tiny
+    return build_model(tokenizer), tokenizer
+
+
+def _prompt(tokenizer, rows: int = 1, padded: bool = False) -> dict[str, torch.Tensor]:
+    text = "The class statement creates a new class object and binds it to a name. " * 6
+    texts = [text, text[: len(text) // 2]] if padded else [text] * rows
+    return tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+
+
+def _decode(model, cache, batch, steps: int, recorder: SyncRecorder | None = None) -> list[torch.Tensor]:
+    """Greedy decoding by hand; the steps after the prompt's pass run under ``recorder``.
+    Returns each step's chosen tokens."""
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(**batch, past_key_values=cache).logits[:, -1]
+        chosen = []
+        for _ in range(steps):
+            token = logits.argmax(dim=-1, keepdim=True)
+            chosen.append(token)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            positions = (mask.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+            step = {"input_ids": token, "attention_mask": mask, "position_ids": positions, "past_key_values": cache}
+            if recorder is None:
+                logits = model(**step).logits[:, -1]
+            else:
+                with recorder:
+                    logits = model(**step).logits[:, -1]
+    return chosen
+
+
+# name: (cache settings, rows, left-padded); the prompt has 186 tokens (the padded row 93).
+CASES = {
+    "budget": ({"budget": 64}, 1, False),
+    "budget at the floor": ({"budget": 36}, 1, False),
+    "budget, every step": ({"budget": 64, "eviction_interval": 1}, 1, False),
+    "ratio": ({"compression_ratio": 0.5}, 1, False),
+    "padded rows": ({"budget": 64}, 2, True),
+    "bytes": ({"memory_fraction": 0.5}, 2, False),
+    "bytes, all rows": ({"max_bytes": 60_000}, 2, False),
+    "4 bits": ({"budget": 64, "kv_bits": 4}, 1, False),
+    "reconstruction": ({"budget": 64, "scoring": "reconstruction"}, 1, False),
+}
+# Where no decoding step can skip the eviction check: each step evicts one token.
+EVERY_STEP_EVICTS = {"budget at the floor", "budget, every step"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decoding_steps_never_wait_for_the_device(fresh, case):
+    model, tokenizer = fresh
+    kwargs, rows, padded = CASES[case]
+    cache = CompressedCache(model, **kwargs)
+    recorder = SyncRecorder()
+    _decode(model, cache, _prompt(tokenizer, rows, padded), steps=30, recorder=recorder)
+    assert cache.layers[0].kept < cache.layers[0].seen - 30  # the prompt was over the size, so the steps evicted
+    assert recorder.syncs == []
+
+
+def test_the_recorder_catches_a_synchronization(fresh, monkeypatch):
+    """The check above can fail: a value read during eviction is caught."""
+    model, tokenizer = fresh
+    keep = CompressedLayer._keep
+
+    def keep_and_read(self, index):
+        int(index.max())  # a host read, as a careless change would add
+        keep(self, index)
+
+    monkeypatch.setattr(CompressedLayer, "_keep", keep_and_read)
+    recorder = SyncRecorder()
+    _decode(model, CompressedCache(model, budget=64), _prompt(tokenizer), steps=20, recorder=recorder)
+    assert "aten._local_scalar_dense.default" in recorder.syncs
+
+
+def _state(cache: CompressedCache) -> list[tuple[torch.Tensor, ...]]:
+    return [(layer.kept_positions(), layer.scores.clone(), layer.keys.clone()) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_skipping_quiet_steps_changes_nothing(fresh, monkeypatch, case):
+    """Decoding equals decoding where every step runs the full eviction check."""
+    model, tokenizer = fresh
+    kwargs, rows, padded = CASES[case]
+    batch = _prompt(tokenizer, rows, padded)
+    quiet = []
+    counted = CompressedLayer._steps_without_eviction
+
+    def count(self):
+        quiet.append(counted(self))
+        return quiet[-1]
+
+    monkeypatch.setattr(CompressedLayer, "_steps_without_eviction", count)
+    quick = CompressedCache(model, **kwargs)
+    quick_tokens = _decode(model, quick, batch, steps=30)
+    assert (max(quiet) == 0) == (case in EVERY_STEP_EVICTS)  # elsewhere steps were skipped
+    monkeypatch.setattr(CompressedLayer, "_steps_without_eviction", lambda self: 0)
+    full = CompressedCache(model, **kwargs)
+    full_tokens = _decode(model, full, batch, steps=30)
+    assert torch.equal(torch.cat(quick_tokens, dim=-1), torch.cat(full_tokens, dim=-1))
+    for (positions, scores, keys), (positions_full, scores_full, keys_full) in zip(
+        _state(quick), _state(full), strict=True
+    ):
+        assert torch.equal(positions, positions_full)
+        torch.testing.assert_close(scores, scores_full)
+        assert torch.equal(keys, keys_full)
+
+
+def test_bookkeeping_read_between_evictions_covers_every_entry(fresh):
+    """Steps between evictions write keys and values only; reading an entry's position, liveness or value
+    norm still sees every stored entry, the newest included."""
+    model, tokenizer = fresh
+    cache = CompressedCache(model, budget=64, eviction_interval=8)
+    _decode(model, cache, _prompt(tokenizer), steps=11)  # the 9th step evicted, two more followed
+    layer = cache.layers[1]
+    assert layer._lagging
+    slots = layer.keys.shape[-2]
+    assert layer.positions.shape[-1] == layer.live.shape[-1] == layer.value_norms.shape[-1] == slots
+    assert int(layer.positions.max()) == layer.seen - 1
+    assert bool(layer.live.all())
+    newest = layer.values[:, :, -1].float().norm(dim=-1)
+    torch.testing.assert_close(layer.value_norms[:, :, -1], newest)
