@@ -675,14 +675,18 @@ class CompressedLayer(DynamicLayer):
         self._forget_freed()
         self._score_pending()
         in_place = self._has_spare()
+        count, by_width = index.shape[2], {}  # by_width: ``index`` over a last dimension of that width
         for name in self.entries:
             tensor = getattr(self, name)
-            along = index[..., None].expand(-1, -1, -1, tensor.shape[-1]) if tensor.dim() == 4 else index
+            along = index
+            if tensor.dim() == 4:
+                width = tensor.shape[-1]
+                if width not in by_width:
+                    by_width[width] = index[..., None].expand(-1, -1, -1, width)
+                along = by_width[width]
             kept = tensor.gather(2, along)
             if in_place:
-                base = self._spare[name]
-                base.narrow(2, 0, kept.shape[2]).copy_(kept)
-                kept = base.narrow(2, 0, kept.shape[2])
+                kept = self._spare[name].narrow(2, 0, count).copy_(kept)
             setattr(self, name, kept)
         if in_place:
             self._prepare_room(index.shape[2], self.seen)
