@@ -19,7 +19,10 @@ Prints, measured side by side in one run on the default model (SmolLM2-135M-Inst
 
 Host-bound mode (--host-bound): a random Llama of 16 layers, hidden size 64, 8 query and 4 KV heads, on
 the CPU; a 512-token prompt, then greedy steps, tokens/s as the median of interleaved rounds, each cache
-against DynamicCache (target for the default CompressedCache: >= 0.95x).
+against DynamicCache (target for the default CompressedCache: >= 0.95x). Then (unless --no-host-compile)
+the same decoding by hand, eager and through torch.compile(model.forward, fullgraph=True) with inductor,
+for DynamicCache, StaticCache and CompressedCache(eviction_interval=1), the setting that compiles to one
+graph (target: ours compiled >= StaticCache compiled).
 
 GPU mode (--shape llama-1b): a random-weight model of Llama-3.2-1B's shape in bf16 (speed and memory
 do not depend on the weights), batch 1, 25% budget, at each of --lengths: prefill time, peak memory
@@ -46,7 +49,14 @@ from pathlib import Path
 import torch
 from _timing import verdict  # benchmarks/ is on sys.path when a script in it runs
 from kv_protocol import PROTOCOL_TEXTS, encoded_pass_keys, run_tasks, text_tasks
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StaticCache,
+)
 
 from decodekit import encode_prompts, load_model
 from decodekit.cache import CompressedCache
@@ -325,6 +335,52 @@ def host_bound_mode(args) -> None:
         print(f"   {name:<36} {rate:8.1f} tok/s   {rate / full:.2f}x DynamicCache")
     ratio = medians[f"CompressedCache(budget={budget})"] / full
     print(f"   CompressedCache / DynamicCache tokens/s, host-bound: {ratio:.2f}x ({verdict(ratio >= 0.95)})")
+    if args.host_compile:
+        compiled_mode(model, prompt, budget, args)
+
+
+def loop_decode(model, forward, prompt: torch.Tensor, cache, new_tokens: int) -> float:
+    """Greedy decoding by hand (the prompt's pass eager, each step through ``forward``); tokens/s of the steps."""
+    with torch.no_grad():
+        token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+        started = time.perf_counter()
+        for step in range(new_tokens):
+            position = torch.tensor([[prompt.shape[1] + step]], device=prompt.device)
+            logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits
+            token = logits[:, -1:].argmax(dim=-1)
+        token.cpu()
+    return new_tokens / (time.perf_counter() - started)
+
+
+def compiled_mode(model, prompt: torch.Tensor, budget: int, args) -> None:
+    """Eager and ``torch.compile(model.forward)`` (inductor) decoding, by hand, for DynamicCache, StaticCache and
+    a CompressedCache that evicts one token per step (the setting that compiles to one graph)."""
+    torch._dynamo.config.recompile_limit = 64  # three caches share model.forward's compiled code
+    length = prompt.shape[1] + args.host_tokens
+    caches = {
+        "DynamicCache": DynamicCache,
+        "StaticCache": lambda: StaticCache(config=model.config, max_cache_len=length),
+        f"CompressedCache(budget={budget}, eviction_interval=1)": lambda: CompressedCache(
+            model, budget=budget, eviction_interval=1
+        ),
+    }
+    forwards = {"eager": model.forward, "compiled": torch.compile(model.forward, fullgraph=True)}
+    for make in caches.values():  # compile (and warm up) before any timing
+        loop_decode(model, forwards["compiled"], prompt, make(), 8)
+    rates = {(name, mode): [] for name in caches for mode in forwards}
+    for _ in range(args.host_rounds):
+        for (name, mode), values in rates.items():
+            values.append(loop_decode(model, forwards[mode], prompt, caches[name](), args.host_tokens))
+    medians = {key: statistics.median(values) for key, values in rates.items()}
+    static = medians[("StaticCache", "compiled")]
+    print(f"compiled: torch.compile(model.forward, fullgraph=True), inductor; the same prompt, {args.host_tokens} "
+          f"greedy steps by hand, median of {args.host_rounds} interleaved rounds")  # fmt: skip
+    for name in caches:
+        eager, compiled = medians[(name, "eager")], medians[(name, "compiled")]
+        print(f"   {name:<52} eager {eager:7.1f} tok/s   compiled {compiled:7.1f} tok/s   "
+              f"{compiled / static:.2f}x StaticCache compiled")  # fmt: skip
+    ours = medians[(next(name for name in caches if name.startswith("Compressed")), "compiled")]
+    print(f"   CompressedCache compiled / StaticCache compiled: {ours / static:.2f}x ({verdict(ours >= static)})")
 
 
 def gpu_mode(args, device: torch.device) -> None:
@@ -417,6 +473,10 @@ def main() -> None:
     parser.add_argument("--host-prompt", type=int, default=512, help="host-bound mode: prompt tokens")
     parser.add_argument("--host-tokens", type=int, default=128, help="host-bound mode: tokens decoded per round")
     parser.add_argument("--host-rounds", type=int, default=5, help="host-bound mode: interleaved rounds")
+    parser.add_argument(
+        "--host-compile", action=argparse.BooleanOptionalAction, default=True,
+        help="host-bound mode: also decode through torch.compile (inductor; a few minutes of compiling)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     device = torch.device(args.device)

@@ -52,7 +52,8 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
 
 
 def test_kv_cache_benchmark_host_bound_mode_runs():
-    out = _run("kv_cache.py", "--host-bound", "--host-prompt", "64", "--host-tokens", "4", "--host-rounds", "1")
+    out = _run("kv_cache.py", "--host-bound", "--host-prompt", "64", "--host-tokens", "4", "--host-rounds", "1",
+               "--no-host-compile")  # fmt: skip
     assert "CompressedCache / DynamicCache tokens/s, host-bound" in out and "kv_bits=4" in out
 
 

@@ -176,3 +176,40 @@ def test_bookkeeping_read_between_evictions_covers_every_entry(fresh):
     assert bool(layer.live.all())
     newest = layer.values[:, :, -1].float().norm(dim=-1)
     torch.testing.assert_close(layer.value_norms[:, :, -1], newest)
+
+
+def _compiled_decoding(model, forward, cache, prompt: torch.Tensor, steps: int) -> tuple[list[int], int, int]:
+    """Greedy decoding of ``steps`` tokens through ``forward``; returns the tokens and the number of graphs
+    dynamo had made after the third step and at the end."""
+    from torch._dynamo.utils import counters
+
+    with torch.no_grad():
+        token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+        tokens, graphs_after_warmup = [], 0
+        for step in range(steps):
+            if step == 3:
+                graphs_after_warmup = counters["stats"]["unique_graphs"]
+            position = torch.tensor([[prompt.shape[1] + step]])
+            logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits
+            token = logits[:, -1:].argmax(dim=-1)
+            tokens.append(int(token))
+    return tokens, graphs_after_warmup, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_decoding_has_one_graph_and_matches_eager(fresh, backend):
+    """Under ``torch.compile(model.forward, fullgraph=True)`` (a graph break would raise), decoding with one
+    eviction per step compiles once more after the first step (the position count turns symbolic) and then
+    never again over 200 steps, and picks the tokens eager decoding picks."""
+    model, tokenizer = fresh
+    prompt = _prompt(tokenizer)["input_ids"]
+    settings = {"budget": 48, "eviction_interval": 1}
+    eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=200)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cache = CompressedCache(model, **settings)
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    compiled, after_warmup, at_end = _compiled_decoding(model, forward, cache, prompt, steps=200)
+    assert cache.kept_tokens == 48 and cache.get_seq_length() == prompt.shape[1] + 200  # every step evicted
+    assert after_warmup == at_end <= 2
+    assert compiled == eager

@@ -865,11 +865,11 @@ class CompressedLayer(DynamicLayer):
         if self.slots - self.live_range[1] > 1 + self.policy.slack(1):
             return 0
         rows, seen = self.rows, self.seen
-        room = (
+        room = [
             self.policy.target(seen - pads, rows, allocated) - live
             for (pads, allocated), live in self.live_by_group.items()
-        )
-        return max(min(room, default=0), 0)
+        ]
+        return max(min(room), 0) if room else 0
 
     def _evict(self, new: int) -> None:
         """``compress``'s work when a row may be over its target."""
