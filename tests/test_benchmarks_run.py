@@ -49,6 +49,7 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     assert "CompressedCache / DynamicCache tokens/s" in out
     assert "most tokens held at any step" in out
     assert "CompressedCache kv_bits=4:" in out
+    assert "CompressedCache scoring='reconstruction' (layers share the budget" in out
 
 
 def test_kv_cache_benchmark_host_bound_mode_runs():
