@@ -410,10 +410,7 @@ class CompressedLayer(DynamicLayer):
     def _appends_to_prepared_room(self, new: int, free: torch.Tensor | None) -> bool:
         """Whether this pass is one decoding step whose scoring waits (``_defers_scoring``) and whose entry
         fits in the room prepared for it, so that only its key and value need writing."""
-        return (
-            new == 1 and free is None and len(self._pending) < self.policy.eviction_interval
-            and self._spare_room() >= 1 and self._defers_scoring(new, free)
-        )  # fmt: skip
+        return self._spare_room() >= 1 and self._defers_scoring(new, free)
 
     def _wait_for_scoring(self, columns: torch.Tensor, scaling: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Queue a decoding step's observed query columns and rotation until the next eviction scores them."""
