@@ -38,7 +38,7 @@ from torch.nn import functional
 from decodekit import load_model
 from decodekit.cache import CompressedCache
 from decodekit.cache.allocation import layer_counts
-from decodekit.cache.layer import PROTECTED
+from decodekit.cache.scoring import PROTECTED
 from decodekit.eval.perplexity import continuation_perplexity as evicting_perplexity
 
 ALLOCATIONS = ("uniform", "per layer", "global", "global, layer-normalized", "layers", "global, rectangular")

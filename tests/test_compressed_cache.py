@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, LogitsProcessor
 
 from decodekit.cache import CompressedCache, unbind
-from decodekit.cache.layer import PER_ENTRY
+from decodekit.cache.storage import PER_ENTRY
 from decodekit.decoders import beam_search
 from tests.tiny import build_model
 

@@ -10,11 +10,13 @@ from torch import nn
 from transformers import Cache
 
 from decodekit.cache.allocation import layer_counts
-from decodekit.cache.layer import CompressedLayer, rank_fractions, storage_bytes
+from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.observer import bind
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import Quantizer
+from decodekit.cache.scoring import rank_fractions
 from decodekit.cache.size import attention_head_size, entry_bytes
+from decodekit.cache.storage import storage_bytes
 
 
 def byte_sized_widths(memory_fraction: float | None) -> tuple[int, int]:

@@ -1,0 +1,145 @@
+"""When and what a compressed cache layer evicts: each row down to its target (a budget, a ratio, a size in
+bytes, or its share under ``allocation="global"``), in place or into reserved room, with the host-side
+counts that let it decide without reading the device.
+
+``Eviction`` is a mixin of ``CompressedLayer``; the attributes it works on are set up in
+``CompressedLayer.__init__``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from decodekit.cache.policy import Allocated
+
+
+class Eviction:
+    """Keeping each row of a ``CompressedLayer`` within its target."""
+
+    def compress(self, new: int) -> None:
+        """Evict each row down to its target, after a pass of ``new`` tokens; reuse slots where possible.
+
+        A row over its target (real tokens seen) keeps its sinks and recent tokens, then the best
+        ranked, up to the target, or after one decoding step up to the target less
+        ``eviction_interval - 1`` (``EvictionPolicy.kept``): the next steps then fill the freed slots
+        and evict nothing. When the spare slots per row are no more than that, evicted entries are
+        only marked dead (the next tokens take the slots); otherwise the storage shrinks to the row
+        that keeps the most.
+        """
+        if self.deferred:
+            return
+        if new == 1 and self._quiet_steps > 0:
+            self._quiet_steps -= 1
+            return
+        self._evict(new)
+        self._quiet_steps = self._steps_without_eviction()
+
+    def _steps_without_eviction(self) -> int:
+        """How many decoding steps from now can evict nothing: the least room under its target of any row
+        (targets never shrink as tokens come), when the stored slots are few enough that such a step
+        reshapes nothing; else 0."""
+        if self.slots - self.live_range[1] > 1 + self.policy.slack(1):
+            return 0
+        rows, seen = self.rows, self.seen
+        room = [
+            self.policy.target(seen - pads, rows, allocated) - live
+            for (pads, allocated), live in self.live_by_group.items()
+        ]
+        return max(min(room), 0) if room else 0
+
+    def _evict(self, new: int) -> None:
+        """``compress``'s work when a row may be over its target."""
+        slack = self.policy.slack(new)
+        before = self.live_by_group
+        rows = self.rows
+        after = {
+            (pads, allocated): self.policy.kept(live, self.seen - pads, slack, rows, allocated)
+            for (pads, allocated), live in before.items()
+        }
+        self._set_live_counts(after)
+        uniform = len(before) == 1  # one group: every row holds the same entries
+        bound = max(before[group] - after[group] for group in before)  # the most any row evicts
+        keep_most = self.live_range[1]
+        in_place = self.slots - keep_most <= 1 + slack
+        if bound == 0 and in_place:
+            return
+        if uniform and self._has_spare():
+            # Decoding with spare room: keep the best-ranked entries at the front, in order; the next
+            # tokens go after them without a mask for dead slots.
+            priority = self._priority()
+            if self.live_range[0] < self.slots:  # a row holds dead slots
+                priority = torch.where(self.live, priority, -math.inf)
+            self._keep(priority.topk(keep_most, dim=-1).indices.sort(dim=-1).values)
+            return
+        if uniform and in_place:
+            # Every row drops its ``bound`` lowest-ranked entries, in place; the next tokens take their slots.
+            victims = torch.where(self.live, self._priority(), math.inf).topk(bound, dim=-1, largest=False).indices
+            self.live.scatter_(2, victims, False)
+            self._freed, self._freed_taken = victims, 0
+            return
+        self._forget_freed()
+        live_count = self.live[:, :1].sum(dim=-1, keepdim=True)  # [batch, 1, 1]: the same for every head
+        allocated = self.allocated[:, None, None] if self.allocated is not None else None
+        keep = self.policy.kept_counts(live_count, (self.seen - self.pads)[:, None, None], slack, rows, allocated)
+        priority = self._priority()
+        if in_place:
+            # Mark the lowest-ranked live entries dead, in place.
+            lowest = torch.where(self.live, priority, math.inf).topk(bound, dim=-1, largest=False)
+            rank = torch.arange(bound, device=priority.device)
+            stays = self.live.gather(2, lowest.indices) & (rank < (live_count - keep)).logical_not()
+            self.live.scatter_(2, lowest.indices, stays)
+            return
+        ranked = torch.where(self.live, priority, -math.inf).topk(keep_most, dim=-1).indices
+        stays = torch.arange(keep_most, device=priority.device) < keep
+        index, order = ranked.sort(dim=-1)
+        self._keep(index)
+        self.live &= stays.expand_as(order).gather(2, order)
+
+    def _add_live(self, new: int) -> None:
+        """Count ``new`` more live entries in every row (a pass appended or filled a slot in each)."""
+        self.live_by_group = {group: live + new for group, live in self.live_by_group.items()}
+        least, most = self.live_range
+        self.live_range = (least + new, most + new)
+
+    def _set_live_counts(self, live_by_group: dict[tuple[int, Allocated | None], int]) -> None:
+        """Record each group's live count, the least and most padding, and the least and most count."""
+        self.live_by_group = live_by_group
+        self._quiet_steps = 0
+        pads, counts = [group[0] for group in live_by_group], live_by_group.values()
+        self.pad_range = (min(pads), max(pads)) if live_by_group else (0, 0)
+        self.live_range = (min(counts), max(counts)) if live_by_group else (0, 0)
+
+    def _recount(self) -> None:
+        """Read the paddings, shares and live counts back from the device (after a change the host cannot follow)."""
+        columns = [self.pads, self.live[:, 0].sum(dim=-1)]
+        if self.allocated is not None:
+            columns += [self.allocated[:, 0], self.allocated[:, 1]]
+        values = torch.stack(columns).T.tolist()
+        self._set_live_counts({(row[0], tuple(row[2:]) or None): row[1] for row in values})
+
+    def allocate(self, counts: list[int], bases: list[int]) -> None:
+        """Give each row its own share of the tokens: ``counts[row]`` kept per KV head where an even share
+        keeps ``bases[row]`` (``allocation="global"``); the eviction that follows applies it."""
+        if len(counts) != self.rows or len(bases) != self.rows:
+            raise ValueError(f"allocate needs one count and one base per row ({self.rows}); got {counts}, {bases}")
+        self.allocated = torch.tensor([counts, bases], dtype=torch.long, device=self.pads.device).T.contiguous()
+        live = {pads: count for (pads, _), count in self.live_by_group.items()}
+        groups = zip(self.pads.tolist(), counts, bases, strict=True)
+        self._set_live_counts({(pads, (count, base)): live[pads] for pads, count, base in groups})
+
+    def _fixed_target(self) -> int | None:
+        """The most tokens any row keeps when the target does not grow with the tokens seen, else None."""
+        fixed = self.policy.fixed_target(self.rows)
+        if fixed is None or self.allocated is None:
+            return fixed
+        return max(self.policy.target(0, self.rows, allocated) for _, allocated in self.live_by_group)
+
+    def drop_dead(self) -> None:
+        """Free the slots of dead entries when every row and head holds the same number of live ones."""
+        least, most = self.live_range
+        if least != most or self.slots == most:
+            return
+        order = torch.argsort((~self.live).to(torch.uint8), dim=-1, stable=True)[..., :most]
+        self._keep(order)

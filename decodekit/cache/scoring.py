@@ -1,0 +1,252 @@
+"""How a compressed cache layer scores its entries: the attention each receives from the observed queries
+(exactly, in blocks, or with the Triton kernels on CUDA), decoding steps scored in a batch at the next
+eviction, and the priority eviction ranks by (sinks and recent tokens protected, value norms,
+novelty).
+
+``EntryScoring`` is a mixin of ``CompressedLayer``; the attributes it works on are set up in
+``CompressedLayer.__init__``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import cache
+from types import ModuleType
+
+import torch
+from torch.nn import functional
+
+from decodekit.cache.rotary import rotate
+
+PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
+QUERY_BLOCK = 128  # observed queries scored at once
+LOGIT_ELEMENTS = 1 << 25  # at most this many logits (128 MiB in float32) held at once while scoring
+
+
+@cache
+def _triton_scoring() -> ModuleType | None:
+    """The Triton scoring kernels, or None where Triton is not installed."""
+    try:
+        import decodekit.cache._triton_scoring as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def rank_fractions(values: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row and head, each entry's rank by ``values`` among the live entries (all when ``live`` is None),
+    as a float64 fraction in [0, 1); dead entries get negative fractions. Ties go by slot order.
+
+    Example:
+        >>> rank_fractions(torch.tensor([[[0.3, 0.1, 0.2, 0.0]]]), torch.tensor([[[True, True, True, False]]]))
+        tensor([[[ 0.6667,  0.0000,  0.3333, -0.3333]]], dtype=torch.float64)
+    """
+    if live is None:
+        order = values.argsort(dim=-1, stable=True).argsort(dim=-1)
+        return order.double() / values.shape[-1]
+    count = live.sum(dim=-1, keepdim=True)
+    order = torch.where(live, values.double(), -math.inf).argsort(dim=-1, stable=True).argsort(dim=-1)
+    return (order - (live.shape[-1] - count)).double() / count.clamp(min=1)
+
+
+def _step_tensors(steps: int, group: int, decay: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For scoring ``steps`` waiting decoding steps at once (``CompressedLayer._score_pending``): ``[steps, steps]``,
+    True where step t may not see step u's token (u > t), and ``[steps, 1]``, the weight of step t's attention
+    (``decay ** (steps - 1 - t)``) over the ``group`` query heads that share a KV head. Built once per shape."""
+    later = torch.ones(steps, steps, dtype=torch.bool, device=device).triu_(1)
+    exponents = torch.arange(steps - 1, -1, -1, dtype=torch.float64, device=device)
+    return later, (decay**exponents / group).to(torch.float32)[:, None]
+
+
+class EntryScoring:
+    """The importance of a ``CompressedLayer``'s entries, and the order in which eviction takes them."""
+
+    def _rotated_queries(self, columns: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The observed tokens' queries, ``[batch, heads, tokens, head_dim]``, rotated to their positions."""
+        return rotate(self._to_queries(columns), cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def _wait_for_scoring(self, columns: torch.Tensor, scaling: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Queue a decoding step's observed query columns and rotation until the next eviction scores them."""
+        if not self._pending:
+            self._pending_first, self._pending_scaling = self.slots - 1, scaling
+        self._pending.append((columns, cos, sin))
+
+    def _defers_scoring(self, new: int, free: torch.Tensor | None) -> bool:
+        """Whether this pass's scoring waits for the next eviction: one decoding step appended to the spare
+        room of a layer whose queries see every entry (no padding, no window, no cap, no pooling), while
+        fewer than ``eviction_interval`` steps wait. Anything else first scores the waiting steps."""
+        deferred = (
+            new == 1 and free is None and self._spare is not None and self.pad_range[1] == 0
+            and self.sliding_window is None and self.softcap is None and self.policy.pool_kernel == 1
+            and not self.replaying and self.live_range[0] == self.slots
+            and len(self._pending) < self.policy.eviction_interval  # a row under its target evicts nothing
+        )  # fmt: skip
+        if not deferred:
+            self._score_pending()
+        return deferred
+
+    def _score_pending(self) -> None:
+        """Add the attention of the waiting decoding steps to the scores, as one step at a time would.
+
+        Step ``t`` of ``m`` (its token in slot ``first + t``) saw the slots before its own and itself;
+        a step decays every score by ``score_decay`` before adding its attention, so older scores are
+        decayed ``m`` times and step ``t``'s attention ``m - 1 - t`` times. Entries appended during the
+        steps start from 0.
+        """
+        self._catch_up()
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        columns, cos, sin = (torch.cat(parts, dim=1) for parts in zip(*pending, strict=True))
+        queries = self._rotated_queries(columns, cos, sin)  # [batch, heads, steps, head_dim]
+        steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
+        keys, values = self.dense()
+        batch, kv_heads, _, head_dim = keys.shape
+        visible = first + steps
+        group = queries.shape[1] // kv_heads
+        grouped = queries.to(keys.dtype).reshape(batch, kv_heads, group * steps, head_dim)
+        logits = torch.matmul(grouped, keys[:, :, :visible].transpose(-1, -2)).float()
+        logits = logits.mul_(self._pending_scaling).view(batch, kv_heads, group, steps, visible)
+        later, weights = _step_tensors(steps, group, decay, logits.device)
+        logits[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
+        received = logits.softmax(dim=-1).mul_(weights).sum(dim=(2, 3))
+        self._scores[:, :, :visible].mul_(decay**steps).add_(received)
+        self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
+
+    def _attention_received(self, queries: torch.Tensor, scaling: float, keys: torch.Tensor) -> torch.Tensor:
+        """Mean attention each entry gets from the observed queries (the last ones) that can see it.
+
+        Computed per KV head (averaged over the query heads that share it) in blocks of queries,
+        exactly (a softmax per query over every entry it sees), without materializing more than
+        one block of logits. When the new tokens were appended, a block needs only the slots
+        before its last query. With no padding, no dead entry and no sliding window, only the
+        block's own diagonal needs a causal mask; otherwise visibility follows logical positions
+        and liveness. Left-padding queries (first pass only) see padding only, so they give real
+        entries nothing. ``keys`` are the stored keys as attention reads them (``dense``).
+        """
+        batch, kv_heads, slots, head_dim = keys.shape
+        window, group = queries.shape[2], queries.shape[1] // kv_heads
+        appended = window > 1  # a pass of several tokens is appended; one token may fill a free slot
+        unmasked = self.pad_range[1] == 0 and self.live_range[0] == slots and self.sliding_window is None
+        if window == 1 and unmasked and not self.replaying and self.softcap is None and self.policy.pool_kernel == 1:
+            # One decoding step that sees every entry: logits in the cache's dtype, as eager attention
+            # computes them, then a float32 softmax per query head, averaged over the group.
+            grouped = queries.to(keys.dtype).reshape(batch, kv_heads, group, head_dim)
+            logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [batch, kv_heads, group, slots]
+            return logits.float().mul_(scaling).softmax(dim=-1).mean(dim=2)
+        causal_only = appended and unmasked
+        if causal_only and self.softcap is None and not self.replaying and self._on_triton():
+            received = _triton_scoring().attention_received(queries.to(keys.dtype), keys, scaling)
+            return self._per_query(received, window, group)
+        grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, window, head_dim)
+        keys_t = keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
+        first_slot, first_position = slots - window, self.seen - window
+        received = grouped.new_zeros((batch, kv_heads, slots))
+        block = max(1, min(QUERY_BLOCK, LOGIT_ELEMENTS // (batch * kv_heads * group * slots)))
+        for start in range(0, window, block):
+            stop = min(start + block, window)
+            visible = first_slot + stop if appended else slots
+            logits = torch.matmul(grouped[:, :, :, start:stop], keys_t[..., :visible])  # [b, h, g, w, t]
+            if self.softcap is not None:
+                logits.div_(self.softcap).tanh_().mul_(self.softcap)
+            if causal_only:
+                diagonal = logits[..., first_slot + start : visible]
+                diagonal += torch.full(diagonal.shape[-2:], -math.inf, device=logits.device).triu_(1)
+            else:
+                logits.masked_fill_(self._hidden(first_position + start, first_position + stop, visible), -math.inf)
+            logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+            # Normalize each query's row and sum over the queries in one product: (1 / row sums) @ exp.
+            if self.replaying:  # the most attention any replay query pays each entry
+                logits.div_(logits.sum(dim=-1, keepdim=True))
+                received[..., :visible] = torch.maximum(received[..., :visible], logits.amax(dim=(2, 3)))
+                continue
+            inverse = logits.sum(dim=-1).reciprocal_().reshape(batch, kv_heads, 1, -1)
+            rows = logits.reshape(batch, kv_heads, -1, visible)
+            received[..., :visible] += torch.matmul(inverse, rows).squeeze(2)
+        if self.replaying:
+            return received
+        return self._per_query(received, window, group)
+
+    def _per_query(self, received: torch.Tensor, window: int, group: int) -> torch.Tensor:
+        """Attention summed over the observed queries and a KV head's group, as a mean per query that sees
+        each entry, smoothed over neighbours when the policy says so."""
+        batch, kv_heads, slots = received.shape
+        # How many observed queries see each entry: entries among the new tokens are seen by fewer,
+        # and under a sliding window so are entries that leave it.
+        last_seer = self.seen
+        if self.sliding_window is not None:
+            last_seer = (self.positions + self.sliding_window).clamp(max=self.seen)
+        seen_by = (last_seer - self.positions.clamp(min=self.seen - window)).clamp(min=1) * group
+        received = received / seen_by
+        kernel = self.policy.pool_kernel
+        if kernel > 1:
+            flat = received.reshape(batch * kv_heads, 1, slots)
+            received = functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+            received = received.reshape(batch, kv_heads, slots)
+        return received
+
+    def _on_triton(self) -> bool:
+        """Whether this layer's scores run on the Triton kernels (see ``scoring_backend``)."""
+        backend = self.policy.scoring_backend
+        if backend == "torch":
+            return False
+        if backend == "auto":
+            return self.keys.is_cuda and _triton_scoring() is not None
+        if _triton_scoring() is None:
+            raise ValueError("scoring_backend='triton' needs the triton package (pip install triton)")
+        if not self.keys.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"scoring_backend='triton' needs the cache on a CUDA device; it is on {self.keys.device}: "
+                "use scoring_backend='auto' or 'torch'"
+            )
+        return True
+
+    def _hidden(self, first_query: int, stop_query: int, visible: int) -> torch.Tensor:
+        """``[batch, kv_heads, 1, queries, visible]``: True where a query at a position in
+        [first_query, stop_query) may not see an entry among the first ``visible`` slots."""
+        query_position = torch.arange(first_query, stop_query, device=self.positions.device)[:, None]
+        entry_position = self.positions[:, :, None, None, :visible]
+        dead = ~self.live[:, :, None, None, :visible]
+        hidden = (entry_position > query_position) | (dead & (query_position >= self.pads[:, None, None, None, None]))
+        if self.sliding_window is not None:
+            hidden |= query_position - entry_position >= self.sliding_window
+        return hidden
+
+    def priority_scores(self) -> torch.Tensor:
+        """The entries' scores as eviction ranks them: times the value norm when the policy says so
+        (``EvictionPolicy.ranks_by_value_norm``)."""
+        return self.scores * self.value_norms if self.policy.ranks_by_value_norm else self.scores
+
+    def set_priority(self, priority: torch.Tensor) -> None:
+        """Store scores such that ``priority_scores()`` returns ``priority``."""
+        self.scores = priority / self.value_norms.clamp(min=1e-30) if self.policy.ranks_by_value_norm else priority
+
+    def _priority(self) -> torch.Tensor:
+        """Sinks and recent tokens above every score, then score (times value norm); under a sliding
+        window, tokens no later query can see go first."""
+        pads = self.pads[:, None, None] if self.pad_range[1] else 0
+        protected = (self.positions < pads + self.policy.sink_tokens) | (
+            self.positions >= self.seen - self.policy.recent_tokens
+        )
+        scores = self.priority_scores()
+        if self.policy.scoring == "attention+novelty":
+            scores = self._with_novelty(scores)
+        priority = torch.where(protected, PROTECTED, scores)
+        if self.sliding_window is not None:
+            priority = torch.where(self.positions <= self.seen - self.sliding_window, -PROTECTED, priority)
+        return priority
+
+    def _with_novelty(self, attention: torch.Tensor) -> torch.Tensor:
+        """Each live entry's better rank, as a fraction of the live entries, under ``attention`` and under the
+        novelty of its key (negative cosine similarity to the row and head's mean live key, as KeyDiff
+        ranks); ties go by the other rank, then by attention. Float64; dead entries rank lowest."""
+        live = self.live
+        count = live.sum(dim=-1, keepdim=True)
+        keys = self.dense()[0].float()
+        mean = (keys * live[..., None]).sum(dim=-2, keepdim=True) / count[..., None].clamp(min=1)
+        novelty = -functional.cosine_similarity(keys, mean, dim=-1)
+        by_attention, by_novelty = rank_fractions(attention, live), rank_fractions(novelty, live)
+        better, worse = torch.maximum(by_attention, by_novelty), torch.minimum(by_attention, by_novelty)
+        return better + worse * 2.0**-20 + by_attention * 2.0**-40

@@ -1,0 +1,299 @@
+"""How a compressed cache layer stores its entries: keys and values (exact, in 16 bits, or quantized with
+the recent tokens' exact copies beside them), and the per-entry bookkeeping, with reserved room so that
+decoding steps between evictions copy one entry each.
+
+Entries are ``[batch, kv_heads, slots, ...]``. ``EntryStorage`` is a mixin of ``CompressedLayer``; the
+attributes it works on are set up in ``CompressedLayer.__init__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+# The per-entry tensors, [batch, kv_heads, slots, ...], as stored: the bookkeeping ones are behind the properties
+# ``scores``, ``value_norms``, ``positions`` and ``live``, which bring them up to date first.
+BOOKKEEPING = ("_scores", "_value_norms", "_positions", "_live")
+PER_ENTRY = ("keys", "values", *BOOKKEEPING)
+# With quantized storage, each entry's group scales and offsets (see ``Quantizer``).
+CODING = ("key_scales", "key_offsets", "value_scales", "value_offsets")
+PARTS = ("keys", "values")
+# Per row, with quantized storage: the key channels' magnitudes and the ring of exact recent entries.
+EXACT = ("key_channels", "recent_keys", "recent_values")
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
+    """The storages behind ``tensors``, keyed by (device, address) so that one shared by several views
+    (or several layers) counts once, with their sizes in bytes.
+
+    Example:
+        >>> base = torch.zeros(10)
+        >>> storage_bytes([base, base[:3], torch.ones(2, dtype=torch.int8)]).values()
+        dict_values([40, 2])
+    """
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return storages
+
+
+def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
+    """Fill ``target`` with ``entry``: a tensor (broadcast) or one value."""
+    if isinstance(entry, torch.Tensor):
+        target.copy_(entry)
+    else:
+        target.fill_(entry)
+
+
+class EntryStorage:
+    """Where a ``CompressedLayer``'s entries live and how they are written, moved and read back."""
+
+    def _forget_freed(self) -> None:
+        """Drop the list of freed slots (after anything that moves entries or changes which are live)."""
+        self._freed, self._freed_taken = None, 0
+
+    def _catch_up(self) -> None:
+        """Extend the bookkeeping views over the decoding steps appended to the reserved room since they last
+        covered every entry (those steps wrote their keys and values only: the room was prepared for them)."""
+        if self._lagging:
+            self._lagging = False
+            slots = self.slots
+            for name in BOOKKEEPING:
+                setattr(self, name, self._spare[name].narrow(2, 0, slots))
+
+    @property
+    def slots(self) -> int:
+        """Stored entries per row and KV head, live or not."""
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def _start_coding(self, key_states: torch.Tensor) -> None:
+        """On the first pass: measure each key channel's magnitude over the rows' real tokens, and make the
+        ring of exact recent entries."""
+        batch, kv_heads, new, head_dim = key_states.shape
+        if self.quantizers["keys"] is not None:
+            real = torch.arange(new, device=key_states.device) >= self.pads[:, None]  # [batch, new]
+            magnitude = torch.where(real[:, None, :, None], key_states.float().abs(), 0.0).amax(dim=2, keepdim=True)
+            self.key_channels = magnitude.clamp_(min=1e-6)
+        ring = self.policy.recent_tokens
+        self.recent_keys = key_states.new_zeros((batch, kv_heads, ring, head_dim), dtype=self.storage_dtype)
+        self.recent_values = torch.zeros_like(self.recent_keys)
+        self.recent_positions = torch.full((ring,), -1, dtype=torch.int32, device=key_states.device)
+
+    def _code(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a pass's keys and values store as: themselves (in 16 bits with ``kv_bits=16``), or their codes,
+        scales and offsets."""
+        coded = {}
+        for part, states in zip(PARTS, (key_states, value_states), strict=True):
+            quantizer = self.quantizers[part]
+            if quantizer is None:
+                coded[part] = self._in_storage_dtype(states)
+                continue
+            if part == "keys":
+                states = states.float() / self.key_channels
+            codes = quantizer.encode(states, self.storage_dtype)
+            prefix = part[:-1]
+            coded[part], coded[f"{prefix}_scales"], coded[f"{prefix}_offsets"] = codes.values()
+        return coded
+
+    def _in_storage_dtype(self, states: torch.Tensor) -> torch.Tensor:
+        """``states`` in the storage dtype; a 32-bit value beyond float16's range is held at its largest."""
+        dtype = self.storage_dtype
+        if states.dtype == dtype:
+            return states
+        limit = torch.finfo(dtype).max
+        return states.clamp(-limit, limit).to(dtype)
+
+    def _remember_recent(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Keep the exact keys and values of the pass's last tokens (up to the ring's size) in the ring."""
+        ring = self.recent_keys.shape[2]
+        count = min(key_states.shape[2], ring)
+        positions = torch.arange(self.seen - count, self.seen, device=key_states.device, dtype=torch.int32)
+        slots = (positions % ring).long()
+        self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(key_states[:, :, -count:]))
+        self.recent_values.index_copy_(2, slots, self._in_storage_dtype(value_states[:, :, -count:]))
+        self.recent_positions.index_copy_(0, slots, positions)
+
+    def _read(self, key_states: torch.Tensor, value_states: torch.Tensor, free) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this pass's attention reads: the stored entries (``dense``), with the pass's own tokens exact
+        (they were stored after ``free`` slots' or after the others)."""
+        keys, values = self.dense()
+        if keys is self.keys:  # stored as they are
+            return keys, values
+        if free is None:
+            new = key_states.shape[2]
+            keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
+        else:
+            slot = free[..., None, None].expand(-1, -1, 1, keys.shape[-1])
+            keys.scatter_(2, slot, key_states)
+            values.scatter_(2, slot, value_states)
+        return keys, values
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored keys and values in the cache's dtype, ``[batch, kv_heads, slots, head_dim]``, as attention
+        reads them: with quantized storage, decoded, the entries still in the ring exact; with ``kv_bits=16`` in a
+        32-bit model, cast back."""
+        if not self.quantized:
+            if self.storage_dtype == self.dtype:
+                return self.keys, self.values
+            return self.keys.to(self.dtype), self.values.to(self.dtype)  # 16-bit storage of a 32-bit model
+        keys, values = (self._decoded(part) for part in PARTS)
+        # The ring's tokens are the latest positions: find the slots of the last ``ring`` positions and, where
+        # the ring still holds that position (a crop or replay may have overwritten it), read it exact.
+        ring = self.recent_keys.shape[2]
+        latest = self.positions.topk(min(ring, self.slots), dim=-1).indices  # [batch, kv_heads, ring]
+        latest_positions = self.positions.gather(2, latest)
+        ring_slot = (latest_positions % ring).long()
+        held = (self.recent_positions[ring_slot] == latest_positions)[..., None]
+        head_dim = keys.shape[-1]
+        into, out_of = latest[..., None].expand(-1, -1, -1, head_dim), ring_slot[..., None].expand(-1, -1, -1, head_dim)
+        for decoded, recent in ((keys, self.recent_keys), (values, self.recent_values)):
+            exact = recent.gather(2, out_of).to(self.dtype)
+            decoded.scatter_(2, into, torch.where(held, exact, decoded.gather(2, into)))
+        return keys, values
+
+    def _decoded(self, part: str) -> torch.Tensor:
+        """The stored ``part`` ("keys" or "values") decoded to the cache's dtype (ring aside)."""
+        stored, quantizer = getattr(self, part), self.quantizers[part]
+        if quantizer is None:
+            return stored.to(self.dtype, copy=True)  # a copy: the ring's entries are written into it
+        prefix = part[:-1]
+        codes = {
+            "codes": stored,
+            "scales": getattr(self, f"{prefix}_scales"),
+            "offsets": getattr(self, f"{prefix}_offsets"),
+        }
+        decoded = quantizer.decode(codes, torch.float32)
+        if part == "keys":
+            decoded = decoded.mul_(self.key_channels)
+        return decoded.to(self.dtype)
+
+    def _has_spare(self) -> bool:
+        """Whether the per-entry tensors are views of larger ones (spare room, possibly all used)."""
+        spare = self._spare
+        if spare is not None and any(getattr(self, name)._base is not spare[name] for name in self.entries):
+            self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
+        return spare is not None
+
+    def _store(self, coded: dict[str, torch.Tensor], value_states: torch.Tensor, free, first_pass: bool) -> None:
+        """Store a pass's entries (``coded``: keys and values as stored, see ``_code``): one token into each
+        row's ``free`` slot, or after the stored entries."""
+        batch, kv_heads, new, _ = value_states.shape
+        positions = torch.arange(self.seen, self.seen + new, device=value_states.device, dtype=torch.int32)
+        positions = positions.expand(batch, kv_heads, new)
+        value_norms = value_states.float().norm(dim=-1)
+        if free is not None:
+            self._fill(free, coded, value_norms, positions)
+            return
+        live = positions >= self.pads[:, None, None] if first_pass else True
+        entries = {**coded, "_scores": 0.0, "_value_norms": value_norms, "_positions": positions, "_live": live}
+        self._append(entries, first_pass)
+
+    def _spare_room(self) -> int:
+        """How many entries fit after the stored ones without moving them (0 without spare room)."""
+        return self._spare["keys"].shape[2] - self.slots if self._has_spare() else 0
+
+    def _append(self, entries: dict[str, torch.Tensor | float | bool], first_pass: bool) -> None:
+        """Store ``entries`` (a tensor, or one value for every new entry) after the stored ones: in spare
+        room when it fits, else in new tensors.
+
+        One decoding step with ``eviction_interval > 1`` reserves room for the steps up to the next
+        eviction (never beyond ``budget + 1`` slots), so that those steps copy one entry each
+        instead of the whole layer.
+        """
+        self._catch_up()
+        new, stored = entries["keys"].shape[2], 0 if first_pass else self.slots
+        if self._spare_room() >= new:
+            for name, entry in entries.items():
+                base = self._spare[name]
+                _write(base.narrow(2, stored, new), entry)
+                setattr(self, name, base.narrow(2, 0, stored + new))
+            return
+        self._spare = None
+        interval = self.policy.eviction_interval
+        capacity = stored + new
+        reserve = not first_pass and new == 1 and interval > 1 and self.pad_range[1] == 0
+        if reserve:
+            capacity += interval - 1
+            fixed = self._fixed_target()
+            if fixed is not None:
+                capacity = max(stored + new, min(capacity, fixed + 1))
+        spare = {}
+        batch, kv_heads = entries["keys"].shape[:2]
+        for name, entry in entries.items():
+            old = getattr(self, name)
+            trailing = entry.shape[3:] if isinstance(entry, torch.Tensor) else ()
+            base = old.new_empty((batch, kv_heads, capacity, *trailing))
+            if stored:
+                base.narrow(2, 0, stored).copy_(old)
+            _write(base.narrow(2, stored, new), entry)
+            spare[name] = base
+            setattr(self, name, base.narrow(2, 0, stored + new))
+        if reserve:  # kept even when full: the next eviction moves the kept entries to its front
+            self._spare = spare
+            self._prepare_room(stored + new, self.seen + new)
+
+    def _prepare_room(self, filled: int, next_position: int) -> None:
+        """Give the spare room's entries, from slot ``filled`` on, what the next tokens will have: live,
+        score 0, consecutive positions from ``next_position``. Their keys, values and value norms come
+        with them (``_append_to_prepared_room``, ``_score_pending``)."""
+        room = self._spare["keys"].shape[2] - filled
+        if room <= 0:
+            return
+        self._spare["_live"].narrow(2, filled, room).fill_(True)
+        self._spare["_scores"].narrow(2, filled, room).zero_()
+        positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=self.keys.device)
+        self._spare["_positions"].narrow(2, filled, room).copy_(positions)
+
+    def _append_to_prepared_room(self, coded: dict[str, torch.Tensor]) -> None:
+        """One decoding step whose scoring waits: only its key and value (as stored) are written, and only their
+        views extended; the bookkeeping views follow when read (``_catch_up``)."""
+        stored = self.slots
+        for name, entry in coded.items():
+            base = self._spare[name]
+            base.narrow(2, stored, 1).copy_(entry)
+            setattr(self, name, base.narrow(2, 0, stored + 1))
+        self._lagging = True
+
+    def _fill(self, free, coded, value_norms, positions) -> None:
+        slot = free[..., None]
+        for name, entry in coded.items():
+            getattr(self, name).scatter_(2, slot[..., None].expand(-1, -1, -1, entry.shape[-1]), entry)
+        self.scores.scatter_(2, slot, 0.0)
+        self.value_norms.scatter_(2, slot, value_norms)
+        self.positions.scatter_(2, slot, positions)
+        self.live.scatter_(2, slot, True)
+
+    def _keep(self, index: torch.Tensor) -> None:
+        """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order (at the front of the
+        spare room's tensors when there is one)."""
+        self._forget_freed()
+        self._score_pending()
+        in_place = self._has_spare()
+        count, by_width = index.shape[2], {}  # by_width: ``index`` over a last dimension of that width
+        for name in self.entries:
+            tensor = getattr(self, name)
+            along = index
+            if tensor.dim() == 4:
+                width = tensor.shape[-1]
+                if width not in by_width:
+                    by_width[width] = index[..., None].expand(-1, -1, -1, width)
+                along = by_width[width]
+            kept = tensor.gather(2, along)
+            if in_place:
+                kept = self._spare[name].narrow(2, 0, count).copy_(kept)
+            setattr(self, name, kept)
+        if in_place:
+            self._prepare_room(index.shape[2], self.seen)
+
+    def kept_positions(self) -> torch.Tensor:
+        """The logical positions of the live tokens, ``[batch, kv_heads, kept]``, increasing.
+
+        A row that keeps fewer tokens than ``kept`` (more padding, a smaller ratio target) is
+        filled with -1 at the front, as a left-padded batch is.
+        """
+        if not self.is_initialized:
+            return torch.zeros(0, 0, 0, dtype=torch.int32)
+        positions = self.positions.masked_fill(~self.live, -1).sort(dim=-1).values
+        return positions[..., positions.shape[-1] - self.kept :]
