@@ -47,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _kv_per_byte as per_byte
 import torch
 from _timing import verdict  # benchmarks/ is on sys.path when a script in it runs
 from kv_protocol import PROTOCOL_TEXTS, encoded_pass_keys, run_tasks, text_tasks
@@ -102,19 +103,44 @@ def kvpress_python(args) -> Path | None:
 def press_rows(args, model, tasks: dict) -> list[dict]:
     """The presses' rows: read from --presses-from, or measured now in kvpress's virtualenv."""
     if args.presses_from:  # only the presses' rows: ours are measured now
-        rows = [json.loads(line) for line in Path(args.presses_from).read_text().splitlines() if line.strip()]
-        return [row for row in rows if row["method"].startswith("kvpress")]
+        return [row for row in _read_rows(args.presses_from) if row["method"].startswith("kvpress")]
     python = kvpress_python(args)
-    if python is None:
-        return []
+    return [] if python is None else run_presses(python, model, tasks)
+
+
+def _read_rows(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def run_presses(python: Path, model, tasks: dict, chosen: list[str] | None = None) -> list[dict]:
+    """Measure kvpress presses (``chosen``, else all) on ``tasks`` in their own virtualenv."""
     with tempfile.TemporaryDirectory() as directory:
         tasks_path, out = Path(directory) / "tasks.json", Path(directory) / "presses.jsonl"
         tasks_path.write_text(json.dumps(tasks))
         runner = [str(python), str(Path(__file__).parent / "_kvpress_runner.py"), model.name_or_path]
-        result = subprocess.run([*runner, str(tasks_path), str(out)], capture_output=True, text=True, check=False)
+        command = [*runner, str(tasks_path), str(out), *(chosen or [])]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode:
             raise RuntimeError(f"kvpress run failed:\n{result.stderr[-3000:]}")
-        return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        return _read_rows(str(out))
+
+
+def byte_press_rows(args, model):
+    """For the quality-per-byte section: a function of the tasks giving the presses' rows, read from
+    --byte-presses-from or measured now (and kept in --save-byte-presses)."""
+
+    def rows(tasks: dict) -> list[dict]:
+        if args.byte_presses_from:
+            return [row for row in _read_rows(args.byte_presses_from) if row["method"].startswith("kvpress")]
+        python = kvpress_python(args)
+        if python is None:
+            return []
+        measured = run_presses(python, model, tasks, args.byte_presses.split(","))
+        if args.save_byte_presses:
+            Path(args.save_byte_presses).write_text("".join(json.dumps(row) + "\n" for row in measured))
+        return measured
+
+    return rows
 
 
 def summarize(rows: list[dict], full: dict[str, float]) -> dict[str, dict[float, dict]]:
@@ -476,6 +502,22 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--long-budget", type=int, default=256)
     parser.add_argument("--skip-quality", action="store_true", help="measure cost and speed only")
+    parser.add_argument("--skip-equal-tokens", action="store_true", help="skip the quality section at equal tokens")
+    parser.add_argument("--skip-bytes", action="store_true", help="skip the quality-per-byte section")
+    parser.add_argument(
+        "--byte-shares",
+        default=",".join(map(str, per_byte.BYTE_SHARES)),
+        help="quality per byte: shares of the full 16-bit cache's bytes removed",
+    )
+    parser.add_argument("--retrieval-tasks", type=int, default=10, help="quality per byte: retrieval tasks per kind")
+    parser.add_argument("--retrieval-tokens", type=int, default=2000, help="quality per byte: retrieval context")
+    parser.add_argument(
+        "--byte-presses",
+        default="KVzip,AdaKV(SnapKV),SnapKV",
+        help="quality per byte: the kvpress presses measured at each share",
+    )
+    parser.add_argument("--byte-presses-from", help="quality per byte: a JSONL file of press results")
+    parser.add_argument("--save-byte-presses", help="quality per byte: keep the presses measured now in this file")
     parser.add_argument("--skip-speed", action="store_true", help="measure quality only")
     parser.add_argument("--skip-kvpress", action="store_true", help="compare with the full cache only")
     parser.add_argument("--presses-from", help="a JSONL file of press results from an earlier kvpress run")
@@ -503,8 +545,11 @@ def main() -> None:
         gpu_mode(args, device)
         return
     model, tokenizer = load_model(device_map=str(device) if device.type != "cpu" else None)
-    if not args.skip_quality:
+    if not (args.skip_quality or args.skip_equal_tokens):
         quality(model, tokenizer, args)
+    if not (args.skip_quality or args.skip_bytes):
+        texts = text_tasks(tokenizer, PROTOCOL_TEXTS, args.context_tokens, args.continuation_tokens)
+        per_byte.run(model, tokenizer, texts, args, byte_press_rows(args, model), verdict)
     if not args.skip_speed:
         prefill_cost(model, tokenizer, args)
         speed(model, tokenizer, args)

@@ -42,6 +42,13 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
             for t in ("gpl3", "argparse.py", "pydoc types", "idle NEWS")]  # fmt: skip
     rows += [{"method": "kvpress SnapKV", "ratio": r, "task": "pass key", "accuracy": 0.0} for r in (0.5, 0.75, 0.9)]
     presses.write_text("\n".join(json.dumps(row) for row in rows))
+    byte_presses = tmp_path / "byte_presses.jsonl"  # the per-byte section's recorded presses
+    rows = [{"method": "kvpress KVzip", "ratio": r, "task": t, "perplexity": 1e9} for r in (0.5, 0.75)
+            for t in ("gpl3", "argparse.py", "pydoc types", "idle NEWS")]  # fmt: skip
+    rows += [{"method": "kvpress KVzip", "ratio": r, "task": "pass key", "accuracy": 0.5} for r in (0.5, 0.75)]
+    byte_presses.write_text("\n".join(json.dumps(row) for row in rows))
+    short += ["--byte-shares", "0.5,0.75", "--retrieval-tasks", "1", "--retrieval-tokens", "200"]
+    short += ["--byte-presses-from", str(byte_presses)]
     out = _run("kv_cache.py", *short, "--long-tokens", "8", "--presses-from", str(presses))
     assert "decodekit default" in out and "decodekit reconstruction" in out and "kvpress SnapKV" in out
     assert "default better than every press: True" in out
@@ -50,6 +57,10 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     assert "most tokens held at any step" in out
     assert "CompressedCache kv_bits=4:" in out
     assert "CompressedCache scoring='reconstruction' (layers share the budget" in out
+    # Quality per byte: ours sized by bytes, held within them, beside the recorded press at the same share.
+    assert "1b. quality per byte" in out and "kvpress KVzip" in out and "decodekit reconstruction 16-bit" in out
+    assert "75.0% of the bytes removed, decodekit reconstruction: held" in out and "target <= +0.25%" in out
+    assert "vs KVzip's +" in out and "within 25.0%: True" in out and "False)" not in out
 
 
 def test_kv_cache_benchmark_host_bound_mode_runs():

@@ -67,7 +67,7 @@ def test_the_report_holds_what_the_pieces_compute_on_their_own(tiny):
     }  # fmt: skip
     # Oracle for the byte-sized rows: the same cache built by hand, and its bytes against the size asked.
     for row, fraction in zip(report.compression[2:], MEMORY_FRACTIONS, strict=True):
-        kv_bits, key_bits = (4, 8) if fraction >= 0.45 else (4, 4)  # the widths documented for each size
+        kv_bits, key_bits = (4, 8) if fraction >= 0.45 else (4, 4)  # the widths documented for each size (attention)
         cache = CompressedCache(model, memory_fraction=fraction, kv_bits=kv_bits, key_bits=key_bits)
         value = continuation_perplexity(model, cache, torch.tensor([ids[:96]]), torch.tensor([ids[96:]]))
         assert row["memory_fraction"] == fraction and row["perplexity"] == pytest.approx(value)

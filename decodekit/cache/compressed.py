@@ -18,18 +18,27 @@ from decodekit.cache.scoring import rank_fractions
 from decodekit.cache.size import attention_head_size, entry_bytes
 from decodekit.cache.storage import storage_bytes
 
+# The least memory fraction at which a byte-sized cache stores keys in 8 bits and values in 4 (else both in 4),
+# per scoring: chosen on the tuning texts with ``benchmarks/kv_bytes.py`` (see ``byte_sized_widths``).
+KEYS_IN_8_BITS_FROM = {"attention": 0.45, "attention+novelty": 0.45, "reconstruction": 0.2}
 
-def byte_sized_widths(memory_fraction: float | None) -> tuple[int, int]:
+
+def byte_sized_widths(memory_fraction: float | None, scoring: str = "attention") -> tuple[int, int]:
     """``(kv_bits, key_bits)`` for a cache sized in bytes and told no widths: keys in 8 bits and values in 4
-    from 45% of the full 16-bit cache's bytes up (where those widths keep nearly every token), else both in 4
-    (more tokens beat more bits once tokens must go). Chosen on the tuning texts with
-    ``benchmarks/kv_bytes.py``: of 16, 8, 8/4 and 4 bits, 8/4 was best at 50% and 4 at 25% and 10%.
+    where those widths keep nearly every token, else both in 4 (more tokens beat more bits once tokens must
+    go). Chosen on the tuning texts with ``benchmarks/kv_bytes.py``, of 16, 8, 8/4 and 4 bits: with
+    attention scoring, 8/4 was best at 50% and 4 at 25% and 10%, so 8/4 from 45% up; with reconstruction
+    scoring (layers sharing the budget lose less to eviction), 8/4 was best at 50% and 25% and 4 at 10%,
+    so 8/4 from 20% up.
 
     Example:
         >>> byte_sized_widths(0.5), byte_sized_widths(0.25), byte_sized_widths(None)
         ((4, 8), (4, 4), (4, 4))
+        >>> byte_sized_widths(0.25, "reconstruction"), byte_sized_widths(0.1, "reconstruction")
+        ((4, 8), (4, 4))
     """
-    return (4, 8) if memory_fraction is not None and memory_fraction >= 0.45 else (4, 4)
+    least = KEYS_IN_8_BITS_FROM.get(scoring, 0.45)
+    return (4, 8) if memory_fraction is not None and memory_fraction >= least else (4, 4)
 
 
 def _head_dim(model: nn.Module) -> int | None:
@@ -120,7 +129,8 @@ class CompressedCache(Cache):
             full 16-bit cache would hold for the tokens seen so far (keys, values, scales and bookkeeping
             all counted, as ``memory_bytes()`` reports them), choosing how many tokens to keep from
             ``kv_bits``; without ``kv_bits``, the widths that did best at equal bytes (keys in 8 bits and
-            values in 4 from 45% up, else both in 4: see ``byte_sized_widths``). Below the sinks and the
+            values in 4 from 45% up, or 20% with ``scoring="reconstruction"``, else both in 4: see
+            ``byte_sized_widths``). Below the sinks and the
             recent window it cannot go: on a short context the fraction is exceeded until
             ``sink_tokens + recent_tokens`` tokens fit in it.
         max_bytes: instead of a budget or ratio, hold at most this many bytes, all rows together, after
@@ -175,7 +185,7 @@ class CompressedCache(Cache):
         if all(size is None for size in sizes) and kv_bits is not None:
             compression_ratio = 0.0  # quantization alone: every token is kept
         if (memory_fraction is not None or max_bytes is not None) and kv_bits is None and key_bits is None:
-            kv_bits, key_bits = byte_sized_widths(memory_fraction)
+            kv_bits, key_bits = byte_sized_widths(memory_fraction, scoring)
         head_dim = _head_dim(model)
         if kv_group_size is None:
             kv_group_size = min(32, head_dim) if head_dim else 32
