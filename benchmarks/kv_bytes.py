@@ -8,6 +8,7 @@ bytes the cache held after each pass (its ``memory_bytes()``, as a fraction of t
 cache's), the tokens it kept, and the perplexity rise over the full cache, per text and mean.
 
     python benchmarks/kv_bytes.py [--texts tuning|protocol] [--fractions 0.5,0.25,0.1] [--bits 16,8,4]
+    python benchmarks/kv_bytes.py --scoring reconstruction --allocation heads --ratios 0.5,0.75,0.9 --bits model
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ def _widths(text: str) -> dict[str, int | None]:
     return {"kv_bits": int(values or keys), "key_bits": int(keys) if values else None}
 
 
-def measure(model, task: dict, fraction: float | None, widths: dict, scoring: str) -> dict:
+def measure(
+    model, task: dict, fraction: float | None, widths: dict, scoring: str, *, ratio: float | None = None, **options
+) -> dict:
     """Perplexity of the task's continuation over what the cache kept of the context, and the cache's bytes
-    (as a fraction of a full 16-bit cache's) and kept tokens after the context's pass."""
+    (as a fraction of a full 16-bit cache's) and kept tokens after the context's pass. The cache holds
+    ``fraction`` of a full 16-bit cache's bytes, or evicts ``ratio`` of the tokens (None: neither)."""
     context = torch.tensor([task["context"]])
     continuation = torch.tensor([task["continuation"]])
     if fraction is None:
-        cache = CompressedCache(model, compression_ratio=0.0, scoring=scoring, **widths)
+        cache = CompressedCache(model, compression_ratio=ratio or 0.0, scoring=scoring, **widths, **options)
     else:
-        cache = CompressedCache(model, memory_fraction=fraction, scoring=scoring, **widths)
+        cache = CompressedCache(model, memory_fraction=fraction, scoring=scoring, **widths, **options)
     with torch.inference_mode():
         prefill = model(context, past_key_values=cache)
         held = cache.memory_bytes() / full_cache_bytes(model, context.shape[1], element_size=2)
@@ -63,6 +67,8 @@ def main() -> None:
         "--bits", default="16,8,8/4,4", help="storage widths to compare: 16, 8, 4, 8/4 (keys/values), model (fp32)"
     )
     parser.add_argument("--scoring", default="attention")
+    parser.add_argument("--allocation", help="uniform, global or heads (default: the scoring's)")
+    parser.add_argument("--ratios", help="instead of byte sizes: evict these shares of the tokens (equal tokens)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model()
@@ -75,14 +81,19 @@ def main() -> None:
           f" scoring={args.scoring}; perplexity rise over the full cache (%)")  # fmt: skip
     header = f"{'memory':>7} {'bits':>5} {'held':>6} {'kept':>5} " + " ".join(f"{name[:14]:>14}" for name in names)
     print(header + f" {'mean':>7} {'worst':>7}")
-    for fraction in (float(text) for text in args.fractions.split(",")):
+    options = {"allocation": args.allocation} if args.allocation else {}
+    sizes = [(None, float(text)) for text in args.ratios.split(",")] if args.ratios else [
+        (float(text), None) for text in args.fractions.split(",")]  # fmt: skip
+    for fraction, ratio in sizes:
         for bits in widths:
-            rows = {name: measure(model, task, fraction, _widths(bits), args.scoring) for name, task in tasks.items()}
+            rows = {name: measure(model, task, fraction, _widths(bits), args.scoring, ratio=ratio, **options)
+                    for name, task in tasks.items()}  # fmt: skip
             rises = [100 * (rows[name]["perplexity"] / full[name] - 1) for name in names]
             held = max(row["bytes"] for row in rows.values())
             kept = min(row["kept"] for row in rows.values())
             cells = " ".join(f"{rise:>+14.2f}" for rise in rises)
-            print(f"{fraction:>7.0%} {bits:>5} {held:>6.1%} {kept:>5} {cells} "
+            size = f"{fraction:>7.0%}" if fraction is not None else f"{f'-{ratio:.0%}':>7s}"
+            print(f"{size} {bits:>5} {held:>6.1%} {kept:>5} {cells} "
                   f"{statistics.fmean(rises):>+7.2f} {max(rises):>+7.2f}", flush=True)  # fmt: skip
 
 

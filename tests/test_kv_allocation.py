@@ -182,7 +182,7 @@ def test_a_memory_fraction_holds_with_a_global_allocation(four_layers):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"allocation": "layers"}, r"allocation must be one of 'uniform', 'global'; got 'layers'"),
+        ({"allocation": "layers"}, r"allocation must be one of 'uniform', 'global', 'heads'; got 'layers'"),
         ({"allocation": "global"}, r"allocation='global' needs scoring='reconstruction'"),
         ({"allocation": "global", "scoring": "attention+novelty"}, r"allocation='global' needs scoring="),
     ],

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-ALLOCATIONS = ("uniform", "global")
+ALLOCATIONS = ("uniform", "global", "heads")
 
 
 def layer_counts(priorities: list[torch.Tensor], targets: torch.Tensor, floor: float) -> torch.Tensor:

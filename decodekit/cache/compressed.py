@@ -10,6 +10,7 @@ from torch import nn
 from transformers import Cache
 
 from decodekit.cache.allocation import layer_counts
+from decodekit.cache.heads import HeadsLayer
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.observer import bind
 from decodekit.cache.policy import EvictionPolicy
@@ -146,7 +147,11 @@ class CompressedCache(Cache):
             KV head of a layer keeps that layer's number, so the storage freed is real). The default is
             "global" with ``scoring="reconstruction"`` (which it needs: replay scores are probabilities, the
             same in every layer) and "uniform" otherwise. Under "global" a token ranks by its
-            reconstruction score alone, as KVzip ranks it (no value norm, no attention rank).
+            reconstruction score alone, as KVzip ranks it (no value norm, no attention rank). "heads"
+            (also with reconstruction scoring) ranks over every layer and KV head, as KVzip does: each KV
+            head keeps its own number of tokens (at least a fifth of the even share) and is stored apart
+            with only those, and attention reads a layer's heads padded to the longest, one layer at a
+            time (``decodekit/cache/heads.py``).
 
     Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
 
@@ -206,7 +211,18 @@ class CompressedCache(Cache):
         if head_dim and {kv_bits, key_bits} & {4, 8}:
             Quantizer(4, kv_group_size).groups(head_dim)  # a ValueError naming kv_group_size now, not mid-pass
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
-        super().__init__(layers=[CompressedLayer(self.policy) for _ in modules])
+        if allocation == "heads":
+            kv_heads = model.config.get_text_config().num_key_value_heads
+            layers = [HeadsLayer(self.policy, kv_heads) for _ in modules]
+        else:
+            layers = [CompressedLayer(self.policy) for _ in modules]
+        super().__init__(layers=layers)
+
+    @property
+    def units(self) -> list[CompressedLayer]:
+        """The layers that store and evict, in order: each layer, or under ``allocation="heads"`` each KV head
+        of each layer."""
+        return [unit for layer in self.layers for unit in getattr(layer, "units", (layer,))]
 
     def layer_for(self, module: nn.Module) -> CompressedLayer:
         """The cache layer that serves attention ``module``; ValueError for another model's module."""
@@ -220,7 +236,7 @@ class CompressedCache(Cache):
     @property
     def awaits_replay(self) -> bool:
         """Whether the prompt has been seen and must now be replayed to score it (``scoring="reconstruction"``)."""
-        first = self.layers[0] if self.layers else None
+        first = self.units[0] if self.layers else None
         return first is not None and first.deferred and first.is_initialized and not first.replaying
 
     def replay(self, model: nn.Module, input_ids: torch.Tensor) -> None:
@@ -233,7 +249,7 @@ class CompressedCache(Cache):
         attention the prompt paid it (the default scoring) and by its replay score, so that what
         either criterion values is kept. Called by the model-level hook after the first forward pass.
         """
-        layers = self.layers
+        layers = self.units
         if layers[0].pad_range[1] > 0:
             raise ValueError(
                 "scoring='reconstruction' needs prompts without left padding: generate one prompt at a time, "
@@ -264,7 +280,7 @@ class CompressedCache(Cache):
         finally:
             for layer in layers:
                 layer.replaying = layer.deferred = False
-        if self.policy.allocation == "global":
+        if self.policy.allocation in ("global", "heads"):
             self._allocate()
         else:
             for layer, paid in zip(layers, attention, strict=True):
@@ -273,8 +289,9 @@ class CompressedCache(Cache):
             layer.compress(length)
 
     def _allocate(self) -> None:
-        """Share each row's tokens among the layers by one ranking of their scores (``allocation="global"``)."""
-        layers = self.layers
+        """Share each row's tokens among the layers (or their KV heads, ``allocation="heads"``) by one ranking
+        of their scores."""
+        layers = self.units
         first = layers[0]
         real = first.seen - first.pads  # [rows]: real tokens seen
         targets = self.policy.targets(real, first.rows)

@@ -87,15 +87,17 @@ class EvictionPolicy:
     max_bytes: int | None = None
     entry_bytes: EntryBytes | None = None  # what a kept token costs: needed by memory_fraction and max_bytes
     allocation: str = "uniform"
-    allocation_floor: float = 0.2  # under allocation="global", the least share of the even one a layer keeps
+    allocation_floor: float = 0.2  # under allocation="global" ("heads"), the least share of the even one a layer
+    # (a layer's KV head) keeps
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {', '.join(map(repr, ALLOCATIONS))}; got {self.allocation!r}")
-        if self.allocation == "global" and self.scoring != "reconstruction":
+        if self.allocation in ("global", "heads") and self.scoring != "reconstruction":
             raise ValueError(
-                "allocation='global' needs scoring='reconstruction': only reconstruction scores mean the same in "
-                f"every layer (got scoring={self.scoring!r}); use allocation='uniform' with other scorings"
+                f"allocation={self.allocation!r} needs scoring='reconstruction': only reconstruction scores mean the "
+                f"same in every layer and head (got scoring={self.scoring!r}); use allocation='uniform' with other "
+                "scorings"
             )
         check_real("allocation_floor", self.allocation_floor, 0, 1)
         if self.kv_bits is not None and (self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool)):
@@ -163,8 +165,9 @@ class EvictionPolicy:
     @property
     def ranks_by_value_norm(self) -> bool:
         """Whether eviction ranks a score times its value's norm (``value_norm``; never under
-        ``allocation="global"``, whose reconstruction scores rank as they are, as KVzip ranks them)."""
-        return self.value_norm and self.allocation != "global"
+        ``allocation="global"`` or ``"heads"``, whose reconstruction scores rank as they are, as KVzip ranks
+        them)."""
+        return self.value_norm and self.allocation == "uniform"
 
     @property
     def sized_in_bytes(self) -> bool:

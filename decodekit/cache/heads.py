@@ -1,0 +1,179 @@
+"""One attention layer whose KV heads keep different numbers of tokens (``allocation="heads"``).
+
+Each KV head of the layer is stored apart, as a one-head :class:`CompressedLayer` (a *unit*) that holds
+only the tokens its head keeps, so the memory a head's tokens take is freed when they go. One ranking of
+the reconstruction scores over every (layer, KV head) decides how many each unit keeps, as KVzip
+allocates. Attention reads the layer's heads side by side, each padded to the longest with entries the
+mask hides: that dense copy exists for one layer's attention call at a time and is not kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from decodekit.cache.layer import CompressedLayer
+from decodekit.cache.policy import EvictionPolicy
+from decodekit.cache.storage import storage_bytes
+
+
+class HeadsLayer(DynamicLayer):
+    """A cache layer made of one :class:`CompressedLayer` per KV head, each of its own length.
+
+    It answers the observer and transformers as a ``CompressedLayer`` does (``begin_pass``,
+    ``observe``, ``update``, ``compress``, masks, beams, crop) by passing each call to its units,
+    with each head's share of the keys, values and query columns.
+    """
+
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, policy: EvictionPolicy, kv_heads: int) -> None:
+        super().__init__()
+        self.policy = policy
+        self.units = [CompressedLayer(policy) for _ in range(kv_heads)]
+        self._lengths: list[int] = []  # each unit's keys in the coming pass (its ``get_mask_sizes``)
+
+    # -- what the units share ------------------------------------------------------------------------
+
+    @property
+    def seen(self) -> int:
+        return self.units[0].seen
+
+    @property
+    def slots(self) -> int:
+        """The most entries any head stores (the width of the dense copy attention reads)."""
+        return max(unit.slots for unit in self.units)
+
+    @property
+    def kept(self) -> int:
+        """The most tokens any row keeps in any head."""
+        return max(unit.kept for unit in self.units)
+
+    def get_seq_length(self) -> int:
+        return self.units[0].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(unit.get_mask_sizes(query_length)[0] for unit in self.units), 0
+
+    # -- a forward pass ------------------------------------------------------------------------------
+
+    def begin_pass(
+        self,
+        query_length: int,
+        pads: torch.Tensor | None = None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor | None:
+        """Prepare every head for a pass of ``query_length`` tokens; return the layer's attention mask
+        ``[batch, kv_heads, query_length, keys]`` (None when the model's own mask is right)."""
+        first_pass = not self.is_initialized
+        if first_pass:
+            masks = [unit.begin_pass(query_length, pads, sliding_window=sliding_window, softcap=softcap)
+                     for unit in self.units]  # fmt: skip
+        else:
+            masks = [unit.begin_pass(query_length) for unit in self.units]
+        self._lengths = [unit.get_mask_sizes(query_length)[0] for unit in self.units]
+        if first_pass or (len(set(self._lengths)) == 1 and all(mask is None for mask in masks)):
+            return None
+        return self._side_by_side(query_length, masks)
+
+    def pass_mask(self, query_length: int, *, plain: bool = False) -> torch.Tensor | None:
+        """The layer's mask for the coming pass (see ``CompressedLayer.pass_mask``)."""
+        if not self.is_initialized:
+            return None
+        masks = [unit.pass_mask(query_length, plain=plain) for unit in self.units]
+        if len(set(self._lengths)) == 1 and all(mask is None for mask in masks):
+            return None
+        return self._side_by_side(query_length, masks)
+
+    def _side_by_side(self, query_length: int, masks: list[torch.Tensor | None]) -> torch.Tensor:
+        """The heads' masks side by side, each extended with hidden entries to the longest head's length."""
+        longest = max(self._lengths)
+        parts = []
+        for unit, mask, length in zip(self.units, masks, self._lengths, strict=True):
+            if mask is None:
+                mask = unit.pass_mask(query_length, plain=True)
+            if length < longest:
+                hidden = mask.new_zeros((*mask.shape[:-1], longest - length))
+                mask = torch.cat([mask, hidden], dim=-1)
+            parts.append(mask)
+        return torch.cat(parts, dim=1)
+
+    def observe(
+        self,
+        columns: torch.Tensor,
+        to_queries: Callable[[torch.Tensor], torch.Tensor],
+        scaling: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Give each head the query columns of the query heads that share it (they are grouped in order)."""
+        width = columns.shape[-1] // len(self.units)
+        for index, unit in enumerate(self.units):
+            unit.observe(columns[..., index * width : (index + 1) * width], to_queries, scaling, cos, sin)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store each head's keys and values in its unit; return the heads side by side for attention."""
+        parts = [
+            unit.update(key_states[:, index : index + 1], value_states[:, index : index + 1])
+            for index, unit in enumerate(self.units)
+        ]
+        self.is_initialized = True
+        lengths = {keys.shape[2] for keys, _ in parts}
+        if len(lengths) == 1:
+            return torch.cat([keys for keys, _ in parts], dim=1), torch.cat([values for _, values in parts], dim=1)
+        longest = max(lengths)
+        batch, kv_heads, _, head_dim = key_states.shape
+        keys = parts[0][0].new_zeros((batch, kv_heads, longest, head_dim))
+        values = torch.zeros_like(keys)
+        for index, (unit_keys, unit_values) in enumerate(parts):
+            keys[:, index, : unit_keys.shape[2]] = unit_keys[:, 0]
+            values[:, index, : unit_values.shape[2]] = unit_values[:, 0]
+        return keys, values
+
+    def compress(self, new: int) -> None:
+        for unit in self.units:
+            unit.compress(new)
+
+    # -- rows, crop, size ------------------------------------------------------------------------------
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for unit in self.units:
+            unit.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for unit in self.units:
+            unit.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for unit in self.units:
+            unit.batch_select_indices(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for unit in self.units:
+            unit.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        for unit in self.units:
+            unit.reset()
+        self.is_initialized = False
+        self._lengths = []
+
+    def kept_positions(self) -> torch.Tensor:
+        """The logical positions of the live tokens, ``[batch, kv_heads, kept]``, increasing; a head that
+        keeps fewer is filled with -1 at the front."""
+        positions = [unit.kept_positions() for unit in self.units]
+        most = max(part.shape[-1] for part in positions)
+        padded = [torch.nn.functional.pad(part, (most - part.shape[-1], 0), value=-1) for part in positions]
+        return torch.cat(padded, dim=1)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the heads hold (see ``CompressedLayer.held_tensors``)."""
+        return [tensor for unit in self.units for tensor in unit.held_tensors()]
+
+    def memory_bytes(self) -> int:
+        return sum(storage_bytes(self.held_tensors()).values())

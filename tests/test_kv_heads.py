@@ -1,0 +1,184 @@
+"""allocation="heads": one ranking of reconstruction scores over every (layer, KV head), each head stored apart.
+
+Oracles: the replay scores of a cache that evicts nothing, ranked by a naive loop (which tokens each
+head keeps); a full-cache forward pass with a hand-made per-head mask (what attention over the heads
+side by side computes); each prompt generated alone (batches and beams); the storage tensors' own
+sizes (the bytes held).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from decodekit.cache import CompressedCache
+from decodekit.cache.size import full_cache_bytes
+from decodekit.cache.storage import storage_bytes
+from decodekit.decoders import beam_search
+from tests.test_kv_allocation import TEXT, _ids, _naive_counts
+from tests.tiny import build_model
+
+UNITS = 2 * 4  # KV heads times layers of the model below
+
+
+@pytest.fixture
+def four_layers(tiny):
+    _, tokenizer = tiny
+    return build_model(tokenizer, num_layers=4), tokenizer
+
+
+def _prefill(model, ids, **kwargs):
+    cache = CompressedCache(model, scoring="reconstruction", allocation="heads", reconstruction_chunk=16, **kwargs)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    return cache
+
+
+def test_heads_keep_their_share_of_one_budget_and_store_nothing_more(four_layers):
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    target = math.ceil(0.5 * ids.shape[1])
+    cache = _prefill(model, ids, compression_ratio=0.5)
+    kept = [unit.kept for unit in cache.units]
+    assert len(kept) == UNITS and sum(kept) == UNITS * target
+    assert len(set(kept[0::2])) > 1 and any(a != b for a, b in zip(kept[0::2], kept[1::2], strict=True))
+    assert min(kept) >= math.ceil(0.2 * target)  # the per-head floor
+    for unit in cache.units:
+        assert unit.keys.shape[1] == 1 and unit.slots == unit.kept  # one head, storing only what it keeps
+        assert bool(unit.live.all())
+    # Honest bytes: every storage behind the units' tensors, and the keys and values are what is kept.
+    held = storage_bytes(tensor for unit in cache.units for tensor in unit.held_tensors())
+    assert cache.memory_bytes() == sum(held.values())
+    element = next(model.parameters()).element_size()
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert sum(unit.keys.numel() + unit.values.numel() for unit in cache.units) * element == (
+        sum(kept) * 2 * head_dim * element
+    )
+    assert cache.kept_tokens == max(kept)
+
+
+def test_each_head_keeps_its_best_scored_tokens(four_layers):
+    """Oracle: the replay scores of a cache that evicts nothing, ranked over every head by a naive loop."""
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    full = _prefill(model, ids, compression_ratio=0.0)
+    priorities = [unit._priority()[0] for unit in full.units]  # [1, slots] each: one head
+    target = math.ceil(0.25 * ids.shape[1])
+    counts = _naive_counts(priorities, target, 0.2)
+    cache = _prefill(model, ids, compression_ratio=0.75)
+    for unit, priority, count in zip(cache.units, priorities, counts, strict=True):
+        assert unit.kept == count
+        expected = priority.topk(count, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(unit.kept_positions()[0].long(), expected)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_attention_over_heads_of_different_lengths_equals_a_masked_full_forward(tiny, attention):
+    """One layer, so that one mask serves the whole model: a full cache's forward pass with each query head
+    seeing only its KV head's kept tokens gives the same logits as the compressed cache."""
+    _, tokenizer = tiny
+    model = build_model(tokenizer, num_layers=1)
+    model.config._attn_implementation = attention
+    ids = _ids(tokenizer)
+    context, continuation = ids[:, :-6], ids[:, -6:]
+    length = context.shape[1]
+    cache = _prefill(model, context, compression_ratio=0.6)
+    kept = [unit.kept_positions()[0, 0].long() for unit in cache.units]
+    assert len({part.numel() for part in kept}) == 2  # the two heads keep different numbers
+    positions = torch.arange(length, length + 6)[None]
+    with torch.no_grad():
+        ours = model(continuation, past_key_values=cache, position_ids=positions).logits
+        full = DynamicCache()
+        model(context, past_key_values=full)
+        visible = torch.zeros(1, 4, 6, length + 6, dtype=torch.bool)
+        for query_head in range(4):
+            visible[0, query_head, :, kept[query_head // 2]] = True  # query heads 0-1 share KV head 0, 2-3 head 1
+        visible[..., length:] = torch.ones(6, 6, dtype=torch.bool).tril()
+        mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+        expected = model(continuation, past_key_values=full, position_ids=positions, attention_mask=mask).logits
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_decoding_holds_each_head_to_its_share_of_the_budget(four_layers):
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    cache = CompressedCache(model, budget=40, scoring="reconstruction", allocation="heads", eviction_interval=4)
+    output = model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=30,
+                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    assert output.shape[1] == ids.shape[1] + 30
+    counts = [int(unit.allocated[0, 0]) for unit in cache.units]
+    assert sum(counts) == UNITS * 40 and len(set(counts)) > 1
+    for unit, count in zip(cache.units, counts, strict=True):
+        assert unit.slots <= count + 1  # its share and the one slot the next token takes
+        assert count - 3 <= unit.kept <= count  # between evictions, at most interval - 1 below
+
+
+@pytest.mark.parametrize("interval", [1, 8])
+def test_rows_of_a_batch_decode_what_each_decodes_alone(four_layers, interval):
+    model, tokenizer = four_layers
+    first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
+    assert first.shape == second.shape
+
+    def make():
+        return CompressedCache(model, compression_ratio=0.6, scoring="reconstruction", allocation="heads",
+                               eviction_interval=interval)  # fmt: skip
+
+    alone = [model.generate(ids, past_key_values=make(), do_sample=False, max_new_tokens=12) for ids in (first, second)]
+    cache = make()
+    together = model.generate(torch.cat([first, second]), past_key_values=cache, do_sample=False, max_new_tokens=12)
+    assert torch.equal(together, torch.cat(alone))
+    assert not torch.equal(cache.units[1].allocated[0], cache.units[1].allocated[1])  # own shares
+
+
+def test_beam_search_moves_each_rows_shares_with_its_beams(four_layers):
+    model, tokenizer = four_layers
+    first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
+    kwargs = {"num_beams": 3, "max_new_tokens": 10, "custom_generate": beam_search, "do_sample": False}
+
+    def make():
+        return CompressedCache(model, budget=48, scoring="reconstruction", allocation="heads")
+
+    alone = [model.generate(ids, past_key_values=make(), **kwargs) for ids in (first, second)]
+    together = model.generate(torch.cat([first, second]), past_key_values=make(), **kwargs)
+    assert torch.equal(together, torch.cat(alone))
+
+
+def test_crop_undoes_a_pass_over_heads_of_different_lengths(four_layers):
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    cache = _prefill(model, ids, compression_ratio=0.5)
+    before = [(unit.kept_positions().clone(), unit.allocated.clone()) for unit in cache.units]
+    with torch.no_grad():
+        model(ids[:, :5], past_key_values=cache, position_ids=torch.arange(ids.shape[1], ids.shape[1] + 5)[None])
+    cache.crop(-5)
+    assert cache.get_seq_length() == ids.shape[1]
+    for unit, (positions, allocated) in zip(cache.units, before, strict=True):
+        assert torch.equal(unit.allocated, allocated)
+        assert set(unit.kept_positions()[0, 0].tolist()) <= set(positions[0, 0].tolist())
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+def test_a_memory_fraction_holds_with_heads_of_their_own_lengths(four_layers, kv_bits):
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer, TEXT * 6)
+    widths = {"kv_bits": kv_bits} if kv_bits else {}
+    for fraction in (0.5, 0.25):
+        cache = _prefill(model, ids, memory_fraction=fraction, **widths)
+        assert len({unit.kept for unit in cache.units}) > 1
+        assert cache.memory_bytes() <= fraction * full_cache_bytes(model, ids.shape[1], element_size=2)
+        cache = CompressedCache(model, memory_fraction=fraction, scoring="reconstruction", allocation="heads", **widths)
+        output = model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=6,
+                                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        assert output.shape[1] == ids.shape[1] + 6  # the last token's key is never stored
+        assert cache.memory_bytes() <= fraction * full_cache_bytes(model, ids.shape[1] + 5, element_size=2)
+
+
+def test_heads_need_reconstruction_scores(four_layers):
+    model, _ = four_layers
+    with pytest.raises(ValueError, match=r"allocation='heads' needs scoring='reconstruction'"):
+        CompressedCache(model, compression_ratio=0.5, allocation="heads")
+    with pytest.raises(ValueError, match=r"allocation must be one of 'uniform', 'global', 'heads'; got 'layer'"):
+        CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", allocation="layer")
