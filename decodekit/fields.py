@@ -255,7 +255,7 @@ CORE_FIELDS = (
         "choice",
         "cache",
         "how the compressed cache ranks tokens: attention (the default), reconstruction (replays the prompt; "
-        "one budget shared by all layers) or attention+novelty (with a cache size)",
+        "one budget shared by all layers and KV heads) or attention+novelty (with a cache size)",
         choices=KV_SCORINGS,
         widget="choice",
     ),

@@ -1,4 +1,5 @@
-"""allocation="global": one ranking of reconstruction scores shares a row's tokens among the layers."""
+"""allocation="global": one ranking of reconstruction scores shares a row's tokens among the layers (every KV
+head of a layer keeping the layer's share); ``test_kv_heads.py`` tests "heads", the default."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def test_a_row_with_fewer_live_tokens_than_its_share_keeps_them_all():
 
 
 def _prefill(model, ids, **kwargs):
+    kwargs = {"allocation": "global", **kwargs}
     cache = CompressedCache(model, scoring="reconstruction", reconstruction_chunk=16, **kwargs)
     with torch.no_grad():
         model(ids, past_key_values=cache)
@@ -114,7 +116,7 @@ def test_each_layer_keeps_its_best_scored_tokens(four_layers):
 def test_decoding_holds_each_layer_to_its_share_of_the_budget(four_layers):
     model, tokenizer = four_layers
     ids = _ids(tokenizer)
-    cache = CompressedCache(model, budget=40, scoring="reconstruction", eviction_interval=4)
+    cache = CompressedCache(model, budget=40, scoring="reconstruction", allocation="global", eviction_interval=4)
     output = model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=30,
                             pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     assert output.shape[1] == ids.shape[1] + 30
@@ -134,9 +136,9 @@ def test_rows_of_a_batch_get_their_own_allocation(four_layers):
     assert first.shape == second.shape
     alone = []
     for ids in (first, second):
-        cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction")
+        cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction", allocation="global")
         alone.append(model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=12))
-    cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction")
+    cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction", allocation="global")
     together = model.generate(torch.cat([first, second]), past_key_values=cache, do_sample=False, max_new_tokens=12)
     assert torch.equal(together, torch.cat(alone))
     assert not torch.equal(cache.layers[1].allocated[0], cache.layers[1].allocated[1])  # own shares
@@ -146,12 +148,12 @@ def test_beam_search_moves_each_rows_share_with_its_beams(four_layers):
     model, tokenizer = four_layers
     first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
     kwargs = {"num_beams": 3, "max_new_tokens": 10, "custom_generate": beam_search, "do_sample": False}
-    alone = [
-        model.generate(ids, past_key_values=CompressedCache(model, budget=48, scoring="reconstruction"), **kwargs)
-        for ids in (first, second)
-    ]
-    cache = CompressedCache(model, budget=48, scoring="reconstruction")
-    together = model.generate(torch.cat([first, second]), past_key_values=cache, **kwargs)
+
+    def make():
+        return CompressedCache(model, budget=48, scoring="reconstruction", allocation="global")
+
+    alone = [model.generate(ids, past_key_values=make(), **kwargs) for ids in (first, second)]
+    together = model.generate(torch.cat([first, second]), past_key_values=make(), **kwargs)
     assert torch.equal(together, torch.cat(alone))
 
 
@@ -193,12 +195,12 @@ def test_bad_allocations_are_named(four_layers, kwargs, message):
         CompressedCache(model, compression_ratio=0.5, **kwargs)
 
 
-def test_the_kv_scoring_field_builds_a_global_reconstruction_cache(four_layers):
+def test_the_kv_scoring_field_builds_a_reconstruction_cache_whose_heads_share_the_budget(four_layers):
     from decodekit import Strategy
 
     model, _ = four_layers
     cache = Strategy(kv_compression_ratio=0.5, kv_scoring="reconstruction").plan(model).cache
-    assert (cache.policy.scoring, cache.policy.allocation) == ("reconstruction", "global")
+    assert (cache.policy.scoring, cache.policy.allocation) == ("reconstruction", "heads")
     assert Strategy(kv_budget=64).plan(model).cache.policy.allocation == "uniform"
     with pytest.raises(ValueError, match="kv_scoring applies to a compressed cache"):
         Strategy(kv_scoring="reconstruction")

@@ -97,7 +97,8 @@ CASES = {
     "bytes": ({"memory_fraction": 0.5}, 2, False),
     "bytes, all rows": ({"max_bytes": 60_000}, 2, False),
     "4 bits": ({"budget": 64, "kv_bits": 4}, 1, False),
-    "reconstruction": ({"budget": 64, "scoring": "reconstruction"}, 1, False),
+    "reconstruction": ({"budget": 64, "scoring": "reconstruction"}, 1, False),  # heads of their own lengths
+    "reconstruction, layers share": ({"budget": 64, "scoring": "reconstruction", "allocation": "global"}, 1, False),
 }
 # Where no decoding step can skip the eviction check: each step evicts one token.
 EVERY_STEP_EVICTS = {"budget at the floor", "budget, every step"}
@@ -110,7 +111,7 @@ def test_decoding_steps_never_wait_for_the_device(fresh, case):
     cache = CompressedCache(model, **kwargs)
     recorder = SyncRecorder()
     _decode(model, cache, _prompt(tokenizer, rows, padded), steps=30, recorder=recorder)
-    assert cache.layers[0].kept < cache.layers[0].seen - 30  # the prompt was over the size, so the steps evicted
+    assert cache.units[0].kept < cache.units[0].seen - 30  # the prompt was over the size, so the steps evicted
     assert recorder.syncs == []
 
 
@@ -130,7 +131,7 @@ def test_the_recorder_catches_a_synchronization(fresh, monkeypatch):
 
 
 def _state(cache: CompressedCache) -> list[tuple[torch.Tensor, ...]]:
-    return [(layer.kept_positions(), layer.scores.clone(), layer.keys.clone()) for layer in cache.layers]
+    return [(layer.kept_positions(), layer.scores.clone(), layer.keys.clone()) for layer in cache.units]
 
 
 @pytest.mark.parametrize("case", list(CASES))

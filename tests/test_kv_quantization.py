@@ -293,18 +293,23 @@ def test_keys_may_keep_more_bits_than_values(fresh):
 
 
 @pytest.mark.parametrize(
-    ("scoring", "fraction", "widths"),
+    ("options", "fraction", "widths"),
     [
-        ("attention", 0.5, (4, 8)), ("attention", 0.45, (4, 8)), ("attention", 0.44, (4, 4)),
-        ("attention", 0.25, (4, 4)), ("reconstruction", 0.25, (4, 8)), ("reconstruction", 0.2, (4, 8)),
-        ("reconstruction", 0.19, (4, 4)), ("reconstruction", 0.1, (4, 4)), ("attention+novelty", 0.3, (4, 4)),
+        ({}, 0.5, (4, 8)), ({}, 0.45, (4, 8)), ({}, 0.44, (4, 4)), ({}, 0.25, (4, 4)),
+        ({"scoring": "attention+novelty"}, 0.3, (4, 4)),
+        ({"scoring": "reconstruction", "allocation": "global"}, 0.25, (4, 8)),
+        ({"scoring": "reconstruction", "allocation": "global"}, 0.2, (4, 8)),
+        ({"scoring": "reconstruction", "allocation": "global"}, 0.19, (4, 4)),
+        ({"scoring": "reconstruction"}, 0.1, (4, 8)), ({"scoring": "reconstruction"}, 0.07, (4, 8)),
+        ({"scoring": "reconstruction"}, 0.069, (4, 4)), ({"scoring": "reconstruction"}, 0.05, (4, 4)),
     ],
 )  # fmt: skip
-def test_a_byte_sized_cache_told_no_widths_takes_the_documented_ones(fresh, scoring, fraction, widths):
+def test_a_byte_sized_cache_told_no_widths_takes_the_documented_ones(fresh, options, fraction, widths):
     # The documented rule, at and on each side of its thresholds: keys in 8 bits and values in 4 from 45%
-    # of the full cache's bytes up (from 20% with reconstruction scoring), else both in 4.
+    # of the full cache's bytes up, from 20% when layers share the budget, from 7% when heads do (the
+    # reconstruction default), else both in 4.
     model, _ = fresh
-    policy = CompressedCache(model, memory_fraction=fraction, scoring=scoring).policy
+    policy = CompressedCache(model, memory_fraction=fraction, **options).policy
     assert (policy.kv_bits, policy.key_bits) == widths
-    sized_by_hand = CompressedCache(model, memory_fraction=fraction, scoring=scoring, kv_bits=4, key_bits=widths[1])
+    sized_by_hand = CompressedCache(model, memory_fraction=fraction, kv_bits=4, key_bits=widths[1], **options)
     assert policy.entry_bytes == sized_by_hand.policy.entry_bytes  # a token costs what those widths cost

@@ -20,25 +20,26 @@ from decodekit.cache.size import attention_head_size, entry_bytes
 from decodekit.cache.storage import storage_bytes
 
 # The least memory fraction at which a byte-sized cache stores keys in 8 bits and values in 4 (else both in 4),
-# per scoring: chosen on the tuning texts with ``benchmarks/kv_bytes.py`` (see ``byte_sized_widths``).
-KEYS_IN_8_BITS_FROM = {"attention": 0.45, "attention+novelty": 0.45, "reconstruction": 0.2}
+# per allocation: chosen on the tuning texts with ``benchmarks/kv_bytes.py`` (see ``byte_sized_widths``).
+KEYS_IN_8_BITS_FROM = {"uniform": 0.45, "global": 0.2, "heads": 0.07}
 
 
-def byte_sized_widths(memory_fraction: float | None, scoring: str = "attention") -> tuple[int, int]:
+def byte_sized_widths(memory_fraction: float | None, allocation: str = "uniform") -> tuple[int, int]:
     """``(kv_bits, key_bits)`` for a cache sized in bytes and told no widths: keys in 8 bits and values in 4
-    where those widths keep nearly every token, else both in 4 (more tokens beat more bits once tokens must
-    go). Chosen on the tuning texts with ``benchmarks/kv_bytes.py``, of 16, 8, 8/4 and 4 bits: with
-    attention scoring, 8/4 was best at 50% and 4 at 25% and 10%, so 8/4 from 45% up; with reconstruction
-    scoring (layers sharing the budget lose less to eviction), 8/4 was best at 50% and 25% and 4 at 10%,
-    so 8/4 from 20% up.
+    while evicting costs more than coarser codes, else both in 4 (more tokens beat more bits once many
+    tokens must go). The better the allocation, the less eviction costs, so the lower the switch. Chosen on
+    the tuning texts with ``benchmarks/kv_bytes.py``, of 16, 8/4 and 4 bits (and 8 for "uniform"):
+    "uniform" (attention scoring): 8/4 best at 50%, 4 at 25% and 10%, so 8/4 from 45% up;
+    "global": 8/4 best at 50% and 25%, 4 at 10%, so from 20%; "heads": 8/4 best down to 10%, 4 at 5%,
+    so from 7%.
 
     Example:
         >>> byte_sized_widths(0.5), byte_sized_widths(0.25), byte_sized_widths(None)
         ((4, 8), (4, 4), (4, 4))
-        >>> byte_sized_widths(0.25, "reconstruction"), byte_sized_widths(0.1, "reconstruction")
-        ((4, 8), (4, 4))
+        >>> byte_sized_widths(0.25, "global"), byte_sized_widths(0.1, "global"), byte_sized_widths(0.1, "heads")
+        ((4, 8), (4, 4), (4, 8))
     """
-    least = KEYS_IN_8_BITS_FROM.get(scoring, 0.45)
+    least = KEYS_IN_8_BITS_FROM.get(allocation, 0.45)
     return (4, 8) if memory_fraction is not None and memory_fraction >= least else (4, 4)
 
 
@@ -130,7 +131,7 @@ class CompressedCache(Cache):
             full 16-bit cache would hold for the tokens seen so far (keys, values, scales and bookkeeping
             all counted, as ``memory_bytes()`` reports them), choosing how many tokens to keep from
             ``kv_bits``; without ``kv_bits``, the widths that did best at equal bytes (keys in 8 bits and
-            values in 4 from 45% up, or 20% with ``scoring="reconstruction"``, else both in 4: see
+            values in 4 from 45% up, or 7% with ``scoring="reconstruction"``, else both in 4: see
             ``byte_sized_widths``). Below the sinks and the
             recent window it cannot go: on a short context the fraction is exceeded until
             ``sink_tokens + recent_tokens`` tokens fit in it.
@@ -141,17 +142,17 @@ class CompressedCache(Cache):
             holds nearly what 8 bits holds in about four fifths of the bytes.
         kv_group_size: channels per scale group with ``kv_bits``, a divisor of the model's head size
             (default: 32, or the head size when it is smaller).
-        allocation: how a row's tokens are shared among layers: "uniform" (every layer keeps the same number)
-            or "global" (one ranking of the reconstruction scores over all layers decides how many each
-            layer keeps, each at least a fifth of the even share; the row's total is unchanged, and every
-            KV head of a layer keeps that layer's number, so the storage freed is real). The default is
-            "global" with ``scoring="reconstruction"`` (which it needs: replay scores are probabilities, the
-            same in every layer) and "uniform" otherwise. Under "global" a token ranks by its
-            reconstruction score alone, as KVzip ranks it (no value norm, no attention rank). "heads"
-            (also with reconstruction scoring) ranks over every layer and KV head, as KVzip does: each KV
-            head keeps its own number of tokens (at least a fifth of the even share) and is stored apart
-            with only those, and attention reads a layer's heads padded to the longest, one layer at a
-            time (``decodekit/cache/heads.py``).
+        allocation: how a row's tokens are shared among layers and KV heads: "uniform" (every layer and head
+            keeps the same number), "global" (one ranking of the reconstruction scores over all layers
+            decides how many each layer keeps, each at least a fifth of the even share; every KV head of a
+            layer keeps that layer's number) or "heads" (one ranking over every layer and KV head, as KVzip
+            allocates: each head keeps its own number, at least a fifth of the even share, and is stored
+            apart with only those; attention reads a layer's heads padded to the longest, one layer at a
+            time: ``decodekit/cache/heads.py``). The row's total is unchanged and the storage freed is
+            real. The default is "heads" with ``scoring="reconstruction"`` (which "global" and "heads"
+            need: replay scores are probabilities, the same in every layer and head) and "uniform"
+            otherwise. Under both a token ranks by its reconstruction score alone, as KVzip ranks it (no
+            value norm, no attention rank).
 
     Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
 
@@ -189,13 +190,13 @@ class CompressedCache(Cache):
         sizes = (budget, compression_ratio, memory_fraction, max_bytes)
         if all(size is None for size in sizes) and kv_bits is not None:
             compression_ratio = 0.0  # quantization alone: every token is kept
+        if allocation is None:
+            allocation = "heads" if scoring == "reconstruction" else "uniform"
         if (memory_fraction is not None or max_bytes is not None) and kv_bits is None and key_bits is None:
-            kv_bits, key_bits = byte_sized_widths(memory_fraction, scoring)
+            kv_bits, key_bits = byte_sized_widths(memory_fraction, allocation)
         head_dim = _head_dim(model)
         if kv_group_size is None:
             kv_group_size = min(32, head_dim) if head_dim else 32
-        if allocation is None:
-            allocation = "global" if scoring == "reconstruction" else "uniform"
         by_bytes = None
         if memory_fraction is not None or max_bytes is not None:
             by_bytes = entry_bytes(
