@@ -152,7 +152,8 @@ def main() -> None:
                 if how in ALLOCATIONS:
                     value = continuation_perplexity(model, context, continuation, ratio, how, args.floor, args.scoring)
                 else:
-                    cache = CompressedCache(model, compression_ratio=ratio, scoring=args.scoring)
+                    allocation = "global" if args.scoring == "reconstruction" else "uniform"  # as the masks rank
+                    cache = CompressedCache(model, compression_ratio=ratio, scoring=args.scoring, allocation=allocation)
                     value = evicting_perplexity(model, cache, context, continuation)
                 increases.append(value / full[name] - 1)
             cells.append(f"{statistics.fmean(increases):+8.2%} ({max(increases):+7.2%})")

@@ -492,7 +492,7 @@ def test_reconstruction_scoring_evicts_to_the_target_and_refuses_padding(fresh):
     cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", reconstruction_chunk=16)
     with torch.no_grad():
         model(ids, past_key_values=cache)
-    assert sum(layer.kept for layer in cache.layers) == len(cache.layers) * math.ceil(0.5 * ids.shape[1])
+    assert sum(unit.kept for unit in cache.units) == len(cache.units) * math.ceil(0.5 * ids.shape[1])
     assert cache.get_seq_length() == ids.shape[1]
     output = _greedy(
         model, tokenizer, _batch(tokenizer, [LONG]), CompressedCache(model, budget=40, scoring="reconstruction")
