@@ -57,6 +57,7 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     assert "most tokens held at any step" in out
     assert "CompressedCache kv_bits=4:" in out
     assert "CompressedCache scoring='reconstruction' (layers share the budget" in out
+    assert "CompressedCache scoring='reconstruction' (layers and KV heads share the budget" in out
     # Quality per byte: ours sized by bytes, held within them, beside the recorded press at the same share.
     assert "1b. quality per byte" in out and "kvpress KVzip" in out and "decodekit reconstruction 16-bit" in out
     assert "75.0% of the bytes removed, decodekit reconstruction: held" in out and "target <= +0.25%" in out
