@@ -182,3 +182,15 @@ def test_heads_need_reconstruction_scores(four_layers):
         CompressedCache(model, compression_ratio=0.5, allocation="heads")
     with pytest.raises(ValueError, match=r"allocation must be one of 'uniform', 'global', 'heads'; got 'layer'"):
         CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", allocation="layer")
+
+
+def test_a_shared_budget_keeps_no_value_norms_and_sizes_its_entries_without_them(four_layers):
+    model, tokenizer = four_layers
+    cache = _prefill(model, _ids(tokenizer), compression_ratio=0.5)
+    assert all(unit.value_norms is None and "_value_norms" not in unit.entries for unit in cache.units)
+    sizes = {
+        allocation: CompressedCache(model, memory_fraction=0.5, kv_bits=4, scoring="reconstruction",
+                                    allocation=allocation).policy.entry_bytes.kept
+        for allocation in ("uniform", "global", "heads")
+    }  # fmt: skip
+    assert sizes["global"] == sizes["heads"] == sizes["uniform"] - 4  # no float32 value norm per entry

@@ -200,9 +200,14 @@ class CompressedCache(Cache):
         by_bytes = None
         if memory_fraction is not None or max_bytes is not None:
             by_bytes = entry_bytes(
-                model, kv_bits=kv_bits, key_bits=key_bits, group_size=kv_group_size, recent_tokens=recent_tokens,
+                model,
+                kv_bits=kv_bits,
+                key_bits=key_bits,
+                group_size=kv_group_size,
+                recent_tokens=recent_tokens,
                 eviction_interval=eviction_interval,
-            )  # fmt: skip
+                value_norms=value_norm and allocation == "uniform",
+            )  # fmt: skip  (value norms are kept where eviction ranks by them: EvictionPolicy.ranks_by_value_norm)
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
             value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,

@@ -27,7 +27,7 @@ from decodekit.cache.eviction import Eviction
 from decodekit.cache.policy import Allocated, EvictionPolicy
 from decodekit.cache.quantize import Quantizer
 from decodekit.cache.scoring import EntryScoring
-from decodekit.cache.storage import CODING, EXACT, PER_ENTRY, EntryStorage, storage_bytes
+from decodekit.cache.storage import BOOKKEEPING, CODING, EXACT, EntryStorage, storage_bytes
 
 
 class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
@@ -64,7 +64,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         self.quantized = any(quantizer is not None for quantizer in self.quantizers.values())
         self.storage_dtype: torch.dtype | None = None  # what keys, values (or their scales) are stored in
         coding = tuple(name for name in CODING if self.quantizers[name.split("_")[0] + "s"] is not None)
-        self.entries = PER_ENTRY + coding
+        # Value norms are kept only where eviction ranks by them (not under allocation "global" or "heads").
+        self.bookkeeping = tuple(name for name in BOOKKEEPING if name != "_value_norms" or policy.ranks_by_value_norm)
+        self.entries = ("keys", "values", *self.bookkeeping, *coding)
         self.key_scales = self.key_offsets = self.value_scales = self.value_offsets = None
         self.key_channels = self.recent_keys = self.recent_values = None
         self.recent_positions: torch.Tensor | None = None
@@ -279,7 +281,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             if self.quantized:
                 self._start_coding(key_states)
             empty = key_states.new_zeros((batch, kv_heads, 0), dtype=torch.float32)
-            self.scores, self.value_norms = empty, empty.clone()
+            self.scores = empty
+            if "_value_norms" in self.bookkeeping:
+                self.value_norms = empty.clone()
             self.positions = empty.to(torch.int32)
             self.live = empty.to(torch.bool)
         coded = self._code(key_states, value_states)

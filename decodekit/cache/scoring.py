@@ -113,7 +113,8 @@ class EntryScoring:
         logits[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
         received = logits.softmax(dim=-1).mul_(weights).sum(dim=(2, 3))
         self._scores[:, :, :visible].mul_(decay**steps).add_(received)
-        self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
+        if self._value_norms is not None:
+            self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
 
     def _attention_received(self, queries: torch.Tensor, scaling: float, keys: torch.Tensor) -> torch.Tensor:
         """Mean attention each entry gets from the observed queries (the last ones) that can see it.

@@ -71,10 +71,12 @@ def entry_bytes(
     key_bits: int | None = None,
     recent_tokens: int,
     eviction_interval: int,
+    value_norms: bool = True,
 ) -> EntryBytes:
     """The :class:`EntryBytes` of a compressed cache for ``model`` storing ``kv_bits`` per value (None: the
     model's dtype; keys in ``key_bits`` when given) in groups of ``group_size`` channels, holding
-    ``recent_tokens`` exact and scoring the decoding steps every ``eviction_interval``."""
+    ``recent_tokens`` exact and scoring the decoding steps every ``eviction_interval``, with each entry's value
+    norm when ``value_norms`` (eviction ranks by it)."""
     config = model.config.get_text_config()
     head_dim = attention_head_size(config)
     kv_heads, query_heads = config.num_key_value_heads, config.num_attention_heads
@@ -88,7 +90,7 @@ def entry_bytes(
     ring = 0.0
     if {4, 8} & set(widths):  # exact recent keys and values, their positions, the key channels' magnitudes
         ring = 2 * recent_tokens * head_dim * stored + recent_tokens * 4 / kv_heads + head_dim * 4
-    bookkeeping = 4 + 4 + 4 + 1  # score, value norm, position, live
+    bookkeeping = 4 + (4 if value_norms else 0) + 4 + 1  # score, value norm, position, live
     # The queries of the steps waiting to be scored, with their rotation, and the reserved slots.
     waiting = eviction_interval * (query_heads * head_dim + 2 * head_dim) * element / kv_heads
     kept = sum(coded) + bookkeeping

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 import torch
 
 # The per-entry tensors, [batch, kv_heads, slots, ...], as stored: the bookkeeping ones are behind the properties
-# ``scores``, ``value_norms``, ``positions`` and ``live``, which bring them up to date first.
+# ``scores``, ``value_norms``, ``positions`` and ``live``, which bring them up to date first. A layer keeps value
+# norms only where eviction ranks by them (``CompressedLayer.bookkeeping``).
 BOOKKEEPING = ("_scores", "_value_norms", "_positions", "_live")
 PER_ENTRY = ("keys", "values", *BOOKKEEPING)
 # With quantized storage, each entry's group scales and offsets (see ``Quantizer``).
@@ -60,7 +61,7 @@ class EntryStorage:
         if self._lagging:
             self._lagging = False
             slots = self.slots
-            for name in BOOKKEEPING:
+            for name in self.bookkeeping:
                 setattr(self, name, self._spare[name].narrow(2, 0, slots))
 
     @property
@@ -182,13 +183,13 @@ class EntryStorage:
         batch, kv_heads, new, _ = value_states.shape
         positions = torch.arange(self.seen, self.seen + new, device=value_states.device, dtype=torch.int32)
         positions = positions.expand(batch, kv_heads, new)
-        value_norms = value_states.float().norm(dim=-1)
+        value_norms = value_states.float().norm(dim=-1) if "_value_norms" in self.bookkeeping else None
         if free is not None:
             self._fill(free, coded, value_norms, positions)
             return
         live = positions >= self.pads[:, None, None] if first_pass else True
         entries = {**coded, "_scores": 0.0, "_value_norms": value_norms, "_positions": positions, "_live": live}
-        self._append(entries, first_pass)
+        self._append({name: entry for name, entry in entries.items() if entry is not None}, first_pass)
 
     def _spare_room(self) -> int:
         """How many entries fit after the stored ones without moving them (0 without spare room)."""
@@ -261,7 +262,8 @@ class EntryStorage:
         for name, entry in coded.items():
             getattr(self, name).scatter_(2, slot[..., None].expand(-1, -1, -1, entry.shape[-1]), entry)
         self.scores.scatter_(2, slot, 0.0)
-        self.value_norms.scatter_(2, slot, value_norms)
+        if value_norms is not None:
+            self.value_norms.scatter_(2, slot, value_norms)
         self.positions.scatter_(2, slot, positions)
         self.live.scatter_(2, slot, True)
 
