@@ -11,6 +11,11 @@ Prints, measured side by side in one run on the default model (SmolLM2-135M-Inst
      context compressed before the question; exact match), at 50%, 75% and 90% evicted; ours
      (the default, and scoring="reconstruction") against every kvpress 0.5.5 press that runs
      offline                       (target: our default better than every press on both, each ratio)
+  1b. quality per byte (benchmarks/_kv_per_byte.py): our byte-sized options at 50 / 75 / 87.5 / 90 / 95% of
+     a full 16-bit cache's bytes removed, beside kvpress presses at the same share of tokens (their bytes
+     counted as if freed), with natural-prose retrieval and the bytes held
+                     (targets: mean <= +0.25% / +2% / +5% at 75 / 90 / 95% removed, worst below KVzip's,
+                      retrieval >= 90% of the full cache's)
   2. prefill cost: time (and peak memory on CUDA) of the compressed prefill / DynamicCache's
                                                                           (target: <= 1.3x, <= 1.0x)
   3. decoding: tokens/s after a 4096-token prompt, 25% budget / DynamicCache   (target: >= 1.1x)
