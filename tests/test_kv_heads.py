@@ -194,3 +194,18 @@ def test_a_shared_budget_keeps_no_value_norms_and_sizes_its_entries_without_them
         for allocation in ("uniform", "global", "heads")
     }  # fmt: skip
     assert sizes["global"] == sizes["heads"] == sizes["uniform"] - 4  # no float32 value norm per entry
+
+
+@pytest.mark.parametrize("budget", [36, 37])  # the floor (sinks and recent tokens) and one above
+def test_rows_at_the_floor_decode_what_each_decodes_alone(four_layers, budget):
+    model, tokenizer = four_layers
+    first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
+
+    def make():
+        return CompressedCache(model, budget=budget, scoring="reconstruction", allocation="heads")
+
+    alone = [model.generate(ids, past_key_values=make(), do_sample=False, max_new_tokens=12) for ids in (first, second)]
+    cache = make()
+    together = model.generate(torch.cat([first, second]), past_key_values=cache, do_sample=False, max_new_tokens=12)
+    assert torch.equal(together, torch.cat(alone))
+    assert all(unit.kept >= 36 for unit in cache.units)  # no head goes below the sinks and the recent window
