@@ -77,15 +77,16 @@ class HeadsLayer(DynamicLayer):
         else:
             masks = [unit.begin_pass(query_length) for unit in self.units]
         self._lengths = [unit.get_mask_sizes(query_length)[0] for unit in self.units]
-        if first_pass or (len(set(self._lengths)) == 1 and all(mask is None for mask in masks)):
-            return None
-        return self._side_by_side(query_length, masks)
+        return None if first_pass else self._layer_mask(query_length, masks)
 
     def pass_mask(self, query_length: int, *, plain: bool = False) -> torch.Tensor | None:
         """The layer's mask for the coming pass (see ``CompressedLayer.pass_mask``)."""
         if not self.is_initialized:
             return None
-        masks = [unit.pass_mask(query_length, plain=plain) for unit in self.units]
+        return self._layer_mask(query_length, [unit.pass_mask(query_length, plain=plain) for unit in self.units])
+
+    def _layer_mask(self, query_length: int, masks: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """None when every head has the same length and needs no mask of its own, else the heads' masks side by side."""
         if len(set(self._lengths)) == 1 and all(mask is None for mask in masks):
             return None
         return self._side_by_side(query_length, masks)
