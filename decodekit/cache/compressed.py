@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from inspect import signature
 
 import torch
@@ -110,6 +111,14 @@ class CompressedCache(Cache):
             similarity to the mean key, as KeyDiff ranks), which keeps facts nothing later refers to at
             no extra pass.
         reconstruction_chunk: prompt tokens replayed per forward pass, >= 1.
+        replay_prefix: token ids fed before each replayed chunk (scoring="reconstruction"), such as an
+            instruction to repeat the text (``tokenizer.encode("\\n\\nRepeat the previous context exactly.",
+            add_special_tokens=False)``, as KVzip does); their queries score the prompt too. Empty by default.
+        replay_overlap: each replayed chunk after the first starts with this many of the previous chunk's
+            last tokens, >= 0 and smaller than reconstruction_chunk (0 by default).
+        replay_scope: what a replayed chunk's attention is spread over when it scores: "prompt" (the
+            default: the whole prompt, as the model attends) or "chunk" (the sink tokens, the chunk's own
+            prompt tokens and the replay itself, as KVzip scores; a token is scored by its own chunk only).
         scoring_backend: "auto" (the default: Triton kernels for a pass's scores when the cache is on
             CUDA and Triton is installed, else blocked PyTorch), "triton" or "torch". The kernels hold
             one tile of logits at a time (flash-attention style), so scoring a long prompt needs no
@@ -186,6 +195,9 @@ class CompressedCache(Cache):
         memory_fraction: float | None = None,
         max_bytes: int | None = None,
         allocation: str | None = None,
+        replay_prefix: Sequence[int] = (),
+        replay_overlap: int = 0,
+        replay_scope: str = "prompt",
     ) -> None:
         sizes = (budget, compression_ratio, memory_fraction, max_bytes)
         if all(size is None for size in sizes) and kv_bits is not None:
@@ -211,7 +223,8 @@ class CompressedCache(Cache):
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
             value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,
-            key_bits, memory_fraction, max_bytes, by_bytes, allocation,
+            key_bits, memory_fraction, max_bytes, by_bytes, allocation, replay_prefix=replay_prefix,
+            replay_overlap=replay_overlap, replay_scope=replay_scope,
         )  # fmt: skip
         modules = bind(model)
         if head_dim and {kv_bits, key_bits} & {4, 8}:
@@ -270,15 +283,16 @@ class CompressedCache(Cache):
         for layer in layers:
             layer.replaying = True
             layer.scores = torch.zeros_like(layer.scores)
-        chunk = self.policy.reconstruction_chunk
         # The replay's logits are never read: a causal LM can skip computing all but one.
         only_last_logits = {"logits_to_keep": 1} if "logits_to_keep" in signature(model.forward).parameters else {}
         try:
             with torch.no_grad():
-                for start in range(0, length, chunk):
-                    piece = input_ids[:, start : start + chunk]
+                for piece, span in self._replay_pieces(input_ids):
+                    start = span[0]
                     positions = torch.arange(length + start, length + start + piece.shape[-1], device=piece.device)
                     positions = positions.expand(piece.shape[0], -1)
+                    for layer in layers:
+                        layer.replay_span = span if self.policy.replay_scope == "chunk" else None
                     model(input_ids=piece, past_key_values=self, position_ids=positions, **only_last_logits)
                     self.crop(-piece.shape[-1])
                     for layer in layers:
@@ -286,6 +300,7 @@ class CompressedCache(Cache):
         finally:
             for layer in layers:
                 layer.replaying = layer.deferred = False
+                layer.replay_span = None
         if self.policy.allocation in ("global", "heads"):
             self._allocate()
         else:
@@ -293,6 +308,17 @@ class CompressedCache(Cache):
                 layer.set_priority(_union_of_ranks(paid, layer.scores))
         for layer in layers:
             layer.compress(length)
+
+    def _replay_pieces(self, input_ids: torch.Tensor):
+        """The replay's forward passes: per chunk of the prompt, the tokens fed (the replay prefix, the previous
+        chunk's last ``replay_overlap`` tokens, the chunk) and the chunk's span of prompt positions."""
+        policy, length = self.policy, input_ids.shape[-1]
+        prefix = torch.tensor(policy.replay_prefix, dtype=input_ids.dtype, device=input_ids.device)
+        prefix = prefix.expand(input_ids.shape[0], -1)
+        for start in range(0, length, policy.reconstruction_chunk):
+            stop = min(start + policy.reconstruction_chunk, length)
+            lead = max(start - policy.replay_overlap, 0)
+            yield torch.cat([prefix, input_ids[:, lead:stop]], dim=-1), (start, stop, length)
 
     def _allocate(self) -> None:
         """Share each row's tokens among the layers (or their KV heads, ``allocation="heads"``) by one ranking

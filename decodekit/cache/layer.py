@@ -93,6 +93,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         # while it is replayed (replaying) an entry's score is the most attention a replay query pays it.
         self.deferred = policy.scoring == "reconstruction"
         self.replaying = False
+        self.replay_span: tuple[int, int, int] | None = None  # (start, stop, prompt length) under replay_scope="chunk"
         self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
         # Slots the last in-place eviction freed, [batch, kv_heads, n], and how many of them the next
         # tokens have taken; None when unknown (a dead slot is then searched for).

@@ -13,6 +13,7 @@ from decodekit.cache.size import EntryBytes
 from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BITS, KV_SCORINGS
 
 SCORING_BACKENDS = ("auto", "triton", "torch")
+REPLAY_SCOPES = ("prompt", "chunk")  # what a replay chunk's attention is spread over (scoring="reconstruction")
 # A layer's share of the tokens, when it is chosen by the allocation: it keeps ``count`` tokens per KV head
 # when a uniform layer keeps ``base``, and ``count * target // base`` when a uniform layer keeps ``target``.
 Allocated = tuple[int, int]
@@ -89,6 +90,9 @@ class EvictionPolicy:
     allocation: str = "uniform"
     allocation_floor: float = 0.2  # under allocation="global" ("heads"), the least share of the even one a layer
     # (a layer's KV head) keeps
+    replay_prefix: tuple[int, ...] = ()
+    replay_overlap: int = 0
+    replay_scope: str = "prompt"
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATIONS:
@@ -131,6 +135,7 @@ class EvictionPolicy:
             checked["observation_window"] = check_int(
                 "observation_window", self.observation_window, 1, " or None (every query)"
             )
+        checked.update(self._checked_replay(checked["reconstruction_chunk"]))
         if checked["pool_kernel"] % 2 == 0:
             raise ValueError(f"pool_kernel must be odd; got {self.pool_kernel}")
         floor = checked["sink_tokens"] + checked["recent_tokens"]
@@ -143,6 +148,24 @@ class EvictionPolicy:
             checked.update(self._checked_byte_size())
         for name, value in checked.items():  # plain Python numbers, whatever number types were given
             object.__setattr__(self, name, value)
+
+    def _checked_replay(self, chunk: int) -> dict[str, object]:
+        """Check how the prompt is replayed (``scoring="reconstruction"``): the prefix's token ids, the overlap
+        and the scope."""
+        if self.replay_scope not in REPLAY_SCOPES:
+            raise ValueError(
+                f"replay_scope must be one of {', '.join(map(repr, REPLAY_SCOPES))}; got {self.replay_scope!r}"
+            )
+        prefix = self.replay_prefix
+        if isinstance(prefix, torch.Tensor):
+            prefix = prefix.flatten().tolist()
+        if isinstance(prefix, (str, bytes)) or not hasattr(prefix, "__iter__"):
+            raise ValueError(f"replay_prefix must be a sequence of token ids (ints >= 0); got {prefix!r}")
+        prefix = tuple(check_int("replay_prefix", token, 0, " (a token id)") for token in prefix)
+        overlap = check_int("replay_overlap", self.replay_overlap, 0)
+        if overlap >= chunk:
+            raise ValueError(f"replay_overlap must be smaller than reconstruction_chunk ({chunk}); got {overlap}")
+        return {"replay_prefix": prefix, "replay_overlap": overlap}
 
     def _checked_byte_size(self) -> dict[str, float | int]:
         """Check a size given in bytes (``memory_fraction`` or ``max_bytes``, and nothing else)."""

@@ -145,6 +145,7 @@ class EntryScoring:
         keys_t = keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
         first_slot, first_position = slots - window, self.seen - window
         received = grouped.new_zeros((batch, kv_heads, slots))
+        outside = self._outside_replay_span() if self.replaying else None
         block = max(1, min(QUERY_BLOCK, LOGIT_ELEMENTS // (batch * kv_heads * group * slots)))
         for start in range(0, window, block):
             stop = min(start + block, window)
@@ -157,6 +158,8 @@ class EntryScoring:
                 diagonal += torch.full(diagonal.shape[-2:], -math.inf, device=logits.device).triu_(1)
             else:
                 logits.masked_fill_(self._hidden(first_position + start, first_position + stop, visible), -math.inf)
+            if outside is not None:
+                logits.masked_fill_(outside[..., :visible], -math.inf)
             logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
             # Normalize each query's row and sum over the queries in one product: (1 / row sums) @ exp.
             if self.replaying:  # the most attention any replay query pays each entry
@@ -203,6 +206,16 @@ class EntryScoring:
                 "use scoring_backend='auto' or 'torch'"
             )
         return True
+
+    def _outside_replay_span(self) -> torch.Tensor | None:
+        """``[batch, kv_heads, 1, 1, slots]``: True for the prompt's entries a replayed chunk does not score under
+        ``replay_scope="chunk"`` (all but the sinks and the chunk's own span); None under the prompt scope."""
+        if self.replay_span is None:
+            return None
+        start, stop, length = self.replay_span
+        positions = self.positions
+        prompt = (positions >= self.policy.sink_tokens) & (positions < length)
+        return (prompt & ((positions < start) | (positions >= stop)))[:, :, None, None, :]
 
     def _hidden(self, first_query: int, stop_query: int, visible: int) -> torch.Tensor:
         """``[batch, kv_heads, 1, queries, visible]``: True where a query at a position in

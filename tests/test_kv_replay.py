@@ -1,0 +1,124 @@
+"""How a reconstruction-scoring cache replays its prompt: a prefix, an overlap between chunks, and the scope
+a chunk's attention is spread over, each checked against eager attention over the prompt followed by the
+replayed pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from decodekit.cache import CompressedCache
+
+TEXT = "The class statement creates a new class object and binds it to a name in the local namespace. " * 2
+
+
+def _expected_replay_scores(model, ids, chunk, prefix, overlap, scope, sinks):
+    """Per layer ``[kv_heads, length]``: the most attention any replay query pays each prompt token, from
+    eager attention over [prompt, piece] with the pieces built here (restricted to the chunk by renormalizing
+    the softmax over what the chunk scores)."""
+    length = ids.shape[1]
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    best = [torch.zeros(kv_heads, length) for _ in range(model.config.num_hidden_layers)]
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        piece = torch.cat([torch.tensor([prefix], dtype=ids.dtype), ids[:, max(start - overlap, 0) : stop]], dim=1)
+        positions = torch.cat([torch.arange(length), torch.arange(length + start, length + start + piece.shape[1])])
+        with torch.no_grad():
+            attentions = model(
+                torch.cat([ids, piece], dim=1), position_ids=positions[None], output_attentions=True
+            ).attentions
+        for layer, weights in enumerate(attentions):
+            replayed = weights[0, :, length:, :]  # [heads, piece queries, every key]
+            if scope == "chunk":
+                scored = torch.ones(replayed.shape[-1], dtype=torch.bool)
+                scored[sinks:start] = False
+                scored[stop:length] = False
+                replayed = replayed * scored
+                replayed = replayed / replayed.sum(dim=-1, keepdim=True)
+                replayed = replayed.masked_fill(~scored, 0)
+            chunk_best = replayed[..., :length].amax(dim=1).view(kv_heads, heads // kv_heads, length).amax(dim=1)
+            best[layer] = torch.maximum(best[layer], chunk_best)
+    return best
+
+
+@pytest.mark.parametrize(
+    ("chunk", "prefix", "overlap", "scope"),
+    [(64, (), 0, "prompt"), (16, (5, 9, 11), 0, "prompt"), (16, (), 4, "prompt"), (16, (7, 3), 4, "chunk")],
+)
+def test_replay_scores_follow_prefix_overlap_and_scope(tiny, tiny_model_dir, chunk, prefix, overlap, scope):
+    _, tokenizer = tiny
+    eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :40]
+    sinks = 2
+    cache = CompressedCache(
+        eager, compression_ratio=0.0, scoring="reconstruction", allocation="global", sink_tokens=sinks,
+        recent_tokens=1, reconstruction_chunk=chunk, replay_prefix=list(prefix), replay_overlap=overlap,
+        replay_scope=scope,
+    )  # fmt: skip
+    with torch.no_grad():
+        eager(ids, past_key_values=cache)
+    expected = _expected_replay_scores(eager, ids, chunk, prefix, overlap, scope, sinks)
+    for layer, scores in zip(cache.layers, expected, strict=True):
+        assert layer.slots == ids.shape[1]  # the replayed pieces were forgotten
+        torch.testing.assert_close(layer.scores[0], scores, atol=1e-5, rtol=1e-4)
+
+
+def test_replay_options_change_the_scores_and_the_default_is_the_plain_replay(tiny, tiny_model_dir):
+    """Mutation guard for the oracle above: each option alone moves the scores away from the plain replay."""
+    _, tokenizer = tiny
+    eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :40]
+
+    def scores(**options):
+        cache = CompressedCache(
+            eager, compression_ratio=0.0, scoring="reconstruction", allocation="global", reconstruction_chunk=16,
+            **options,
+        )  # fmt: skip
+        with torch.no_grad():
+            eager(ids, past_key_values=cache)
+        return torch.stack([layer.scores for layer in cache.layers])
+
+    plain = scores()
+    torch.testing.assert_close(plain, scores(replay_prefix=(), replay_overlap=0, replay_scope="prompt"))
+    for options in ({"replay_prefix": [5, 9]}, {"replay_overlap": 4}, {"replay_scope": "chunk"}):
+        assert not torch.allclose(plain, scores(**options), atol=1e-4), options
+
+
+def test_replay_options_evict_to_the_target_under_heads(fresh_tiny):
+    model, tokenizer = fresh_tiny
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :40]
+    cache = CompressedCache(
+        model, compression_ratio=0.5, scoring="reconstruction", recent_tokens=4, reconstruction_chunk=16,
+        replay_prefix=[1, 2, 3], replay_overlap=8, replay_scope="chunk",
+    )  # fmt: skip
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    assert sum(unit.kept for unit in cache.units) == len(cache.units) * 20
+    assert cache.get_seq_length() == ids.shape[1]
+    assert all(unit.replay_span is None and not unit.replaying for unit in cache.units)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"replay_scope": "window"}, "replay_scope must be one of 'prompt', 'chunk'; got 'window'"),
+        ({"replay_overlap": -1}, "replay_overlap must be an integer >= 0; got -1"),
+        ({"replay_overlap": 16}, "replay_overlap must be smaller than reconstruction_chunk \\(16\\); got 16"),
+        ({"replay_overlap": 2.5}, "replay_overlap must be an integer >= 0; got 2.5"),
+        ({"replay_prefix": "Repeat"}, "replay_prefix must be a sequence of token ids"),
+        ({"replay_prefix": [3, -1]}, "replay_prefix must be an integer >= 0 \\(a token id\\); got -1"),
+        ({"replay_prefix": 7}, "replay_prefix must be a sequence of token ids"),
+    ],
+)
+def test_bad_replay_options_name_the_parameter(fresh_tiny, options, message):
+    model, _ = fresh_tiny
+    with pytest.raises(ValueError, match=message):
+        CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", reconstruction_chunk=16, **options)
+
+
+def test_a_tensor_prefix_is_taken_as_token_ids(fresh_tiny):
+    model, _ = fresh_tiny
+    prefix = torch.tensor([[4, 5]])
+    cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", replay_prefix=prefix)
+    assert cache.policy.replay_prefix == (4, 5)
