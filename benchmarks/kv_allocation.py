@@ -28,6 +28,7 @@ to 2x the memory in a rectangular layout. Sinks and the recent window are always
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 
@@ -98,26 +99,43 @@ def _rectangular(lifted: list[torch.Tensor], priorities: list[torch.Tensor], sha
     return [_ranked(priority, int(length)) for priority, length in zip(priorities, lengths(low), strict=True)]
 
 
+def scored_prompt(model, context, scoring: str = "attention", **options):
+    """A cache that scored the whole ``context`` (by ``scoring``; ``options`` go to the cache) and evicted nothing,
+    and the prefill's logits for the first continuation token."""
+    # "global" ranks the reconstruction scores as they are.
+    allocation = "global" if scoring == "reconstruction" else "uniform"
+    cache = CompressedCache(model, compression_ratio=0.0, scoring=scoring, allocation=allocation, **options)
+    with torch.inference_mode():
+        first_logits = model(context, past_key_values=cache).logits[:, -1:]
+    return cache, first_logits
+
+
+def masked_perplexity(model, scored, continuation, masks: list[torch.Tensor] | None) -> float:
+    """The continuation's perplexity after a copy of a ``scored_prompt`` keeping only what ``masks`` keep (per
+    layer ``[kv_heads, tokens]``; None: the full cache)."""
+    cache, first_logits = copy.deepcopy(scored[0]), scored[1]
+    length = cache.get_seq_length()
+    with torch.inference_mode():
+        for layer, keep in zip(cache.layers, masks or (), strict=False):
+            layer.live &= keep[None]
+            counts = layer.live[0].sum(dim=-1).tolist()
+            (group,) = layer.live_by_group  # one row: one group (no padding, one share)
+            layer._set_live_counts({group: min(counts)})  # a mask is built for every later pass
+        positions = torch.arange(length, length + continuation.shape[1])
+        logits = model(continuation, past_key_values=cache, position_ids=positions[None]).logits
+    logits = torch.cat([first_logits, logits[:, :-1]], dim=1).float()
+    return math.exp(functional.cross_entropy(logits[0], continuation[0]).item())
+
+
 def continuation_perplexity(
     model, context, continuation, ratio: float | None, how: str, floor: float, scoring: str = "attention"
 ) -> float:
     """The continuation's perplexity after the context, its cache cut down by ``how`` (None: the full cache)."""
-    # Scores everything and evicts nothing; "global" ranks the reconstruction scores as they are.
-    allocation = "global" if scoring == "reconstruction" else "uniform"
-    cache = CompressedCache(model, compression_ratio=0.0, scoring=scoring, allocation=allocation)
-    with torch.inference_mode():
-        prefill = model(context, past_key_values=cache)
-        if ratio is not None:
-            masks = allocate([layer._priority()[0] for layer in cache.layers], ratio, how, floor)
-            for layer, keep in zip(cache.layers, masks, strict=True):
-                layer.live &= keep[None]
-                counts = layer.live[0].sum(dim=-1).tolist()
-                (group,) = layer.live_by_group  # one row: one group (no padding, one share)
-                layer._set_live_counts({group: min(counts)})  # a mask is built for every later pass
-        positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1])
-        logits = model(continuation, past_key_values=cache, position_ids=positions[None]).logits
-    logits = torch.cat([prefill.logits[:, -1:], logits[:, :-1]], dim=1).float()
-    return math.exp(functional.cross_entropy(logits[0], continuation[0]).item())
+    scored = scored_prompt(model, context, scoring)
+    masks = None
+    if ratio is not None:
+        masks = allocate([layer._priority()[0] for layer in scored[0].layers], ratio, how, floor)
+    return masked_perplexity(model, scored, continuation, masks)
 
 
 def main() -> None:

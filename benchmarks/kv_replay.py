@@ -1,0 +1,101 @@
+"""Ablation: how a reconstruction-scoring cache replays its prompt, measured on the tuning texts only.
+
+Each row scores the prompt by replaying it a different way (CompressedCache's replay options), then keeps
+what one ranking of every (layer, KV head, token) score keeps (the heads sharing one budget, as
+``allocation="heads"`` keeps them), and scores the continuation over what was kept:
+
+- plain: the prompt fed again in chunks (the default replay);
+- prompt: each chunk after an instruction to repeat the text, in the model's chat turn (KVzip's
+  "Repeat the previous context exactly.", then the chat template's end of the user turn);
+- prompt + overlap: as above, each chunk after the first starting with the previous chunk's last 8 tokens;
+- chunk scope: a chunk's attention spread over the sinks, its own span of the prompt and itself only;
+- KVzip's replay: prompt, overlap and chunk scope together.
+
+Each row is measured with the per-head floor of ``allocation="heads"`` (each head keeps at least
+``--floor`` of the even share) and with none (KVzip keeps no floor). The replay runs once per text and row; each
+ratio and floor then masks a copy of the scored cache (``kv_allocation.py`` shows the masks equal what the
+evicting cache keeps).
+
+    python benchmarks/kv_replay.py [--ratios 0.5,0.75,0.9] [--rows "plain;KVzip's replay"] [--floors 0.2,0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from kv_allocation import allocate, masked_perplexity, scored_prompt
+from kv_protocol import TUNING_TEXTS, text_tasks
+
+from decodekit import load_model
+
+REPEAT = "\n\nRepeat the previous context exactly."
+OVERLAP = 8  # KVzip's overlap between chunks
+
+
+def chat_turn_end(tokenizer) -> list[int]:
+    """The token ids a chat template puts between a user's message and the assistant's answer (``"\\n"`` for a
+    model without a template)."""
+    if tokenizer.chat_template is None:
+        return tokenizer.encode("\n", add_special_tokens=False)
+    marker = "\x00MESSAGE-END\x00"
+    turn = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(turn.split(marker, 1)[1], add_special_tokens=False)
+
+
+def row_options(tokenizer) -> dict[str, dict]:
+    """The replay options of each row."""
+    prefix = tokenizer.encode(REPEAT, add_special_tokens=False) + chat_turn_end(tokenizer)
+    return {
+        "plain": {},
+        "prompt": {"replay_prefix": prefix},
+        "prompt + overlap": {"replay_prefix": prefix, "replay_overlap": OVERLAP},
+        "chunk scope": {"replay_scope": "chunk"},
+        "KVzip's replay": {"replay_prefix": prefix, "replay_overlap": OVERLAP, "replay_scope": "chunk"},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context-tokens", type=int, default=3072)
+    parser.add_argument("--continuation-tokens", type=int, default=512)
+    parser.add_argument("--ratios", default="0.5,0.75,0.9")
+    parser.add_argument("--floors", default="0.2,0", help="per-head floors, shares of the even share")
+    parser.add_argument("--rows", help="the rows to measure, separated by ';' (default: all)")
+    parser.add_argument("--chunk", type=int, default=2048, help="prompt tokens per replayed chunk")
+    args = parser.parse_args()
+    model, tokenizer = load_model()
+    tasks = text_tasks(tokenizer, TUNING_TEXTS, args.context_tokens, args.continuation_tokens)
+    ratios = [float(value) for value in args.ratios.split(",")]
+    floors = [float(value) for value in args.floors.split(",")]
+    options = row_options(tokenizer)
+    rows = args.rows.split(";") if args.rows else list(options)
+    unknown = sorted(set(rows) - set(options))
+    if unknown:
+        parser.error(f"--rows: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, options))}")
+    print(f"tuning texts ({', '.join(tasks)}): {args.context_tokens}-token contexts, "
+          f"{args.continuation_tokens}-token continuations, {args.chunk}-token replay chunks; "
+          "mean (worst) perplexity increase over the full cache; heads share one budget", flush=True)  # fmt: skip
+    print(f"  {'replay':18s}{'floor':>7s}" + "".join(f"{f'{ratio:.0%} evicted':>22s}" for ratio in ratios))
+    for row in rows:
+        increases = {(floor, ratio): [] for floor in floors for ratio in ratios}
+        for task in tasks.values():
+            context, continuation = torch.tensor([task["context"]]), torch.tensor([task["continuation"]])
+            scored = scored_prompt(model, context, "reconstruction", reconstruction_chunk=args.chunk, **options[row])
+            full = masked_perplexity(model, scored, continuation, None)
+            priorities = [layer._priority()[0] for layer in scored[0].layers]
+            for floor in floors:
+                for ratio in ratios:
+                    masks = allocate(priorities, ratio, "global", floor)
+                    increases[floor, ratio].append(masked_perplexity(model, scored, continuation, masks) / full - 1)
+        for floor in floors:
+            cells = [increases[floor, ratio] for ratio in ratios]
+            text = "".join(f"{f'{statistics.fmean(cell):+8.2%} ({max(cell):+7.2%})':>22s}" for cell in cells)
+            print(f"  {row:18s}{floor:>7.0%}" + text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
