@@ -122,3 +122,69 @@ def test_a_tensor_prefix_is_taken_as_token_ids(fresh_tiny):
     prefix = torch.tensor([[4, 5]])
     cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", replay_prefix=prefix)
     assert cache.policy.replay_prefix == (4, 5)
+
+
+def test_output_norm_weighting_follows_kvzip_plus(tiny, tiny_model_dir):
+    """Oracle: each replay query's attention weights from eager attention, divided by the norm of the query
+    token's hidden state entering attention and multiplied by the norm of ``W_O`` (the query head's block of the
+    output projection) times the entry's value, maximized over queries and the group's heads."""
+    _, tokenizer = tiny
+    eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :30]
+    length = ids.shape[1]
+    config = eager.config
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    captured = {}
+
+    def keep_input(module, args, kwargs):
+        captured[module.layer_idx] = kwargs["hidden_states"]
+
+    handles = [layer.self_attn.register_forward_pre_hook(keep_input, with_kwargs=True) for layer in eager.model.layers]
+    positions = torch.cat([torch.arange(length), torch.arange(length, 2 * length)])
+    with torch.no_grad():
+        output = eager(
+            torch.cat([ids, ids], dim=1), position_ids=positions[None], output_attentions=True, use_cache=True
+        )
+    for handle in handles:
+        handle.remove()
+    cache = CompressedCache(
+        eager, compression_ratio=0.0, scoring="reconstruction", allocation="global", replay_output_norms=True
+    )
+    with torch.no_grad():
+        eager(ids, past_key_values=cache)
+    for index, (layer, weights) in enumerate(zip(cache.layers, output.attentions, strict=True)):
+        hidden_norms = captured[index][0, length:].norm(dim=-1)  # [replay queries]
+        values = output.past_key_values.layers[index].values[0, :, :length]  # [kv_heads, prompt, head_dim]
+        blocks = eager.model.layers[index].self_attn.o_proj.weight.view(-1, heads, head_dim)
+        per_head_values = values.repeat_interleave(heads // kv_heads, dim=0)  # [heads, prompt, head_dim]
+        output_norms = torch.einsum("xhd,htd->htx", blocks, per_head_values).norm(dim=-1)  # [heads, prompt]
+        weighted = weights[0, :, length:, :length] / hidden_norms[None, :, None] * output_norms[:, None, :]
+        expected = weighted.amax(dim=1).view(kv_heads, -1, length).amax(dim=1)
+        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)
+    plain = CompressedCache(eager, compression_ratio=0.0, scoring="reconstruction", allocation="global")
+    with torch.no_grad():
+        eager(ids, past_key_values=plain)
+    assert not torch.allclose(plain.layers[0].scores, cache.layers[0].scores, atol=1e-4)
+    assert all(layer.replay_weights is None for layer in cache.units)
+
+
+def test_each_head_stored_apart_scores_as_its_layer_does_under_every_replay_option(tiny, tiny_model_dir):
+    """``allocation="heads"`` hands each KV head its own query heads' weights: its replay scores equal the ones the
+    whole layer gives that head."""
+    _, tokenizer = tiny
+    eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :40]
+    options = {
+        "compression_ratio": 0.0, "scoring": "reconstruction", "reconstruction_chunk": 16, "replay_prefix": [5, 6],
+        "replay_overlap": 4, "replay_scope": "chunk", "replay_output_norms": True,
+    }  # fmt: skip
+    whole = CompressedCache(eager, allocation="global", **options)
+    apart = CompressedCache(eager, allocation="heads", **options)
+    with torch.no_grad():
+        eager(ids, past_key_values=whole)
+        eager(ids, past_key_values=apart)
+    kv_heads = eager.config.num_key_value_heads
+    for index, layer in enumerate(whole.layers):
+        for head in range(kv_heads):
+            unit = apart.units[index * kv_heads + head]
+            torch.testing.assert_close(unit.scores[0, 0], layer.scores[0, head], atol=1e-6, rtol=1e-5)

@@ -119,6 +119,9 @@ class CompressedCache(Cache):
         replay_scope: what a replayed chunk's attention is spread over when it scores: "prompt" (the
             default: the whole prompt, as the model attends) or "chunk" (the sink tokens, the chunk's own
             prompt tokens and the replay itself, as KVzip scores; a token is scored by its own chunk only).
+        replay_output_norms: weigh each replay query's attention to an entry by the norm of what the entry
+            writes into the residual stream (its value through the head's output projection) over the norm
+            of the query token's hidden state, as KVzip+ does (False by default).
         scoring_backend: "auto" (the default: Triton kernels for a pass's scores when the cache is on
             CUDA and Triton is installed, else blocked PyTorch), "triton" or "torch". The kernels hold
             one tile of logits at a time (flash-attention style), so scoring a long prompt needs no
@@ -198,6 +201,7 @@ class CompressedCache(Cache):
         replay_prefix: Sequence[int] = (),
         replay_overlap: int = 0,
         replay_scope: str = "prompt",
+        replay_output_norms: bool = False,
     ) -> None:
         sizes = (budget, compression_ratio, memory_fraction, max_bytes)
         if all(size is None for size in sizes) and kv_bits is not None:
@@ -224,7 +228,7 @@ class CompressedCache(Cache):
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
             value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,
             key_bits, memory_fraction, max_bytes, by_bytes, allocation, replay_prefix=replay_prefix,
-            replay_overlap=replay_overlap, replay_scope=replay_scope,
+            replay_overlap=replay_overlap, replay_scope=replay_scope, replay_output_norms=replay_output_norms,
         )  # fmt: skip
         modules = bind(model)
         if head_dim and {kv_bits, key_bits} & {4, 8}:
@@ -257,6 +261,11 @@ class CompressedCache(Cache):
         """Whether the prompt has been seen and must now be replayed to score it (``scoring="reconstruction"``)."""
         first = self.units[0] if self.layers else None
         return first is not None and first.deferred and first.is_initialized and not first.replaying
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the prompt is being replayed now (``scoring="reconstruction"``)."""
+        return bool(self.layers) and self.units[0].replaying
 
     def replay(self, model: nn.Module, input_ids: torch.Tensor) -> None:
         """Score the prompt by reconstruction, then evict: feed ``input_ids`` again, chunk by chunk.
@@ -300,7 +309,7 @@ class CompressedCache(Cache):
         finally:
             for layer in layers:
                 layer.replaying = layer.deferred = False
-                layer.replay_span = None
+                layer.replay_span = layer.replay_weights = None
         if self.policy.allocation in ("global", "heads"):
             self._allocate()
         else:

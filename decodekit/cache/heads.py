@@ -117,6 +117,12 @@ class HeadsLayer(DynamicLayer):
         for index, unit in enumerate(self.units):
             unit.observe(columns[..., index * width : (index + 1) * width], to_queries, scaling, cos, sin)
 
+    def weigh_replay(self, inverse_hidden_norms: torch.Tensor, output_grams: torch.Tensor) -> None:
+        """Give each head the replay weights of the query heads that share it."""
+        group = output_grams.shape[0] // len(self.units)
+        for index, unit in enumerate(self.units):
+            unit.weigh_replay(inverse_hidden_norms, output_grams[index * group : (index + 1) * group])
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store each head's keys and values in its unit; return the heads side by side for attention."""
         parts = [

@@ -94,6 +94,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         self.deferred = policy.scoring == "reconstruction"
         self.replaying = False
         self.replay_span: tuple[int, int, int] | None = None  # (start, stop, prompt length) under replay_scope="chunk"
+        # Under replay_output_norms, the coming replay pass's 1 / hidden-state norm per observed query
+        # [batch, tokens] and each query head's output-projection Gram matrix [heads, head_dim, head_dim].
+        self.replay_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
         # Slots the last in-place eviction freed, [batch, kv_heads, n], and how many of them the next
         # tokens have taken; None when unknown (a dead slot is then searched for).
@@ -218,6 +221,12 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         head_dim]`` of them, and the rotary embedding ``[batch, tokens, rotary]`` (cos, sin) that turns them."""
         self._queries = (columns, to_queries, scaling, cos, sin)
 
+    def weigh_replay(self, inverse_hidden_norms: torch.Tensor, output_grams: torch.Tensor) -> None:
+        """Weights for the coming replay pass's scores (``replay_output_norms``): ``[batch, tokens]``, one over each
+        observed query's hidden-state norm, and ``[heads, head_dim, head_dim]``, each query head's output
+        projection ``W`` as ``W^T W`` (so that an entry's output norm is ``sqrt(v^T W^T W v)``)."""
+        self.replay_weights = (inverse_hidden_norms, output_grams)
+
     def pass_mask(self, query_length: int, *, plain: bool = False) -> torch.Tensor | None:
         """``[batch, kv_heads, query_length, slots]``, True where a query of the coming pass may attend.
 
@@ -309,7 +318,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
             self._wait_for_scoring(columns, scaling, cos, sin)
             return keys, values
-        received = self._attention_received(self._rotated_queries(columns, cos, sin), scaling, keys)
+        received = self._attention_received(self._rotated_queries(columns, cos, sin), scaling, keys, values)
         if self.replaying:
             self.scores = torch.maximum(self.scores, received)
         else:

@@ -103,6 +103,13 @@ def queries_from_projection(module: nn.Module, columns: torch.Tensor) -> torch.T
     return queries.transpose(1, 2)
 
 
+def _output_grams(module: nn.Module) -> torch.Tensor:
+    """``[heads, head_dim, head_dim]``: each query head's block ``W`` of the output projection, as ``W^T W``."""
+    weight = module.o_proj.weight.float()
+    blocks = weight.view(weight.shape[0], -1, module.head_dim)  # [hidden, heads, head_dim]
+    return torch.einsum("xhd,xhe->hde", blocks, blocks)
+
+
 def _sliding_window(module: nn.Module) -> int | None:
     """The module's local-attention window: its own attribute (per layer type), else its config's."""
     if hasattr(module, "sliding_window"):
@@ -148,6 +155,8 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
         raise ValueError("CompressedCache needs rotary position embeddings passed to the attention modules")
     layer = cache.layer_for(module)
     batch, length = hidden_states.shape[:2]
+    if cache.policy.replay_output_norms and cache.replaying:
+        layer.weigh_replay(1 / hidden_states.float().norm(dim=-1).clamp(min=1e-30), _output_grams(module))
     window = length if cache.policy.observation_window is None else min(length, cache.policy.observation_window)
     _pending()[id(module)] = (layer, window, position_embeddings)
     first_pass = not layer.is_initialized

@@ -93,6 +93,7 @@ class EvictionPolicy:
     replay_prefix: tuple[int, ...] = ()
     replay_overlap: int = 0
     replay_scope: str = "prompt"
+    replay_output_norms: bool = False
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATIONS:

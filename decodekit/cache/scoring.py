@@ -116,7 +116,9 @@ class EntryScoring:
         if self._value_norms is not None:
             self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
 
-    def _attention_received(self, queries: torch.Tensor, scaling: float, keys: torch.Tensor) -> torch.Tensor:
+    def _attention_received(
+        self, queries: torch.Tensor, scaling: float, keys: torch.Tensor, values: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Mean attention each entry gets from the observed queries (the last ones) that can see it.
 
         Computed per KV head (averaged over the query heads that share it) in blocks of queries,
@@ -146,6 +148,9 @@ class EntryScoring:
         first_slot, first_position = slots - window, self.seen - window
         received = grouped.new_zeros((batch, kv_heads, slots))
         outside = self._outside_replay_span() if self.replaying else None
+        query_weights = output_norms = None
+        if self.replaying and self.replay_weights is not None:
+            query_weights, output_norms = self._replay_weights(values, window, group)
         block = max(1, min(QUERY_BLOCK, LOGIT_ELEMENTS // (batch * kv_heads * group * slots)))
         for start in range(0, window, block):
             stop = min(start + block, window)
@@ -164,6 +169,8 @@ class EntryScoring:
             # Normalize each query's row and sum over the queries in one product: (1 / row sums) @ exp.
             if self.replaying:  # the most attention any replay query pays each entry
                 logits.div_(logits.sum(dim=-1, keepdim=True))
+                if query_weights is not None:
+                    logits.mul_(query_weights[:, None, None, start:stop, None]).mul_(output_norms[..., :visible])
                 received[..., :visible] = torch.maximum(received[..., :visible], logits.amax(dim=(2, 3)))
                 continue
             inverse = logits.sum(dim=-1).reciprocal_().reshape(batch, kv_heads, 1, -1)
@@ -206,6 +213,17 @@ class EntryScoring:
                 "use scoring_backend='auto' or 'torch'"
             )
         return True
+
+    def _replay_weights(self, values: torch.Tensor, window: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KVzip+'s weights for this replay pass: ``[batch, window]``, one over each query's hidden-state norm,
+        and ``[batch, kv_heads, group, 1, slots]``, the norm of what each entry writes through each query head's
+        output projection."""
+        inverse_hidden_norms, grams = self.replay_weights
+        kv_heads, head_dim = values.shape[1], values.shape[-1]
+        grams = grams.to(torch.float32).view(kv_heads, group, head_dim, head_dim)
+        flat = values.float()
+        squared = torch.einsum("bksd,kgde,bkse->bkgs", flat, grams, flat).clamp_(min=0)
+        return inverse_hidden_norms[:, -window:].float(), squared.sqrt_()[:, :, :, None, :]
 
     def _outside_replay_span(self) -> torch.Tensor | None:
         """``[batch, kv_heads, 1, 1, slots]``: True for the prompt's entries a replayed chunk does not score under
