@@ -9,7 +9,10 @@ what one ranking of every (layer, KV head, token) score keeps (the heads sharing
   "Repeat the previous context exactly.", then the chat template's end of the user turn);
 - prompt + overlap: as above, each chunk after the first starting with the previous chunk's last 8 tokens;
 - chunk scope: a chunk's attention spread over the sinks, its own span of the prompt and itself only;
-- KVzip's replay: prompt, overlap and chunk scope together.
+- KVzip's replay: prompt, overlap and chunk scope together;
+- output norms: the plain replay with KVzip+'s weighting (each replay query's attention to an entry times the
+  norm of what the entry writes through the output projection, over the query's hidden-state norm);
+- KVzip+: KVzip's replay with that weighting.
 
 Each row is measured with the per-head floor of ``allocation="heads"`` (each head keeps at least
 ``--floor`` of the even share) and with none (KVzip keeps no floor). The replay runs once per text and row; each
@@ -55,6 +58,13 @@ def row_options(tokenizer) -> dict[str, dict]:
         "prompt + overlap": {"replay_prefix": prefix, "replay_overlap": OVERLAP},
         "chunk scope": {"replay_scope": "chunk"},
         "KVzip's replay": {"replay_prefix": prefix, "replay_overlap": OVERLAP, "replay_scope": "chunk"},
+        "output norms": {"replay_output_norms": True},
+        "KVzip+": {
+            "replay_prefix": prefix,
+            "replay_overlap": OVERLAP,
+            "replay_scope": "chunk",
+            "replay_output_norms": True,
+        },
     }
 
 

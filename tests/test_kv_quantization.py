@@ -313,3 +313,25 @@ def test_a_byte_sized_cache_told_no_widths_takes_the_documented_ones(fresh, opti
     assert (policy.kv_bits, policy.key_bits) == widths
     sized_by_hand = CompressedCache(model, memory_fraction=fraction, kv_bits=4, key_bits=widths[1], **options)
     assert policy.entry_bytes == sized_by_hand.policy.entry_bytes  # a token costs what those widths cost
+
+
+@pytest.mark.parametrize(("bits", "held"), [(None, torch.float32), (16, torch.float16), (4, torch.float16)])
+def test_waiting_steps_queries_are_held_in_the_storage_width(fresh, bits, held):
+    """In a 32-bit model, a cache stored in 16 bits or fewer holds the queries of the decoding steps waiting to be
+    scored in 16 bits too, as ``entry_bytes`` counts them."""
+    model, tokenizer = fresh
+    ids = tokenizer([LONG], return_tensors="pt")["input_ids"]
+    cache = CompressedCache(model, budget=48, kv_bits=bits, eviction_interval=8)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        token = ids[:, -1:]
+        for step in range(3):
+            position = torch.tensor([[ids.shape[1] + step]])
+            model(token, past_key_values=cache, position_ids=position)
+    layer = cache.layers[0]
+    waiting = [part for step in layer._pending for part in step]
+    assert len(layer._pending) >= 1  # steps since the last eviction
+    assert {part.dtype for part in waiting} == {held}
+    config = model.config
+    per_step = (config.num_attention_heads * config.head_dim + 2 * config.head_dim) * held.itemsize
+    assert sum(part.numel() * part.element_size() for part in waiting) == len(layer._pending) * per_step

@@ -67,7 +67,11 @@ class EntryScoring:
         return rotate(self._to_queries(columns), cos.unsqueeze(1), sin.unsqueeze(1))
 
     def _wait_for_scoring(self, columns: torch.Tensor, scaling: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Queue a decoding step's observed query columns and rotation until the next eviction scores them."""
+        """Queue a decoding step's observed query columns and rotation until the next eviction scores them: in
+        the storage's 16 bits when keys and values are stored narrower than the model's dtype."""
+        held = self.storage_dtype
+        if held is not None and held.itemsize < columns.dtype.itemsize:
+            columns, cos, sin = columns.to(held), cos.to(held), sin.to(held)
         if not self._pending:
             self._pending_first, self._pending_scaling = self.slots - 1, scaling
         self._pending.append((columns, cos, sin))
@@ -99,7 +103,7 @@ class EntryScoring:
         if not pending:
             return
         self._pending = []
-        columns, cos, sin = (torch.cat(parts, dim=1) for parts in zip(*pending, strict=True))
+        columns, cos, sin = (torch.cat(parts, dim=1).to(self.dtype) for parts in zip(*pending, strict=True))
         queries = self._rotated_queries(columns, cos, sin)  # [batch, heads, steps, head_dim]
         steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
         keys, values = self.dense()

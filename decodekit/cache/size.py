@@ -91,8 +91,9 @@ def entry_bytes(
     if {4, 8} & set(widths):  # exact recent keys and values, their positions, the key channels' magnitudes
         ring = 2 * recent_tokens * head_dim * stored + recent_tokens * 4 / kv_heads + head_dim * 4
     bookkeeping = 4 + (4 if value_norms else 0) + 4 + 1  # score, value norm, position, live
-    # The queries of the steps waiting to be scored, with their rotation, and the reserved slots.
-    waiting = eviction_interval * (query_heads * head_dim + 2 * head_dim) * element / kv_heads
+    # The queries of the steps waiting to be scored, with their rotation (held in 16 bits when keys and values are
+    # stored in 16 bits or fewer), and the reserved slots.
+    waiting = eviction_interval * (query_heads * head_dim + 2 * head_dim) * min(stored, element) / kv_heads
     kept = sum(coded) + bookkeeping
     reserved = (eviction_interval + 1) * kept
     padding = 32 / kv_heads  # the row's padding, a free-slot index and its allocated share (allocation="global")
