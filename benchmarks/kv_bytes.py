@@ -9,6 +9,7 @@ cache's), the tokens it kept, and the perplexity rise over the full cache, per t
 
     python benchmarks/kv_bytes.py [--texts tuning|protocol] [--fractions 0.5,0.25,0.1] [--bits 16,8,4]
     python benchmarks/kv_bytes.py --scoring reconstruction --allocation heads --ratios 0.5,0.75,0.9 --bits model
+    python benchmarks/kv_bytes.py --scoring reconstruction --replay "KVzip's replay"  # a kv_replay.py row
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import statistics
 
 import torch
 from kv_protocol import PROTOCOL_TEXTS, TUNING_TEXTS, text_tasks
+from kv_replay import row_options
 from torch.nn import functional
 
 from decodekit import load_model
@@ -69,6 +71,7 @@ def main() -> None:
     parser.add_argument("--scoring", default="attention")
     parser.add_argument("--allocation", help="uniform, global or heads (default: the scoring's)")
     parser.add_argument("--ratios", help="instead of byte sizes: evict these shares of the tokens (equal tokens)")
+    parser.add_argument("--replay", help="how reconstruction scoring replays the prompt: a row of kv_replay.py")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model()
@@ -78,10 +81,16 @@ def main() -> None:
     widths = args.bits.split(",")
     names = list(tasks)
     print(f"{args.texts} texts, {args.context_tokens}-token contexts, {args.continuation_tokens}-token continuations,"
-          f" scoring={args.scoring}; perplexity rise over the full cache (%)")  # fmt: skip
+          f" scoring={args.scoring}{f', replay: {args.replay}' if args.replay else ''};"
+          " perplexity rise over the full cache (%)")  # fmt: skip
     header = f"{'memory':>7} {'bits':>5} {'held':>6} {'kept':>5} " + " ".join(f"{name[:14]:>14}" for name in names)
     print(header + f" {'mean':>7} {'worst':>7}")
     options = {"allocation": args.allocation} if args.allocation else {}
+    if args.replay:
+        replays = row_options(tokenizer)
+        if args.replay not in replays:
+            parser.error(f"--replay must be one of {', '.join(map(repr, replays))}; got {args.replay!r}")
+        options.update(replays[args.replay])
     sizes = [(None, float(text)) for text in args.ratios.split(",")] if args.ratios else [
         (float(text), None) for text in args.fractions.split(",")]  # fmt: skip
     for fraction, ratio in sizes:

@@ -16,8 +16,8 @@ what one ranking of every (layer, KV head, token) score keeps (the heads sharing
 
 Each row is measured with the per-head floor of ``allocation="heads"`` (each head keeps at least
 ``--floor`` of the even share) and with none (KVzip keeps no floor). The replay runs once per text and row; each
-ratio and floor then masks a copy of the scored cache (``kv_allocation.py`` shows the masks equal what the
-evicting cache keeps).
+ratio and floor then masks a copy of the scored cache; ``--with-cache`` adds, per row, the evicting
+``CompressedCache(allocation="heads")`` itself, which keeps what the masks at the 20% floor keep.
 
     python benchmarks/kv_replay.py [--ratios 0.5,0.75,0.9] [--rows "plain;KVzip's replay"] [--floors 0.2,0]
 """
@@ -32,6 +32,8 @@ from kv_allocation import allocate, masked_perplexity, scored_prompt
 from kv_protocol import TUNING_TEXTS, text_tasks
 
 from decodekit import load_model
+from decodekit.cache import CompressedCache
+from decodekit.eval.perplexity import continuation_perplexity
 
 REPEAT = "\n\nRepeat the previous context exactly."
 OVERLAP = 8  # KVzip's overlap between chunks
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--floors", default="0.2,0", help="per-head floors, shares of the even share")
     parser.add_argument("--rows", help="the rows to measure, separated by ';' (default: all)")
     parser.add_argument("--chunk", type=int, default=2048, help="prompt tokens per replayed chunk")
+    parser.add_argument("--with-cache", action="store_true", help="also run the evicting cache itself, per row")
     args = parser.parse_args()
     model, tokenizer = load_model()
     tasks = text_tasks(tokenizer, TUNING_TEXTS, args.context_tokens, args.continuation_tokens)
@@ -91,7 +94,7 @@ def main() -> None:
           "mean (worst) perplexity increase over the full cache; heads share one budget", flush=True)  # fmt: skip
     print(f"  {'replay':18s}{'floor':>7s}" + "".join(f"{f'{ratio:.0%} evicted':>22s}" for ratio in ratios))
     for row in rows:
-        increases = {(floor, ratio): [] for floor in floors for ratio in ratios}
+        increases = {(floor, ratio): [] for floor in (*floors, "cache") for ratio in ratios}
         for task in tasks.values():
             context, continuation = torch.tensor([task["context"]]), torch.tensor([task["continuation"]])
             scored = scored_prompt(model, context, "reconstruction", reconstruction_chunk=args.chunk, **options[row])
@@ -101,10 +104,18 @@ def main() -> None:
                 for ratio in ratios:
                     masks = allocate(priorities, ratio, "global", floor)
                     increases[floor, ratio].append(masked_perplexity(model, scored, continuation, masks) / full - 1)
-        for floor in floors:
+            for ratio in ratios if args.with_cache else ():
+                cache = CompressedCache(
+                    model, compression_ratio=ratio, scoring="reconstruction", reconstruction_chunk=args.chunk,
+                    **options[row],
+                )  # fmt: skip
+                evicting = continuation_perplexity(model, cache, context, continuation)
+                increases["cache", ratio].append(evicting / full - 1)
+        for floor in (*floors, "cache") if args.with_cache else floors:
             cells = [increases[floor, ratio] for ratio in ratios]
             text = "".join(f"{f'{statistics.fmean(cell):+8.2%} ({max(cell):+7.2%})':>22s}" for cell in cells)
-            print(f"  {row:18s}{floor:>7.0%}" + text, flush=True)
+            label = "cache" if floor == "cache" else f"{floor:.0%}"
+            print(f"  {row:18s}{label:>7s}" + text, flush=True)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,14 @@ def test_the_allocation_ablation_on_reconstruction_scores_reproduces_the_global_
     assert "reconstruction scores" in out
     assert rows["layers"] == rows["CompressedCache, evicting"]  # allocation="global" is the "layers" masks
     assert rows["layers"] != rows["uniform"]
+
+
+def test_the_replay_ablation_runs_and_its_masks_are_the_evicting_cache():
+    out = _run(
+        "kv_replay.py", "--context-tokens", "256", "--continuation-tokens", "32", "--ratios", "0.5,0.75",
+        "--chunk", "128", "--rows", "plain;KVzip+", "--floors", "0.2", "--with-cache",
+    )  # fmt: skip
+    rows = {line[:25].strip(): line[25:].strip() for line in out.splitlines() if line.startswith("  ")}
+    assert rows["plain                20%"] == rows["plain              cache"]
+    assert rows["KVzip+               20%"] == rows["KVzip+             cache"]
+    assert rows["plain                20%"] != rows["KVzip+               20%"]
