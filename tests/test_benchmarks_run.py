@@ -119,7 +119,7 @@ def test_the_replay_ablation_runs_and_its_masks_are_the_evicting_cache():
         "kv_replay.py", "--context-tokens", "256", "--continuation-tokens", "32", "--ratios", "0.5,0.75",
         "--chunk", "128", "--rows", "plain;KVzip+", "--floors", "0.2", "--with-cache",
     )  # fmt: skip
-    rows = {line[:25].strip(): line[25:].strip() for line in out.splitlines() if line.startswith("  ")}
-    assert rows["plain                20%"] == rows["plain              cache"]
-    assert rows["KVzip+               20%"] == rows["KVzip+             cache"]
-    assert rows["plain                20%"] != rows["KVzip+               20%"]
+    rows = {(line[2:20].strip(), line[20:27].strip()): line[27:] for line in out.splitlines() if line.startswith("  ")}
+    assert rows["plain", "20%"] == rows["plain", "cache"]
+    assert rows["KVzip+", "20%"] == rows["KVzip+", "cache"]
+    assert rows["plain", "20%"] != rows["KVzip+", "20%"]
