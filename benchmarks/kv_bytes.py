@@ -20,7 +20,7 @@ import statistics
 
 import torch
 from kv_protocol import PROTOCOL_TEXTS, TUNING_TEXTS, text_tasks
-from kv_replay import row_options
+from kv_replay import chosen_rows
 from torch.nn import functional
 
 from decodekit import load_model
@@ -87,10 +87,10 @@ def main() -> None:
     print(header + f" {'mean':>7} {'worst':>7}")
     options = {"allocation": args.allocation} if args.allocation else {}
     if args.replay:
-        replays = row_options(tokenizer)
-        if args.replay not in replays:
-            parser.error(f"--replay must be one of {', '.join(map(repr, replays))}; got {args.replay!r}")
-        options.update(replays[args.replay])
+        try:
+            options.update(chosen_rows(tokenizer, [args.replay])[args.replay])
+        except ValueError as error:
+            parser.error(f"--replay: {error}")
     sizes = [(None, float(text)) for text in args.ratios.split(",")] if args.ratios else [
         (float(text), None) for text in args.fractions.split(",")]  # fmt: skip
     for fraction, ratio in sizes:

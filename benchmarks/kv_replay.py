@@ -15,7 +15,7 @@ what one ranking of every (layer, KV head, token) score keeps (the heads sharing
 - KVzip+: KVzip's replay with that weighting.
 
 Each row is measured with the per-head floor of ``allocation="heads"`` (each head keeps at least
-``--floor`` of the even share) and with none (KVzip keeps no floor). The replay runs once per text and row; each
+``--floors`` of the even share) and with none (KVzip keeps no floor). The replay runs once per text and row; each
 ratio and floor then masks a copy of the scored cache; ``--with-cache`` adds, per row, the evicting
 ``CompressedCache(allocation="heads")`` itself, which keeps what the masks at the 20% floor keep.
 
@@ -70,6 +70,15 @@ def row_options(tokenizer) -> dict[str, dict]:
     }
 
 
+def chosen_rows(tokenizer, names: list[str] | None) -> dict[str, dict]:
+    """The replay options of the rows named (all when ``names`` is None); ValueError naming any unknown row."""
+    options = row_options(tokenizer)
+    unknown = sorted(set(names or ()) - set(options))
+    if unknown:
+        raise ValueError(f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, options))}")
+    return {name: options[name] for name in names} if names else options
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context-tokens", type=int, default=3072)
@@ -84,11 +93,11 @@ def main() -> None:
     tasks = text_tasks(tokenizer, TUNING_TEXTS, args.context_tokens, args.continuation_tokens)
     ratios = [float(value) for value in args.ratios.split(",")]
     floors = [float(value) for value in args.floors.split(",")]
-    options = row_options(tokenizer)
-    rows = args.rows.split(";") if args.rows else list(options)
-    unknown = sorted(set(rows) - set(options))
-    if unknown:
-        parser.error(f"--rows: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(map(repr, options))}")
+    try:
+        options = chosen_rows(tokenizer, args.rows.split(";") if args.rows else None)
+    except ValueError as error:
+        parser.error(f"--rows: {error}")
+    rows = list(options)
     print(f"tuning texts ({', '.join(tasks)}): {args.context_tokens}-token contexts, "
           f"{args.continuation_tokens}-token continuations, {args.chunk}-token replay chunks; "
           "mean (worst) perplexity increase over the full cache; heads share one budget", flush=True)  # fmt: skip
