@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--allocation", help="uniform, global or heads (default: the scoring's)")
     parser.add_argument("--ratios", help="instead of byte sizes: evict these shares of the tokens (equal tokens)")
     parser.add_argument("--replay", help="how reconstruction scoring replays the prompt: a row of kv_replay.py")
+    parser.add_argument("--residual-length", type=int, help="last tokens also held exact (default: recent_tokens)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model()
@@ -81,11 +82,14 @@ def main() -> None:
     widths = args.bits.split(",")
     names = list(tasks)
     print(f"{args.texts} texts, {args.context_tokens}-token contexts, {args.continuation_tokens}-token continuations,"
-          f" scoring={args.scoring}{f', replay: {args.replay}' if args.replay else ''};"
+          f" scoring={args.scoring}{f', replay: {args.replay}' if args.replay else ''}"
+          f"{f', residual_length={args.residual_length}' if args.residual_length is not None else ''};"
           " perplexity rise over the full cache (%)")  # fmt: skip
     header = f"{'memory':>7} {'bits':>5} {'held':>6} {'kept':>5} " + " ".join(f"{name[:14]:>14}" for name in names)
     print(header + f" {'mean':>7} {'worst':>7}")
     options = {"allocation": args.allocation} if args.allocation else {}
+    if args.residual_length is not None:
+        options["residual_length"] = args.residual_length
     if args.replay:
         try:
             options.update(chosen_rows(tokenizer, [args.replay])[args.replay])

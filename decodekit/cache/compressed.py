@@ -134,8 +134,8 @@ class CompressedCache(Cache):
         kv_bits: store the kept keys and values in 16, 8 or 4 bits instead of the model's dtype (None, the
             default). 16 bits: the model's dtype if it has 16 bits, else float16 (llama.cpp's f16 cache for a
             32-bit model). 8 and 4 bits: each entry is coded on its own in groups of ``kv_group_size`` channels, with a
-            scale and offset per group in the model's dtype; key channels are first divided by their
-            magnitude over the first pass (key outliers live in channels); the last ``recent_tokens``
+            scale and offset per group in 16 bits; keys are first turned by a Hadamard rotation, which spreads
+            their outlier channels over all channels (and back when read); the last ``residual_length``
             tokens are also held exactly and attention reads them exact. Attention reads every layer's
             keys and values decoded (one layer's dense copy at a time). Without ``budget`` or
             ``compression_ratio``, every token is kept (quantization alone).
@@ -154,6 +154,9 @@ class CompressedCache(Cache):
             holds nearly what 8 bits holds in about four fifths of the bytes.
         kv_group_size: channels per scale group with ``kv_bits``, a divisor of the model's head size
             (default: 32, or the head size when it is smaller).
+        residual_length: with ``kv_bits`` 8 or 4, how many of the last tokens are also held exact (in 16
+            bits) beside their codes, as transformers' ``QuantizedCache`` keeps a residual, >= 0; None (the
+            default) for ``recent_tokens``. Their bytes count in ``memory_fraction`` and ``max_bytes``.
         allocation: how a row's tokens are shared among layers and KV heads: "uniform" (every layer and head
             keeps the same number), "global" (one ranking of the reconstruction scores over all layers
             decides how many each layer keeps, each at least a fifth of the even share; every KV head of a
@@ -202,6 +205,7 @@ class CompressedCache(Cache):
         replay_overlap: int = 0,
         replay_scope: str = "prompt",
         replay_output_norms: bool = False,
+        residual_length: int | None = None,
     ) -> None:
         sizes = (budget, compression_ratio, memory_fraction, max_bytes)
         if all(size is None for size in sizes) and kv_bits is not None:
@@ -220,7 +224,7 @@ class CompressedCache(Cache):
                 kv_bits=kv_bits,
                 key_bits=key_bits,
                 group_size=kv_group_size,
-                recent_tokens=recent_tokens,
+                residual_length=recent_tokens if residual_length is None else residual_length,
                 eviction_interval=eviction_interval,
                 value_norms=value_norm and allocation == "uniform",
             )  # fmt: skip  (value norms are kept where eviction ranks by them: EvictionPolicy.ranks_by_value_norm)
@@ -229,6 +233,7 @@ class CompressedCache(Cache):
             value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,
             key_bits, memory_fraction, max_bytes, by_bytes, allocation, replay_prefix=replay_prefix,
             replay_overlap=replay_overlap, replay_scope=replay_scope, replay_output_norms=replay_output_norms,
+            residual_length=residual_length,
         )  # fmt: skip
         modules = bind(model)
         if head_dim and {kv_bits, key_bits} & {4, 8}:

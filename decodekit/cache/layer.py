@@ -25,7 +25,7 @@ from transformers.cache_utils import DynamicLayer
 
 from decodekit.cache.eviction import Eviction
 from decodekit.cache.policy import Allocated, EvictionPolicy
-from decodekit.cache.quantize import Quantizer
+from decodekit.cache.quantize import Quantizer, hadamard, rotation_block
 from decodekit.cache.scoring import EntryScoring
 from decodekit.cache.storage import BOOKKEEPING, CODING, EXACT, EntryStorage, storage_bytes
 
@@ -54,13 +54,13 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         self._positions: torch.Tensor | None = None
         self._live: torch.Tensor | None = None
         # Quantized storage (``policy.kv_bits``, ``policy.key_bits``): ``keys`` or ``values`` or both hold codes,
-        # with each entry's group scales and offsets beside them (``CODING``); per row, the key channels' magnitudes
-        # [batch, kv_heads, 1, head_dim] and the last ``recent_tokens`` tokens' exact keys and values in a
+        # with each entry's group scales and offsets beside them (``CODING``; keys coded turned by a Hadamard
+        # rotation, see ``Quantizer``); per row, the last ``recent_tokens`` tokens' exact keys and values in a
         # ring [batch, kv_heads, recent_tokens, head_dim] (in 16 bits), slot ``position % recent_tokens``, with the
         # position each ring slot holds (``recent_positions``, -1 for none).
         widths = {"keys": policy.key_bits or policy.kv_bits, "values": policy.kv_bits}
-        self.quantizers = {part: Quantizer(bits, policy.kv_group_size) if bits in (4, 8) else None
-                           for part, bits in widths.items()}  # fmt: skip
+        self.quantizers = {part: Quantizer(bits, policy.kv_group_size, rotated=part == "keys") if bits in (4, 8)
+                           else None for part, bits in widths.items()}  # fmt: skip
         self.quantized = any(quantizer is not None for quantizer in self.quantizers.values())
         self.storage_dtype: torch.dtype | None = None  # what keys, values (or their scales) are stored in
         coding = tuple(name for name in CODING if self.quantizers[name.split("_")[0] + "s"] is not None)
@@ -68,7 +68,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         self.bookkeeping = tuple(name for name in BOOKKEEPING if name != "_value_norms" or policy.ranks_by_value_norm)
         self.entries = ("keys", "values", *self.bookkeeping, *coding)
         self.key_scales = self.key_offsets = self.value_scales = self.value_offsets = None
-        self.key_channels = self.recent_keys = self.recent_values = None
+        self.recent_keys = self.recent_values = None
         self.recent_positions: torch.Tensor | None = None
         # Under allocation="global": per row, this layer's share of the tokens, ``[batch, 2]`` (count, base:
         # see ``Allocated``); None for the even share.
@@ -403,8 +403,10 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds: keys, values and per-entry bookkeeping (with the reserved room and
         dead slots behind them), the rows' padding, freed-slot lists and the waiting decoding steps'
-        queries with their rotation."""
+        queries with their rotation, and the Hadamard matrix that turns coded keys (shared by every layer)."""
         held = [getattr(self, name) for name in (*self._per_row(), "recent_positions", "_freed", "_free")]
+        if self.is_initialized and self.quantizers["keys"] is not None:
+            held.append(hadamard(rotation_block(self.recent_keys.shape[-1]), self.recent_keys.device))
         if self._spare is not None:
             held.extend(self._spare.values())
         held.extend(part for step in self._pending for part in step)

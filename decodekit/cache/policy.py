@@ -94,6 +94,7 @@ class EvictionPolicy:
     replay_overlap: int = 0
     replay_scope: str = "prompt"
     replay_output_norms: bool = False
+    residual_length: int | None = None  # with kv_bits 8 or 4: the last tokens also held exact (None: recent_tokens)
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATIONS:
@@ -132,6 +133,10 @@ class EvictionPolicy:
             "score_decay": check_real("score_decay", self.score_decay, 0, 1),
             "eviction_interval": check_int("eviction_interval", self.eviction_interval, 1),
         }
+        if self.residual_length is not None:
+            checked["residual_length"] = check_int(
+                "residual_length", self.residual_length, 0, " or None (recent_tokens)"
+            )
         if self.observation_window is not None:
             checked["observation_window"] = check_int(
                 "observation_window", self.observation_window, 1, " or None (every query)"
@@ -192,6 +197,11 @@ class EvictionPolicy:
         ``allocation="global"`` or ``"heads"``, whose reconstruction scores rank as they are, as KVzip ranks
         them)."""
         return self.value_norm and self.allocation == "uniform"
+
+    @property
+    def exact_recent(self) -> int:
+        """How many last tokens quantized storage holds exact too (``residual_length``, else ``recent_tokens``)."""
+        return self.recent_tokens if self.residual_length is None else self.residual_length
 
     @property
     def sized_in_bytes(self) -> bool:

@@ -3,8 +3,11 @@
 Each entry (one token of one row and KV head) is quantized on its own, in groups of ``group_size``
 channels, asymmetrically (``value ~ offset + code * scale``), so that eviction, beam reorders and
 crop move an entry's codes with it and never re-quantize anything. Keys have outlier channels (what
-KIVI quantizes per channel for); here every key channel is first divided by a per-(row, head,
-channel) magnitude measured on the first pass, so that no channel dominates a group's range.
+KIVI quantizes per channel for); here a key is first turned by an orthonormal Hadamard matrix
+(``rotated=True``), which spreads an outlier channel's size over all channels, so that no channel
+dominates a group's range; decoding turns it back (the matrix is its own inverse). Measured with
+4-bit keys of the default model's prompts (``benchmarks/results/kv_key_coding_cpu.txt``), this takes
+the perplexity rise from +1.41% (each channel divided by its magnitude) to +0.01%.
 
 Codes of 4 bits are packed two per byte. Scales and offsets are kept in 16 bits (the cache's dtype); the
 offset is rounded down and the scale up before coding, so that every value lies inside its
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -29,9 +33,44 @@ def _rounded(values: torch.Tensor, dtype: torch.dtype, toward: float) -> torch.T
     return torch.where(wrong_side, torch.nextafter(rounded, torch.full_like(rounded, toward)), rounded)
 
 
+def rotation_block(head_dim: int) -> int:
+    """The size of the Hadamard blocks that turn a ``head_dim``-channel entry: its largest power-of-two divisor
+    (the whole entry for 64 or 128 channels; blocks of 16 for 80).
+
+    Example:
+        >>> rotation_block(128), rotation_block(80), rotation_block(96)
+        (128, 16, 32)
+    """
+    return head_dim & -head_dim
+
+
+@lru_cache(maxsize=16)
+def hadamard(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal Hadamard matrix of ``size`` (a power of two), float32: symmetric, its own inverse.
+
+    Example:
+        >>> h = hadamard(4)
+        >>> torch.allclose(h @ h, torch.eye(4)), h[1].tolist()
+        (True, [0.5, -0.5, 0.5, -0.5])
+    """
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < size:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return (matrix / math.sqrt(size)).to(device)
+
+
+def rotate(values: torch.Tensor) -> torch.Tensor:
+    """``values`` ``[..., head_dim]`` (float32) turned by the block-diagonal Hadamard matrix of
+    :func:`rotation_block`; rotating twice gives ``values`` back."""
+    block = rotation_block(values.shape[-1])
+    turned = values.unflatten(-1, (-1, block)) @ hadamard(block, values.device)
+    return turned.flatten(-2)
+
+
 @dataclass(frozen=True)
 class Quantizer:
-    """How entries are coded: ``bits`` per value (4 or 8) with one scale and offset per ``group_size`` channels.
+    """How entries are coded: ``bits`` per value (4 or 8) with one scale and offset per ``group_size`` channels,
+    after a Hadamard rotation of each entry when ``rotated`` (keys).
 
     Example:
         >>> quantizer = Quantizer(bits=8, group_size=4)
@@ -47,6 +86,7 @@ class Quantizer:
 
     bits: int = 8
     group_size: int = 32
+    rotated: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or isinstance(self.bits, bool):
@@ -76,7 +116,8 @@ class Quantizer:
         ``offsets`` ``[..., groups]`` in ``dtype`` (by default ``values``' own)."""
         dtype = dtype or values.dtype
         head_dim = values.shape[-1]
-        grouped = values.float().unflatten(-1, (self.groups(head_dim), self.group_size))
+        values = rotate(values.float()) if self.rotated else values.float()
+        grouped = values.unflatten(-1, (self.groups(head_dim), self.group_size))
         low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
         # The offset rounded down and the scale up in the storage dtype, so that the stored range still
         # covers every value.
@@ -95,4 +136,5 @@ class Quantizer:
         if self.bits == 4:
             codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
         grouped = codes.unflatten(-1, (scales.shape[-1], -1)).to(torch.float32)
-        return grouped.mul_(scales.float()[..., None]).add_(offsets.float()[..., None]).flatten(-2).to(dtype)
+        decoded = grouped.mul_(scales.float()[..., None]).add_(offsets.float()[..., None]).flatten(-2)
+        return (rotate(decoded) if self.rotated else decoded).to(dtype)

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from decodekit.cache.quantize import rotation_block
+
 
 def attention_head_size(config: Any) -> int | None:
     """A text config's attention head size: its ``head_dim``, else the hidden size over the query heads;
@@ -69,14 +71,14 @@ def entry_bytes(
     kv_bits: int | None,
     group_size: int,
     key_bits: int | None = None,
-    recent_tokens: int,
+    residual_length: int,
     eviction_interval: int,
     value_norms: bool = True,
 ) -> EntryBytes:
     """The :class:`EntryBytes` of a compressed cache for ``model`` storing ``kv_bits`` per value (None: the
-    model's dtype; keys in ``key_bits`` when given) in groups of ``group_size`` channels, holding
-    ``recent_tokens`` exact and scoring the decoding steps every ``eviction_interval``, with each entry's value
-    norm when ``value_norms`` (eviction ranks by it)."""
+    model's dtype; keys in ``key_bits`` when given) in groups of ``group_size`` channels, holding the last
+    ``residual_length`` tokens exact besides (quantized storage) and scoring the decoding steps every
+    ``eviction_interval``, with each entry's value norm when ``value_norms`` (eviction ranks by it)."""
     config = model.config.get_text_config()
     head_dim = attention_head_size(config)
     kv_heads, query_heads = config.num_key_value_heads, config.num_attention_heads
@@ -87,9 +89,12 @@ def entry_bytes(
         head_dim * bits / 8 + 2 * (head_dim // group_size) * stored if bits in (4, 8) else head_dim * stored
         for bits in widths
     ]
+    units = config.num_hidden_layers * kv_heads
     ring = 0.0
-    if {4, 8} & set(widths):  # exact recent keys and values, their positions, the key channels' magnitudes
-        ring = 2 * recent_tokens * head_dim * stored + recent_tokens * 4 / kv_heads + head_dim * 4
+    if {4, 8} & set(widths):  # exact recent keys and values and their positions
+        ring = 2 * residual_length * head_dim * stored + residual_length * 4 / kv_heads
+    if widths[0] in (4, 8):  # the Hadamard matrix that turns coded keys, one for the whole cache
+        ring += rotation_block(head_dim) ** 2 * 4 / units
     bookkeeping = 4 + (4 if value_norms else 0) + 4 + 1  # score, value norm, position, live
     # The queries of the steps waiting to be scored, with their rotation (held in 16 bits when keys and values are
     # stored in 16 bits or fewer), and the reserved slots.
@@ -97,4 +102,4 @@ def entry_bytes(
     kept = sum(coded) + bookkeeping
     reserved = (eviction_interval + 1) * kept
     padding = 32 / kv_heads  # the row's padding, a free-slot index and its allocated share (allocation="global")
-    return EntryBytes(kept, ring + waiting + reserved + padding, 2 * head_dim * 2, config.num_hidden_layers * kv_heads)
+    return EntryBytes(kept, ring + waiting + reserved + padding, 2 * head_dim * 2, units)

@@ -20,8 +20,8 @@ PER_ENTRY = ("keys", "values", *BOOKKEEPING)
 # With quantized storage, each entry's group scales and offsets (see ``Quantizer``).
 CODING = ("key_scales", "key_offsets", "value_scales", "value_offsets")
 PARTS = ("keys", "values")
-# Per row, with quantized storage: the key channels' magnitudes and the ring of exact recent entries.
-EXACT = ("key_channels", "recent_keys", "recent_values")
+# Per row, with quantized storage: the ring of exact recent entries.
+EXACT = ("recent_keys", "recent_values")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
@@ -70,14 +70,9 @@ class EntryStorage:
         return self.keys.shape[-2] if self.is_initialized else 0
 
     def _start_coding(self, key_states: torch.Tensor) -> None:
-        """On the first pass: measure each key channel's magnitude over the rows' real tokens, and make the
-        ring of exact recent entries."""
-        batch, kv_heads, new, head_dim = key_states.shape
-        if self.quantizers["keys"] is not None:
-            real = torch.arange(new, device=key_states.device) >= self.pads[:, None]  # [batch, new]
-            magnitude = torch.where(real[:, None, :, None], key_states.float().abs(), 0.0).amax(dim=2, keepdim=True)
-            self.key_channels = magnitude.clamp_(min=1e-6)
-        ring = self.policy.recent_tokens
+        """On the first pass: make the ring of exact recent entries."""
+        batch, kv_heads, _, head_dim = key_states.shape
+        ring = self.policy.exact_recent
         self.recent_keys = key_states.new_zeros((batch, kv_heads, ring, head_dim), dtype=self.storage_dtype)
         self.recent_values = torch.zeros_like(self.recent_keys)
         self.recent_positions = torch.full((ring,), -1, dtype=torch.int32, device=key_states.device)
@@ -91,8 +86,6 @@ class EntryStorage:
             if quantizer is None:
                 coded[part] = self._in_storage_dtype(states)
                 continue
-            if part == "keys":
-                states = states.float() / self.key_channels
             codes = quantizer.encode(states, self.storage_dtype)
             prefix = part[:-1]
             coded[part], coded[f"{prefix}_scales"], coded[f"{prefix}_offsets"] = codes.values()
@@ -110,6 +103,8 @@ class EntryStorage:
         """Keep the exact keys and values of the pass's last tokens (up to the ring's size) in the ring."""
         ring = self.recent_keys.shape[2]
         count = min(key_states.shape[2], ring)
+        if count == 0:  # residual_length=0: no exact copies
+            return
         positions = torch.arange(self.seen - count, self.seen, device=key_states.device, dtype=torch.int32)
         slots = (positions % ring).long()
         self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(key_states[:, :, -count:]))
@@ -140,6 +135,8 @@ class EntryStorage:
                 return self.keys, self.values
             return self.keys.to(self.dtype), self.values.to(self.dtype)  # 16-bit storage of a 32-bit model
         keys, values = (self._decoded(part) for part in PARTS)
+        if self.recent_keys.shape[2] == 0:  # residual_length=0: every stored entry is read from its codes
+            return keys, values
         # The ring's tokens are the latest positions: find the slots of the last ``ring`` positions and, where
         # the ring still holds that position (a crop or replay may have overwritten it), read it exact.
         ring = self.recent_keys.shape[2]
@@ -165,10 +162,7 @@ class EntryStorage:
             "scales": getattr(self, f"{prefix}_scales"),
             "offsets": getattr(self, f"{prefix}_offsets"),
         }
-        decoded = quantizer.decode(codes, torch.float32)
-        if part == "keys":
-            decoded = decoded.mul_(self.key_channels)
-        return decoded.to(self.dtype)
+        return quantizer.decode(codes, self.dtype)
 
     def _has_spare(self) -> bool:
         """Whether the per-entry tensors are views of larger ones (spare room, possibly all used)."""
