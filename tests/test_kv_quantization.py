@@ -345,19 +345,31 @@ def test_keys_may_keep_more_bits_than_values(fresh):
         ({"scoring": "reconstruction", "allocation": "global"}, 0.25, (4, 8)),
         ({"scoring": "reconstruction", "allocation": "global"}, 0.2, (4, 8)),
         ({"scoring": "reconstruction", "allocation": "global"}, 0.19, (4, 4)),
-        ({"scoring": "reconstruction"}, 0.1, (4, 8)), ({"scoring": "reconstruction"}, 0.07, (4, 8)),
-        ({"scoring": "reconstruction"}, 0.069, (4, 4)), ({"scoring": "reconstruction"}, 0.05, (4, 4)),
+        ({"scoring": "reconstruction"}, 0.5, (4, 8)), ({"scoring": "reconstruction"}, 0.45, (4, 8)),
+        ({"scoring": "reconstruction"}, 0.44, (4, 4)), ({"scoring": "reconstruction"}, 0.1, (4, 4)),
+        ({"scoring": "reconstruction"}, 0.05, (4, 4)),
     ],
 )  # fmt: skip
 def test_a_byte_sized_cache_told_no_widths_takes_the_documented_ones(fresh, options, fraction, widths):
     # The documented rule, at and on each side of its thresholds: keys in 8 bits and values in 4 from 45%
-    # of the full cache's bytes up, from 20% when layers share the budget, from 7% when heads do (the
-    # reconstruction default), else both in 4.
+    # of the full cache's bytes up (also when heads share the budget, the reconstruction default), from 20%
+    # when layers share it, else both in 4; no exact residual when heads share the budget.
     model, _ = fresh
     policy = CompressedCache(model, memory_fraction=fraction, **options).policy
     assert (policy.kv_bits, policy.key_bits) == widths
-    sized_by_hand = CompressedCache(model, memory_fraction=fraction, kv_bits=4, key_bits=widths[1], **options)
+    residual = 0 if options == {"scoring": "reconstruction"} else policy.recent_tokens
+    assert policy.exact_recent == residual
+    sized_by_hand = CompressedCache(
+        model, memory_fraction=fraction, kv_bits=4, key_bits=widths[1], residual_length=residual, **options
+    )
     assert policy.entry_bytes == sized_by_hand.policy.entry_bytes  # a token costs what those widths cost
+
+
+def test_a_residual_length_given_to_a_byte_sized_cache_is_kept(fresh):
+    model, _ = fresh
+    policy = CompressedCache(model, memory_fraction=0.1, scoring="reconstruction", residual_length=16).policy
+    assert policy.exact_recent == 16
+    assert CompressedCache(model, budget=40, kv_bits=4, scoring="reconstruction").policy.exact_recent == 32
 
 
 @pytest.mark.parametrize(("bits", "held"), [(None, torch.float32), (16, torch.float16), (4, torch.float16)])

@@ -21,27 +21,41 @@ from decodekit.cache.size import attention_head_size, entry_bytes
 from decodekit.cache.storage import storage_bytes
 
 # The least memory fraction at which a byte-sized cache stores keys in 8 bits and values in 4 (else both in 4),
-# per allocation: chosen on the tuning texts with ``benchmarks/kv_bytes.py`` (see ``byte_sized_widths``).
-KEYS_IN_8_BITS_FROM = {"uniform": 0.45, "global": 0.2, "heads": 0.07}
+# per allocation, and the exact residual it holds: chosen on the tuning texts with ``benchmarks/kv_bytes.py``
+# (see ``byte_sized_widths`` and ``byte_sized_residual``).
+KEYS_IN_8_BITS_FROM = {"uniform": 0.45, "global": 0.2, "heads": 0.45}
+RESIDUAL_WHEN_SIZED_IN_BYTES = {"heads": 0}  # absent: recent_tokens
 
 
 def byte_sized_widths(memory_fraction: float | None, allocation: str = "uniform") -> tuple[int, int]:
     """``(kv_bits, key_bits)`` for a cache sized in bytes and told no widths: keys in 8 bits and values in 4
     while evicting costs more than coarser codes, else both in 4 (more tokens beat more bits once many
-    tokens must go). The better the allocation, the less eviction costs, so the lower the switch. Chosen on
-    the tuning texts with ``benchmarks/kv_bytes.py``, of 16, 8/4 and 4 bits (and 8 for "uniform"):
-    "uniform" (attention scoring): 8/4 best at 50%, 4 at 25% and 10%, so 8/4 from 45% up;
-    "global": 8/4 best at 50% and 25%, 4 at 10%, so from 20%; "heads": 8/4 best down to 10%, 4 at 5%,
-    so from 7%.
+    tokens must go). Chosen on the tuning texts with ``benchmarks/kv_bytes.py``, of 16, 8/4 and 4 bits
+    (and 8 for "uniform"): "uniform" (attention scoring): 8/4 best at 50%, 4 at 25% and 10%, so 8/4
+    from 45% up; "global": 8/4 best at 50% and 25%, 4 at 10%, so from 20%; "heads" (keys coded after a
+    Hadamard rotation): 4 best at 25%, 10% and 5%, so 8/4 only from 45% up, where it holds nearly every
+    token.
 
     Example:
         >>> byte_sized_widths(0.5), byte_sized_widths(0.25), byte_sized_widths(None)
         ((4, 8), (4, 4), (4, 4))
-        >>> byte_sized_widths(0.25, "global"), byte_sized_widths(0.1, "global"), byte_sized_widths(0.1, "heads")
-        ((4, 8), (4, 4), (4, 8))
+        >>> byte_sized_widths(0.25, "global"), byte_sized_widths(0.1, "global"), byte_sized_widths(0.25, "heads")
+        ((4, 8), (4, 4), (4, 4))
     """
     least = KEYS_IN_8_BITS_FROM.get(allocation, 0.45)
     return (4, 8) if memory_fraction is not None and memory_fraction >= least else (4, 4)
+
+
+def byte_sized_residual(allocation: str, recent_tokens: int) -> int:
+    """The ``residual_length`` of a cache sized in bytes and told none: none under ``allocation="heads"``,
+    where the bytes of 32 exact tokens per head held more tokens instead and lost less (tuning texts, 4 bits:
+    +0.28% against +0.30% at 25% of the bytes, +1.57% against +1.92% at 10%); else ``recent_tokens``.
+
+    Example:
+        >>> byte_sized_residual("heads", 32), byte_sized_residual("uniform", 32)
+        (0, 32)
+    """
+    return RESIDUAL_WHEN_SIZED_IN_BYTES.get(allocation, recent_tokens)
 
 
 def _head_dim(model: nn.Module) -> int | None:
@@ -143,7 +157,7 @@ class CompressedCache(Cache):
             full 16-bit cache would hold for the tokens seen so far (keys, values, scales and bookkeeping
             all counted, as ``memory_bytes()`` reports them), choosing how many tokens to keep from
             ``kv_bits``; without ``kv_bits``, the widths that did best at equal bytes (keys in 8 bits and
-            values in 4 from 45% up, or 7% with ``scoring="reconstruction"``, else both in 4: see
+            values in 4 from 45% up, or 20% with ``allocation="global"``, else both in 4: see
             ``byte_sized_widths``). Below the sinks and the
             recent window it cannot go: on a short context the fraction is exceeded until
             ``sink_tokens + recent_tokens`` tokens fit in it.
@@ -156,7 +170,8 @@ class CompressedCache(Cache):
             (default: 32, or the head size when it is smaller).
         residual_length: with ``kv_bits`` 8 or 4, how many of the last tokens are also held exact (in 16
             bits) beside their codes, as transformers' ``QuantizedCache`` keeps a residual, >= 0; None (the
-            default) for ``recent_tokens``. Their bytes count in ``memory_fraction`` and ``max_bytes``.
+            default) for ``recent_tokens``, or for none in a cache sized in bytes whose heads share the budget
+            (``byte_sized_residual``). Their bytes count in ``memory_fraction`` and ``max_bytes``.
         allocation: how a row's tokens are shared among layers and KV heads: "uniform" (every layer and head
             keeps the same number), "global" (one ranking of the reconstruction scores over all layers
             decides how many each layer keeps, each at least a fifth of the even share; every KV head of a
@@ -212,13 +227,16 @@ class CompressedCache(Cache):
             compression_ratio = 0.0  # quantization alone: every token is kept
         if allocation is None:
             allocation = "heads" if scoring == "reconstruction" else "uniform"
-        if (memory_fraction is not None or max_bytes is not None) and kv_bits is None and key_bits is None:
+        sized_in_bytes = memory_fraction is not None or max_bytes is not None
+        if sized_in_bytes and kv_bits is None and key_bits is None:
             kv_bits, key_bits = byte_sized_widths(memory_fraction, allocation)
+        if sized_in_bytes and residual_length is None:
+            residual_length = byte_sized_residual(allocation, recent_tokens)
         head_dim = _head_dim(model)
         if kv_group_size is None:
             kv_group_size = min(32, head_dim) if head_dim else 32
         by_bytes = None
-        if memory_fraction is not None or max_bytes is not None:
+        if sized_in_bytes:
             by_bytes = entry_bytes(
                 model,
                 kv_bits=kv_bits,
