@@ -77,6 +77,13 @@ def test_kv_bytes_benchmark_runs_and_prints_its_rows():
     assert [row[1] for row in rows] == ["16", "8/4"]
 
 
+def test_kv_key_coding_benchmark_prints_a_row_per_scheme():
+    out = _run("kv_key_coding.py", "--context-tokens", "128", "--continuation-tokens", "16")
+    rows = {line[:38].strip() for line in out.splitlines() if line.rstrip().endswith("%")}
+    assert {"rotated, groups of 32", "plain, groups of 32", "channel magnitude, groups of 32"} <= rows
+    assert len(rows) == 5
+
+
 def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
     out = _run("kv_cache.py", "--shape", "tiny", "--lengths", "256,512", "--gpu-tokens", "4", "--device", "cpu")
     assert "CompressedCache observation_window=64" in out and "DynamicCache" in out
