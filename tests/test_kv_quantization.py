@@ -166,23 +166,29 @@ def _assert_within_a_step(layer, exact_keys, exact_values, *, ring_in_use: bool 
         assert (key_step[in_ring.expand_as(key_step)] > 1e-2).all()
 
 
+def _decode_checking_each_pass(model, tokenizer, cache, steps: int, seed: int, check) -> None:
+    """Prefill ``cache`` with a prompt, then decode ``steps`` random tokens one at a time; after every pass call
+    ``check(first_layer, exact_keys, exact_values)`` with the full cache's first-layer keys and values."""
+    ids = tokenizer([PROMPT * 2], return_tensors="pt")["input_ids"]
+    tokens = torch.randint(5, 300, (1, steps), generator=torch.Generator().manual_seed(seed))
+    full = torch.cat([ids, tokens], dim=1)
+    exact_keys, exact_values = _exact_first_layer(model, full)
+    length = ids.shape[1]
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        check(cache.layers[0], exact_keys, exact_values)
+        for step in range(steps):
+            position = torch.tensor([[length + step]])
+            model(full[:, length + step :][:, :1], past_key_values=cache, position_ids=position)
+            check(cache.layers[0], exact_keys, exact_values)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("interval", [1, 8])
 def test_stored_entries_read_within_a_step_of_the_exact_ones_while_decoding(fresh, bits, interval):
     model, tokenizer = fresh
-    ids = tokenizer([PROMPT * 2], return_tensors="pt")["input_ids"]
-    steps = 20
-    full = torch.cat([ids, torch.randint(5, 300, (1, steps), generator=torch.Generator().manual_seed(1))], dim=1)
-    exact_keys, exact_values = _exact_first_layer(model, full)
     cache = CompressedCache(model, budget=48, kv_bits=bits, eviction_interval=interval)
-    prompt_length = ids.shape[1]
-    with torch.no_grad():
-        model(ids, past_key_values=cache)
-        _assert_within_a_step(cache.layers[0], exact_keys, exact_values)
-        for step in range(steps):
-            position = torch.tensor([[prompt_length + step]])
-            model(full[:, prompt_length + step :][:, :1], past_key_values=cache, position_ids=position)
-            _assert_within_a_step(cache.layers[0], exact_keys, exact_values)
+    _decode_checking_each_pass(model, tokenizer, cache, steps=20, seed=1, check=_assert_within_a_step)
 
 
 def test_a_cropped_tokens_ring_slot_never_stands_for_an_older_token(fresh):
@@ -402,20 +408,13 @@ def test_waiting_steps_queries_are_held_in_the_storage_width(fresh, bits, held):
 def test_a_residual_of_any_length_reads_within_a_step_while_decoding(fresh, residual, interval):
     """With ``residual_length=0`` every stored entry is read from its codes (no ring); with 5, the last five."""
     model, tokenizer = fresh
-    ids = tokenizer([PROMPT * 2], return_tensors="pt")["input_ids"]
-    steps = 12
-    full = torch.cat([ids, torch.randint(5, 300, (1, steps), generator=torch.Generator().manual_seed(2))], dim=1)
-    exact_keys, exact_values = _exact_first_layer(model, full)
     cache = CompressedCache(model, budget=48, kv_bits=4, eviction_interval=interval, residual_length=residual)
-    length = ids.shape[1]
-    with torch.no_grad():
-        model(ids, past_key_values=cache)
-        for step in range(steps):
-            position = torch.tensor([[length + step]])
-            model(full[:, length + step :][:, :1], past_key_values=cache, position_ids=position)
-            layer = cache.layers[0]
-            assert layer.recent_keys.shape[2] == residual
-            _assert_within_a_step(layer, exact_keys, exact_values, ring_in_use=residual > 0)
+
+    def check(layer, exact_keys, exact_values):
+        assert layer.recent_keys.shape[2] == residual
+        _assert_within_a_step(layer, exact_keys, exact_values, ring_in_use=residual > 0)
+
+    _decode_checking_each_pass(model, tokenizer, cache, steps=12, seed=2, check=check)
 
 
 def test_the_residual_holds_exactly_its_own_bytes(fresh):

@@ -242,7 +242,7 @@ class CompressedCache(Cache):
                 kv_bits=kv_bits,
                 key_bits=key_bits,
                 group_size=kv_group_size,
-                residual_length=recent_tokens if residual_length is None else residual_length,
+                residual_length=residual_length,  # set above: byte_sized_residual when not given
                 eviction_interval=eviction_interval,
                 value_norms=value_norm and allocation == "uniform",
             )  # fmt: skip  (value norms are kept where eviction ranks by them: EvictionPolicy.ranks_by_value_norm)

@@ -55,9 +55,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         self._live: torch.Tensor | None = None
         # Quantized storage (``policy.kv_bits``, ``policy.key_bits``): ``keys`` or ``values`` or both hold codes,
         # with each entry's group scales and offsets beside them (``CODING``; keys coded turned by a Hadamard
-        # rotation, see ``Quantizer``); per row, the last ``recent_tokens`` tokens' exact keys and values in a
-        # ring [batch, kv_heads, recent_tokens, head_dim] (in 16 bits), slot ``position % recent_tokens``, with the
-        # position each ring slot holds (``recent_positions``, -1 for none).
+        # rotation, see ``Quantizer``); per row, the last ``policy.exact_recent`` tokens' exact keys and values in a
+        # ring [batch, kv_heads, ring, head_dim] (in 16 bits; ring = exact_recent, 0 for none), slot
+        # ``position % ring``, with the position each ring slot holds (``recent_positions``, -1 for none).
         widths = {"keys": policy.key_bits or policy.kv_bits, "values": policy.kv_bits}
         self.quantizers = {part: Quantizer(bits, policy.kv_group_size, rotated=part == "keys") if bits in (4, 8)
                            else None for part, bits in widths.items()}  # fmt: skip

@@ -135,11 +135,11 @@ class EntryStorage:
                 return self.keys, self.values
             return self.keys.to(self.dtype), self.values.to(self.dtype)  # 16-bit storage of a 32-bit model
         keys, values = (self._decoded(part) for part in PARTS)
-        if self.recent_keys.shape[2] == 0:  # residual_length=0: every stored entry is read from its codes
+        ring = self.recent_keys.shape[2]
+        if ring == 0:  # residual_length=0: every stored entry is read from its codes
             return keys, values
         # The ring's tokens are the latest positions: find the slots of the last ``ring`` positions and, where
         # the ring still holds that position (a crop or replay may have overwritten it), read it exact.
-        ring = self.recent_keys.shape[2]
         latest = self.positions.topk(min(ring, self.slots), dim=-1).indices  # [batch, kv_heads, ring]
         latest_positions = self.positions.gather(2, latest)
         ring_slot = (latest_positions % ring).long()
