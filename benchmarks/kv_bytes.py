@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--ratios", help="instead of byte sizes: evict these shares of the tokens (equal tokens)")
     parser.add_argument("--replay", help="how reconstruction scoring replays the prompt: a row of kv_replay.py")
     parser.add_argument("--residual-length", type=int, help="last tokens also held exact (default: recent_tokens)")
+    parser.add_argument("--group-size", type=int, help="channels per scale group at 8 and 4 bits (default: 32)")
+    parser.add_argument("--eviction-interval", type=int, help="tokens evicted at once while decoding (default: 8)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model()
@@ -83,13 +85,19 @@ def main() -> None:
     names = list(tasks)
     print(f"{args.texts} texts, {args.context_tokens}-token contexts, {args.continuation_tokens}-token continuations,"
           f" scoring={args.scoring}{f', replay: {args.replay}' if args.replay else ''}"
-          f"{f', residual_length={args.residual_length}' if args.residual_length is not None else ''};"
+          f"{f', residual_length={args.residual_length}' if args.residual_length is not None else ''}"
+          f"{f', kv_group_size={args.group_size}' if args.group_size else ''}"
+          f"{f', eviction_interval={args.eviction_interval}' if args.eviction_interval else ''};"
           " perplexity rise over the full cache (%)")  # fmt: skip
     header = f"{'memory':>7} {'bits':>5} {'held':>6} {'kept':>5} " + " ".join(f"{name[:14]:>14}" for name in names)
     print(header + f" {'mean':>7} {'worst':>7}")
     options = {"allocation": args.allocation} if args.allocation else {}
     if args.residual_length is not None:
         options["residual_length"] = args.residual_length
+    if args.group_size:
+        options["kv_group_size"] = args.group_size
+    if args.eviction_interval:
+        options["eviction_interval"] = args.eviction_interval
     if args.replay:
         try:
             options.update(chosen_rows(tokenizer, [args.replay])[args.replay])

@@ -87,6 +87,18 @@ def test_kv_key_coding_benchmark_prints_a_row_per_scheme():
 def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
     out = _run("kv_cache.py", "--shape", "tiny", "--lengths", "256,512", "--gpu-tokens", "4", "--device", "cpu")
     assert "CompressedCache observation_window=64" in out and "DynamicCache" in out
+    assert "CompressedCache eviction_interval=8" in out and "compiled decoding" not in out  # none asked on a CPU
+
+
+def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
+    out = _run("kv_cache.py", "--shape", "tiny", "--lengths", "256", "--gpu-tokens", "4", "--gpu-rounds", "1",
+               "--device", "cpu", "--no-gpu-eager", "--gpu-compile-modes", "default")  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("256 ")]
+    assert [(row[1], row[-4]) for row in rows] == [
+        ("StaticCache", "eager"), ("StaticCache", "default"), ("CompressedCache(budget=64,", "eager"),
+        ("CompressedCache(budget=64,", "default"),
+    ]  # fmt: skip
+    assert "failed" not in out
 
 
 def test_eval_benchmark_runs_and_prints_its_ratio():

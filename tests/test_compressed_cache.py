@@ -133,6 +133,40 @@ def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh, interval):
     assert cache.memory_bytes() == stored + padding + freed  # a padded batch: no reserved room, no waiting steps
 
 
+@pytest.mark.parametrize(
+    ("size", "interval"),
+    [
+        ({"budget": 36}, 8), ({"budget": 287}, 8), ({"budget": 288}, 9), ({"budget": 2047}, 63),
+        ({"budget": 2048}, 64), ({"budget": 100_000}, 64), ({"compression_ratio": 0.9}, 8),
+        ({"memory_fraction": 0.25}, 8), ({"max_bytes": 10**9}, 8),
+    ],
+)  # fmt: skip
+def test_the_default_eviction_interval_is_a_32nd_of_a_fixed_budget_from_8_to_64(fresh, size, interval):
+    model, _ = fresh
+    assert CompressedCache(model, **size).policy.eviction_interval == interval
+    assert CompressedCache(model, **size, eviction_interval=3).policy.eviction_interval == 3  # a given one is kept
+
+
+def test_the_default_interval_decodes_as_that_interval_given(fresh):
+    """A 320-token budget evicts 10 tokens at once by default: the same kept counts (the spec, step by step)
+    and the same tokens as ``eviction_interval=10``."""
+    model, tokenizer = fresh
+    budget, steps = 320, 40
+    batch = _batch(tokenizer, [" ".join(PROMPTS * 12)])
+    length = batch["input_ids"].shape[1]
+    assert length > budget
+    runs = []
+    for settings in ({}, {"eviction_interval": 10}):
+        cache = CompressedCache(model, budget=budget, **settings)
+        recorder = _RecordCache(cache)
+        output = _greedy(model, tokenizer, batch, cache, max_new_tokens=steps, logits_processor=[recorder])
+        runs.append((output, [kept[0] for kept in recorder.kept], [layer.kept_positions() for layer in cache.layers]))
+    (default, kept, positions), (given, kept_given, positions_given) = runs
+    assert kept == _expected_kept(length, steps - 1, budget, 10, floor=36) == kept_given
+    assert torch.equal(default, given)
+    assert all(torch.equal(a, b) for a, b in zip(positions, positions_given, strict=True))
+
+
 @pytest.mark.parametrize("interval", [1, 8])
 def test_decoding_one_prompt_holds_budget_plus_one_slots_and_matches_the_padded_path(fresh, interval):
     """A prompt alone decodes into reserved room (no dead slots, no mask); in a left-padded batch the same

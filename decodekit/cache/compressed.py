@@ -14,7 +14,7 @@ from decodekit.cache.allocation import layer_counts
 from decodekit.cache.heads import HeadsLayer
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.observer import bind
-from decodekit.cache.policy import EvictionPolicy
+from decodekit.cache.policy import EvictionPolicy, default_eviction_interval
 from decodekit.cache.quantize import Quantizer
 from decodekit.cache.scoring import rank_fractions
 from decodekit.cache.size import attention_head_size, entry_bytes
@@ -144,7 +144,9 @@ class CompressedCache(Cache):
         eviction_interval: while decoding, a row that goes over its size evicts this many tokens at
             once, >= 1: the next steps take the freed slots and evict nothing, so the per-step
             bookkeeping runs once every ``eviction_interval`` steps. Between evictions a row keeps
-            from ``budget - eviction_interval + 1`` to ``budget`` tokens; the memory bound does not change.
+            from ``budget - eviction_interval + 1`` to ``budget`` tokens; the memory bound does not change
+            (the waiting steps' queries are held beside it). None (the default): a 32nd of ``budget``,
+            from 8 to 64, or 8 under a ratio or a size in bytes (``default_eviction_interval``).
         kv_bits: store the kept keys and values in 16, 8 or 4 bits instead of the model's dtype (None, the
             default). 16 bits: the model's dtype if it has 16 bits, else float16 (llama.cpp's f16 cache for a
             32-bit model). 8 and 4 bits: each entry is coded on its own in groups of ``kv_group_size`` channels, with a
@@ -209,7 +211,7 @@ class CompressedCache(Cache):
         scoring: str = "attention",
         reconstruction_chunk: int = 2048,
         scoring_backend: str = "auto",
-        eviction_interval: int = 8,
+        eviction_interval: int | None = None,
         kv_bits: int | None = None,
         kv_group_size: int | None = None,
         key_bits: int | None = None,
@@ -228,6 +230,8 @@ class CompressedCache(Cache):
         if allocation is None:
             allocation = "heads" if scoring == "reconstruction" else "uniform"
         sized_in_bytes = memory_fraction is not None or max_bytes is not None
+        if eviction_interval is None:
+            eviction_interval = default_eviction_interval(None if sized_in_bytes else budget)
         if sized_in_bytes and kv_bits is None and key_bits is None:
             kv_bits, key_bits = byte_sized_widths(memory_fraction, allocation)
         if sized_in_bytes and residual_length is None:

@@ -19,6 +19,23 @@ REPLAY_SCOPES = ("prompt", "chunk")  # what a replay chunk's attention is spread
 Allocated = tuple[int, int]
 
 
+def default_eviction_interval(budget: int | None) -> int:
+    """The ``eviction_interval`` a cache uses when told none: with a fixed ``budget``, a 32nd of it, from 8 to
+    64 tokens, so that a row holds on average at least 98% of its budget between evictions while a large
+    budget pays its eviction (a few dozen operators per layer) over more steps; 8 for a size that grows with
+    the tokens seen (``compression_ratio``) or is counted in bytes.
+
+    Example:
+        >>> default_eviction_interval(128), default_eviction_interval(1024), default_eviction_interval(8192)
+        (8, 32, 64)
+        >>> default_eviction_interval(None)
+        8
+    """
+    if budget is None or isinstance(budget, bool) or not isinstance(budget, int):
+        return 8  # an invalid budget is reported by EvictionPolicy, naming it
+    return min(64, max(8, budget // 32))
+
+
 def check_cache_size(
     budget: object,
     compression_ratio: object,

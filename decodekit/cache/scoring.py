@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from functools import cache
+from functools import cache, lru_cache
 from types import ModuleType
 
 import torch
@@ -50,10 +50,12 @@ def rank_fractions(values: torch.Tensor, live: torch.Tensor | None = None) -> to
     return (order - (live.shape[-1] - count)).double() / count.clamp(min=1)
 
 
+@lru_cache(maxsize=64)
 def _step_tensors(steps: int, group: int, decay: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """For scoring ``steps`` waiting decoding steps at once (``CompressedLayer._score_pending``): ``[steps, steps]``,
     True where step t may not see step u's token (u > t), and ``[steps, 1]``, the weight of step t's attention
-    (``decay ** (steps - 1 - t)``) over the ``group`` query heads that share a KV head. Built once per shape."""
+    (``decay ** (steps - 1 - t)``) over the ``group`` query heads that share a KV head. Built once per shape and
+    device (read only)."""
     later = torch.ones(steps, steps, dtype=torch.bool, device=device).triu_(1)
     exponents = torch.arange(steps - 1, -1, -1, dtype=torch.float64, device=device)
     return later, (decay**exponents / group).to(torch.float32)[:, None]
