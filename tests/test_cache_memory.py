@@ -7,6 +7,7 @@ import torch
 from transformers import LogitsProcessor
 
 from decodekit.cache import CompressedCache
+from decodekit.cache.storage import storage_bytes
 from tests.tiny import build_model
 
 PROMPT = " ".join(["The class statement creates a new class object and binds it to a name"] * 4)
@@ -106,8 +107,8 @@ def test_waiting_decoding_steps_are_counted(fresh):
             token = torch.tensor([[5 + step]])
             model(token, past_key_values=cache, position_ids=torch.tensor([[ids.shape[1] + step]]))
     assert all(len(layer._pending) >= 2 for layer in cache.layers)  # the steps after the first eviction
-    per_entry_and_padding = sum(
-        tensor.untyped_storage().nbytes() for layer in cache.layers for tensor in [*layer._spare.values(), layer.pads]
+    per_entry_and_padding = sum(  # each storage once: the layers' reserved room is a slice of shared tensors
+        storage_bytes(tensor for layer in cache.layers for tensor in [*layer._spare.values(), layer.pads]).values()
     )
     assert cache.memory_bytes() > per_entry_and_padding  # the queries (and their rotation) are held too
     assert cache.memory_bytes() == _bytes_reachable(cache)

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, LogitsProcessor
 
 from decodekit.cache import CompressedCache, unbind
-from decodekit.cache.storage import PER_ENTRY
+from decodekit.cache.storage import PER_ENTRY, storage_bytes
 from decodekit.decoders import beam_search
 from tests.tiny import build_model
 
@@ -190,9 +190,11 @@ def test_decoding_one_prompt_holds_budget_plus_one_slots_and_matches_the_padded_
     head_dim = config.hidden_size // config.num_attention_heads
     per_slot = config.num_key_value_heads * (2 * head_dim * 4 + 4 + 4 + 4 + 1)  # fp32 keys, values; bookkeeping
     entries = sum(
-        tensor.untyped_storage().nbytes()
-        for layer in alone_cache.layers
-        for tensor in (layer._spare.values() if layer._spare else [getattr(layer, name) for name in PER_ENTRY])
+        storage_bytes(  # each storage once: the layers' reserved room may be slices of shared tensors
+            tensor
+            for layer in alone_cache.layers
+            for tensor in (layer._spare.values() if layer._spare else [getattr(layer, name) for name in PER_ENTRY])
+        ).values()
     )
     assert entries <= config.num_hidden_layers * (budget + 1) * per_slot
     # Beyond the entries: each layer's padding (one int64) and at most ``interval - 1`` waiting steps' queries

@@ -12,6 +12,7 @@ from transformers import Cache
 
 from decodekit.cache.allocation import layer_counts
 from decodekit.cache.heads import HeadsLayer
+from decodekit.cache.joint import SharedRoom
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.observer import bind
 from decodekit.cache.policy import EvictionPolicy, default_eviction_interval
@@ -264,6 +265,9 @@ class CompressedCache(Cache):
         if allocation == "heads":
             kv_heads = model.config.get_text_config().num_key_value_heads
             layers = [HeadsLayer(self.policy, kv_heads) for _ in modules]
+        elif self.policy.scoring == "attention" and not {kv_bits, key_bits} & {4, 8} and eviction_interval > 1:
+            room = SharedRoom()  # the layers evict together while decoding (``joint.py``)
+            layers = room.layers = [CompressedLayer(self.policy, room, index) for index in range(len(modules))]
         else:
             layers = [CompressedLayer(self.policy) for _ in modules]
         super().__init__(layers=layers)

@@ -28,6 +28,11 @@ class Eviction:
         only marked dead (the next tokens take the slots); otherwise the storage shrinks to the row
         that keeps the most.
         """
+        self._compress(new)
+        if self.shared is not None and self.shared_index == len(self.shared.layers) - 1:
+            self.shared.evict_due()  # the pass's last layer: the layers that wait evict now (``joint.py``)
+
+    def _compress(self, new: int) -> None:
         if self.deferred:
             return
         if new == 1 and self._quiet_steps > 0:
@@ -66,12 +71,10 @@ class Eviction:
         if bound == 0 and in_place:
             return
         if uniform and self._has_spare():
-            # Decoding with spare room: keep the best-ranked entries at the front, in order; the next
-            # tokens go after them without a mask for dead slots.
-            priority = self._priority()
-            if self.live_range[0] < self.slots:  # a row holds dead slots
-                priority = torch.where(self.live, priority, -math.inf)
-            self._keep(priority.topk(keep_most, dim=-1).indices.sort(dim=-1).values)
+            if self.shared is not None:
+                self.shared.defer(self, keep_most)  # with the other layers, after the pass's last one
+            else:
+                self.keep_best(keep_most)
             return
         if uniform and in_place:
             # Every row drops its ``bound`` lowest-ranked entries, in place; the next tokens take their slots.
@@ -96,6 +99,14 @@ class Eviction:
         index, order = ranked.sort(dim=-1)
         self._keep(index)
         self.live &= stays.expand_as(order).gather(2, order)
+
+    def keep_best(self, keep: int) -> None:
+        """Decoding with spare room: keep each row's ``keep`` best-ranked entries at the front, in slot order; the
+        next tokens go after them without a mask for dead slots."""
+        priority = self._priority()
+        if self.live_range[0] < self.slots:  # a row holds dead slots
+            priority = torch.where(self.live, priority, -math.inf)
+        self._keep(priority.topk(keep, dim=-1).indices.sort(dim=-1).values)
 
     def _add_live(self, new: int) -> None:
         """Count ``new`` more live entries in every row (a pass appended or filled a slot in each)."""

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from decodekit.cache.eviction import Eviction
+from decodekit.cache.joint import SharedRoom
 from decodekit.cache.policy import Allocated, EvictionPolicy
 from decodekit.cache.quantize import Quantizer, hadamard, rotation_block
 from decodekit.cache.scoring import EntryScoring
@@ -40,8 +41,10 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
 
     is_croppable = True
 
-    def __init__(self, policy: EvictionPolicy) -> None:
+    def __init__(self, policy: EvictionPolicy, shared: SharedRoom | None = None, shared_index: int = 0) -> None:
         super().__init__()
+        # The room this layer shares with the cache's other layers, and its index there (see ``joint.py``).
+        self.shared, self.shared_index = shared, shared_index
         # Whether decoding steps were appended to the reserved room since the bookkeeping views last covered
         # every entry (``_append_to_prepared_room``, ``_catch_up``).
         self._lagging = False

@@ -61,6 +61,31 @@ def _step_tensors(steps: int, group: int, decay: float, device: torch.device) ->
     return later, (decay**exponents / group).to(torch.float32)[:, None]
 
 
+def waiting_attention(
+    queries: torch.Tensor, keys: torch.Tensor, first: int, scaling: float, decay: float
+) -> torch.Tensor:
+    """The attention that ``steps`` waiting decoding steps paid, as one step at a time would have added it:
+    ``[..., kv_heads, first + steps]``, from their rotated queries ``[..., heads, steps, head_dim]`` and the
+    stored keys ``[..., kv_heads, slots, head_dim]``, where step ``t``'s token is in slot ``first + t`` and saw
+    the slots before its own and itself; step ``t``'s attention is decayed ``steps - 1 - t`` times and
+    averaged over the query heads that share a KV head. Any leading dimensions (rows; layers) are kept.
+
+    Example:
+        >>> queries, keys = torch.zeros(1, 2, 2, 4), torch.zeros(1, 1, 3, 4)  # 2 query heads, 1 KV head
+        >>> waiting_attention(queries, keys, first=1, scaling=1.0, decay=0.5)  # step 0 sees 2 slots, step 1 all 3
+        tensor([[[0.5833, 0.5833, 0.3333]]])
+    """
+    *lead, heads, steps, head_dim = queries.shape
+    kv_heads, visible = keys.shape[-3], first + steps
+    group = heads // kv_heads
+    grouped = queries.to(keys.dtype).reshape(*lead, kv_heads, group * steps, head_dim)
+    logits = torch.matmul(grouped, keys[..., :visible, :].transpose(-1, -2)).float()
+    logits = logits.mul_(scaling).view(*lead, kv_heads, group, steps, visible)
+    later, weights = _step_tensors(steps, group, decay, logits.device)
+    logits[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
+    return logits.softmax(dim=-1).mul_(weights).sum(dim=(-3, -2))
+
+
 class EntryScoring:
     """The importance of a ``CompressedLayer``'s entries, and the order in which eviction takes them."""
 
@@ -109,15 +134,8 @@ class EntryScoring:
         queries = self._rotated_queries(columns, cos, sin)  # [batch, heads, steps, head_dim]
         steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
         keys, values = self.dense()
-        batch, kv_heads, _, head_dim = keys.shape
         visible = first + steps
-        group = queries.shape[1] // kv_heads
-        grouped = queries.to(keys.dtype).reshape(batch, kv_heads, group * steps, head_dim)
-        logits = torch.matmul(grouped, keys[:, :, :visible].transpose(-1, -2)).float()
-        logits = logits.mul_(self._pending_scaling).view(batch, kv_heads, group, steps, visible)
-        later, weights = _step_tensors(steps, group, decay, logits.device)
-        logits[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
-        received = logits.softmax(dim=-1).mul_(weights).sum(dim=(2, 3))
+        received = waiting_attention(queries, keys, first, self._pending_scaling, decay)
         self._scores[:, :, :visible].mul_(decay**steps).add_(received)
         if self._value_norms is not None:
             self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)

@@ -40,6 +40,12 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]
     return storages
 
 
+def _views_from_start(tensor: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of ``base`` (itself a tensor, or a slice of a shared one) from its start."""
+    root = base if base._base is None else base._base
+    return tensor._base is root and tensor.data_ptr() == base.data_ptr()
+
+
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
     """Fill ``target`` with ``entry``: a tensor (broadcast) or one value."""
     if isinstance(entry, torch.Tensor):
@@ -167,7 +173,7 @@ class EntryStorage:
     def _has_spare(self) -> bool:
         """Whether the per-entry tensors are views of larger ones (spare room, possibly all used)."""
         spare = self._spare
-        if spare is not None and any(getattr(self, name)._base is not spare[name] for name in self.entries):
+        if spare is not None and not all(_views_from_start(getattr(self, name), spare[name]) for name in self.entries):
             self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
         return spare is not None
 
@@ -219,7 +225,9 @@ class EntryStorage:
         for name, entry in entries.items():
             old = getattr(self, name)
             trailing = entry.shape[3:] if isinstance(entry, torch.Tensor) else ()
-            base = old.new_empty((batch, kv_heads, capacity, *trailing))
+            shape = (batch, kv_heads, capacity, *trailing)
+            shared = reserve and self.shared is not None
+            base = self.shared.room(self.shared_index, name, shape, old) if shared else old.new_empty(shape)
             if stored:
                 base.narrow(2, 0, stored).copy_(old)
             _write(base.narrow(2, stored, new), entry)

@@ -1,0 +1,154 @@
+"""Evicting every layer at once while decoding.
+
+Between evictions a decoding step writes one key and one value per layer; an eviction scores the waiting
+steps, ranks the entries and moves the kept ones to the front, a few dozen operators per layer, which a
+16-layer model on a GPU pays 16 times. When the layers of a uniform cache reserve room, :class:`SharedRoom`
+hands each layer its slice of one tensor per entry kind (``[layers, batch, kv_heads, room, ...]``); a layer
+due an eviction into that room waits, and the last layer's pass evicts every waiting layer with one operator
+per step instead of one per layer (:func:`evict_together`). It keeps what each layer would keep alone, and
+any layer in another state (padding, a sliding window, rows reordered by beam search...) evicts alone.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from decodekit.cache.rotary import rotate
+from decodekit.cache.scoring import PROTECTED, waiting_attention
+
+if TYPE_CHECKING:
+    from decodekit.cache.layer import CompressedLayer
+
+
+class SharedRoom:
+    """The reserved room of a cache's layers, as slices of shared tensors, and the evictions waiting for the
+    last layer. ``layers`` is set by the cache once its layers exist."""
+
+    def __init__(self) -> None:
+        self.layers: list[CompressedLayer] = []
+        # Per entry kind: the shared tensor now handed out (held weakly: the layers' slices keep it alive),
+        # and the layers that took their slice of it.
+        self._bases: dict[str, weakref.ref] = {}
+        self._handed: dict[str, set[int]] = {}
+        self._due: dict[int, int] = {}  # layer index -> entries each row keeps, for layers whose eviction waits
+
+    def room(self, index: int, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """Layer ``index``'s new room for entry kind ``name``, ``shape``, with ``like``'s dtype and device: its
+        slice of the shared tensor, a new one when it already took its slice of that one; a tensor of its own
+        when its shape differs from the other layers'."""
+        base = self._bases[name]() if name in self._bases else None
+        fits = base is not None and base.shape[1:] == shape and base.dtype == like.dtype and base.device == like.device
+        if base is not None and not fits and index not in self._handed[name]:
+            return like.new_empty(shape)
+        if not fits or index in self._handed[name]:
+            base = like.new_empty((len(self.layers), *shape))
+            self._bases[name], self._handed[name] = weakref.ref(base), set()
+        self._handed[name].add(index)
+        return base[index]
+
+    def base_of(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The shared tensor behind ``tensor`` when it is layer ``index``'s slice of it, else None."""
+        base = self._bases[name]() if name in self._bases else None
+        if base is None or tensor._base is not base or tensor.data_ptr() != base[index].data_ptr():
+            return None
+        return base
+
+    def defer(self, layer: CompressedLayer, keep: int) -> None:
+        """Let ``layer``'s eviction into its room (each row down to ``keep`` entries) wait for the last layer's
+        pass, which evicts every waiting layer (``evict_due``)."""
+        self._due[layer.shared_index] = keep
+
+    def evict_due(self) -> None:
+        """Evict the waiting layers: all at once when every layer waits in the same state, else one by one."""
+        due, self._due = self._due, {}
+        layers = [self.layers[index] for index in sorted(due)]
+        keeps = set(due.values())
+        if len(layers) == len(self.layers) and len(keeps) == 1:
+            bases = self._together(layers)
+            if bases is not None:
+                evict_together(layers, bases, keeps.pop())
+                return
+        for layer in layers:
+            layer.keep_best(due[layer.shared_index])
+
+    def _together(self, layers: list[CompressedLayer]) -> dict[str, torch.Tensor] | None:
+        """The shared tensors, when every layer's entries are its slices of them and the layers are alike:
+        the same slots, tokens seen, waiting steps (with the same rotation) and queries' scaling, plain
+        causal attention over every entry (no padding, window, cap or pooling), storage in the model's
+        dtype and attention scores alone (no novelty ranks, no replay)."""
+        first = layers[0]
+        policy = first.policy
+        if policy.scoring != "attention" or policy.pool_kernel != 1 or not first._pending:
+            return None
+        bases = {}
+        for name in first.entries:
+            base = self.base_of(name, first.shared_index, first._spare[name]) if first._has_spare() else None
+            if base is None:
+                return None
+            bases[name] = base
+        rotations = [(cos, sin) for _, cos, sin in first._pending]
+        for layer in layers:
+            alike = (
+                layer.slots == first.slots and layer.seen == first.seen and layer.entries == first.entries
+                and not layer.quantized and layer.storage_dtype == layer.dtype == first.dtype
+                and layer.pad_range[1] == 0 and layer.sliding_window is None and layer.softcap is None
+                and not layer.replaying and len(layer._pending) == len(rotations)
+                and layer._pending_first == first._pending_first and layer._pending_scaling == first._pending_scaling
+                and all(cos is shared[0] and sin is shared[1]
+                        for (_, cos, sin), shared in zip(layer._pending, rotations, strict=True))
+                and layer._has_spare()
+                and all(self.base_of(name, layer.shared_index, layer._spare[name]) is bases[name]
+                        for name in layer.entries)
+            )  # fmt: skip
+            if not alike:
+                return None
+        return bases
+
+
+def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor], keep: int) -> None:
+    """Evict every layer (all alike, see ``SharedRoom._together``) down to ``keep`` entries per row and KV head
+    at once, on the shared tensors ``bases`` (``[layers, batch, kv_heads, room, ...]`` per entry kind): score
+    the waiting steps, rank (sinks and recent tokens first, then score times value norm), keep the best at the
+    front in slot order and prepare the room after them, as each layer's ``keep_best`` would."""
+    first = layers[0]
+    policy, slots, seen = first.policy, first.slots, first.seen
+    steps, start, decay = len(first._pending), first._pending_first, policy.score_decay
+    columns = torch.stack([step[0] for layer in layers for step in layer._pending])  # [layers * steps, batch, 1, -]
+    columns = columns.view(len(layers), steps, *columns.shape[1:]).squeeze(3).transpose(1, 2)
+    queries = torch.stack([layer._to_queries(part) for layer, part in zip(layers, columns, strict=True)])
+    _, cos, sin = (torch.cat(parts, dim=1) for parts in zip(*first._pending, strict=True))
+    queries = rotate(queries, cos.unsqueeze(1), sin.unsqueeze(1))  # [layers, batch, heads, steps, head_dim]
+    received = waiting_attention(queries, bases["keys"], start, first._pending_scaling, decay)
+    visible = start + steps
+    scores = bases["_scores"].narrow(3, 0, slots)
+    scores[..., :visible].mul_(decay**steps).add_(received)
+    if "_value_norms" in bases:
+        values = bases["values"].narrow(3, start, steps)
+        bases["_value_norms"].narrow(3, start, steps).copy_(values.float().norm(dim=-1))
+    positions, live = bases["_positions"].narrow(3, 0, slots), bases["_live"].narrow(3, 0, slots)
+    protected = (positions < policy.sink_tokens) | (positions >= seen - policy.recent_tokens)
+    if policy.ranks_by_value_norm:
+        scores = scores * bases["_value_norms"].narrow(3, 0, slots)
+    priority = torch.where(protected, PROTECTED, scores)
+    if any(layer.live_range[0] < slots for layer in layers):  # a row holds dead slots
+        priority = torch.where(live, priority, -math.inf)
+    index = priority.topk(keep, dim=-1).indices.sort(dim=-1).values  # [layers, batch, kv_heads, keep]
+    for base in bases.values():
+        stored = base.narrow(3, 0, slots)
+        along = index[..., None].expand(*index.shape, base.shape[-1]) if base.dim() == 5 else index
+        base.narrow(3, 0, keep).copy_(stored.gather(3, along))
+    room = bases["keys"].shape[3] - keep
+    if room > 0:
+        bases["_live"].narrow(3, keep, room).fill_(True)
+        bases["_scores"].narrow(3, keep, room).zero_()
+        following = torch.arange(seen, seen + room, dtype=torch.int32, device=index.device)
+        bases["_positions"].narrow(3, keep, room).copy_(following)
+    for layer in layers:
+        layer._pending, layer._lagging = [], False
+        layer._forget_freed()
+        for name in layer.entries:
+            setattr(layer, name, layer._spare[name].narrow(2, 0, keep))

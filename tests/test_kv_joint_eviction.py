@@ -1,0 +1,130 @@
+"""Layers that evict together (``decodekit/cache/joint.py``) keep exactly what each layer keeps when it
+evicts alone; the oracle is the same cache with the joint eviction switched off."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from decodekit.cache import CompressedCache, joint
+from tests.tiny import build_model
+
+PROMPT = "The class statement creates a new class object and binds it to a name. " * 6
+
+
+@pytest.fixture
+def fresh(tiny):
+    _, tokenizer = tiny
+    return build_model(tokenizer, num_layers=3), tokenizer
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the joint evictions; ``counted.off()`` makes every layer evict alone from then on."""
+
+    class Counter:
+        calls = 0
+
+        @staticmethod
+        def off() -> None:
+            monkeypatch.setattr(joint.SharedRoom, "_together", lambda self, layers: None)
+
+    real = joint.evict_together
+
+    def counting(*args, **kwargs):
+        Counter.calls += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(joint, "evict_together", counting)
+    return Counter
+
+
+def _decode(model, tokenizer, cache, steps: int) -> list[int]:
+    """Greedy decoding by hand after the prompt's pass."""
+    ids = tokenizer([PROMPT], return_tensors="pt")["input_ids"]
+    chosen = []
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+        for step in range(steps):
+            chosen.append(int(token))
+            position = torch.tensor([[ids.shape[1] + step]])
+            token = model(token, past_key_values=cache, position_ids=position).logits[:, -1:].argmax(dim=-1)
+    return chosen
+
+
+def _state(cache: CompressedCache) -> list[dict[str, torch.Tensor]]:
+    return [
+        {"keys": layer.keys, "values": layer.values, "positions": layer.positions, "live": layer.live,
+         "scores": layer.scores, "value_norms": layer.value_norms}
+        for layer in cache.layers
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"budget": 64, "eviction_interval": 8},
+        {"budget": 36, "eviction_interval": 2},  # the floor
+        {"budget": 48, "eviction_interval": 5, "value_norm": False, "score_decay": 0.5},
+        {"compression_ratio": 0.5, "eviction_interval": 8},  # a target that grows: the room is made anew
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_evicting_together_keep_what_each_keeps_alone(fresh, counted, settings, dtype):
+    model, tokenizer = fresh
+    model = model.to(dtype)
+    together = CompressedCache(model, **settings)
+    tokens = _decode(model, tokenizer, together, steps=40)
+    assert counted.calls >= 3  # the mechanism ran
+    counted.off()
+    calls = counted.calls
+    alone = CompressedCache(model, **settings)
+    assert _decode(model, tokenizer, alone, steps=40) == tokens
+    assert counted.calls == calls
+    for mine, theirs in zip(_state(together), _state(alone), strict=True):
+        for name in ("keys", "values", "positions", "live"):
+            assert torch.equal(mine[name], theirs[name]), name
+        torch.testing.assert_close(mine["scores"], theirs["scores"])
+        torch.testing.assert_close(mine["value_norms"], theirs["value_norms"])
+    assert together.memory_bytes() == alone.memory_bytes()
+
+
+def test_generate_with_beams_and_padding_gives_the_same_text_together_or_alone(fresh, counted):
+    """Beam reorders and left padding take the layers out of the shared room (each evicts alone), one prompt
+    alone stays in it: the texts are those of layers that always evict alone."""
+    model, tokenizer = fresh
+    batch = tokenizer([PROMPT, PROMPT[:90]], return_tensors="pt", padding=True, padding_side="left")
+    single = tokenizer([PROMPT], return_tensors="pt")
+    runs = []
+    for switch in (None, counted.off):
+        if switch is not None:
+            switch()
+        outputs = []
+        for inputs, beams in ((batch, 2), (single, 2), (single, 1)):
+            cache = CompressedCache(model, budget=48)
+            outputs.append(model.generate(**inputs, past_key_values=cache, max_new_tokens=30, num_beams=beams,
+                                          do_sample=False, pad_token_id=tokenizer.pad_token_id))  # fmt: skip
+        runs.append((outputs, counted.calls))
+    (together, calls), (alone, _) = runs
+    assert calls >= 2  # the single prompt without beams evicted together
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(together, alone, strict=True))
+
+
+def test_the_shared_room_hands_each_layer_its_slice_and_frees_it_with_the_layers():
+    room = joint.SharedRoom()
+    room.layers = [object()] * 3
+    like = torch.zeros(1)
+    first = room.room(0, "keys", (2, 4), like)
+    second = room.room(1, "keys", (2, 4), like)
+    assert first._base is second._base and first._base.shape == (3, 2, 4)
+    assert room.base_of("keys", 1, second) is second._base and room.base_of("keys", 0, second) is None
+    other = room.room(2, "keys", (2, 5), like)  # another shape: a tensor of its own
+    assert other._base is None and other.shape == (2, 5)
+    again = room.room(0, "keys", (2, 4), like)  # layer 0 reserves anew: a new shared tensor
+    neighbour = room.room(1, "keys", (2, 4), like)
+    assert again._base is not first._base and neighbour._base is again._base
+    del first, second, again, neighbour
+    gc.collect()
+    assert room._bases["keys"]() is None  # no layer holds a slice: the room holds nothing either
