@@ -139,9 +139,11 @@ def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh, interval):
         ({"budget": 36}, 8), ({"budget": 287}, 8), ({"budget": 288}, 9), ({"budget": 2047}, 63),
         ({"budget": 2048}, 64), ({"budget": 100_000}, 64), ({"compression_ratio": 0.9}, 8),
         ({"memory_fraction": 0.25}, 8), ({"max_bytes": 10**9}, 8),
+        ({"memory_fraction": 0.25, "scoring": "reconstruction"}, 1),  # heads share the bytes: byte_sized_interval
+        ({"max_bytes": 10**9, "scoring": "reconstruction", "allocation": "global"}, 8),
     ],
 )  # fmt: skip
-def test_the_default_eviction_interval_is_a_32nd_of_a_fixed_budget_from_8_to_64(fresh, size, interval):
+def test_the_default_eviction_interval_is_a_32nd_of_a_fixed_budget_from_8_to_64_else_by_size(fresh, size, interval):
     model, _ = fresh
     assert CompressedCache(model, **size).policy.eviction_interval == interval
     assert CompressedCache(model, **size, eviction_interval=3).policy.eviction_interval == 3  # a given one is kept
