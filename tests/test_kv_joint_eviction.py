@@ -3,6 +3,7 @@ evicts alone; the oracle is the same cache with the joint eviction switched off.
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -128,3 +129,26 @@ def test_the_shared_room_hands_each_layer_its_slice_and_frees_it_with_the_layers
     del first, second, again, neighbour
     gc.collect()
     assert room._bases["keys"]() is None  # no layer holds a slice: the room holds nothing either
+
+
+@pytest.mark.parametrize("settings", [{"budget": 48}, {"budget": 48, "kv_bits": 4}, {"compression_ratio": 0.5}])
+def test_a_deep_copy_taken_between_evictions_decodes_what_the_original_decodes(fresh, settings):
+    """``copy.deepcopy(cache)`` (how a prompt's cache is reused for several continuations) between evictions:
+    the copy keeps its reserved room and waiting steps, and both continue alike."""
+    model, tokenizer = fresh
+    cache = CompressedCache(model, **settings)
+    _decode(model, tokenizer, cache, steps=21)  # 21 steps: past evictions, between two
+    copied = copy.deepcopy(cache)
+    start = cache.get_seq_length()
+    continuations = []
+    for each in (cache, copied):
+        token, chosen = torch.tensor([[7]]), []
+        with torch.no_grad():
+            for step in range(20):
+                position = torch.tensor([[start + step]])
+                token = model(token, past_key_values=each, position_ids=position).logits[:, -1:].argmax(dim=-1)
+                chosen.append(int(token))
+        continuations.append((chosen, [layer.kept_positions() for layer in each.layers]))
+    (mine, kept), (theirs, kept_copy) = continuations
+    assert mine == theirs
+    assert all(torch.equal(a, b) for a, b in zip(kept, kept_copy, strict=True))

@@ -53,7 +53,7 @@ class SharedRoom:
     def base_of(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor | None:
         """The shared tensor behind ``tensor`` when it is layer ``index``'s slice of it, else None."""
         base = self._bases[name]() if name in self._bases else None
-        if base is None or tensor._base is not base or tensor.data_ptr() != base[index].data_ptr():
+        if base is None or tensor.data_ptr() != base[index].data_ptr():
             return None
         return base
 

@@ -41,9 +41,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]
 
 
 def _views_from_start(tensor: torch.Tensor, base: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a view of ``base`` (itself a tensor, or a slice of a shared one) from its start."""
-    root = base if base._base is None else base._base
-    return tensor._base is root and tensor.data_ptr() == base.data_ptr()
+    """Whether ``tensor`` starts where ``base`` does: a view of it from its start (a tensor that replaced the view
+    is another allocation, which cannot start inside ``base`` while ``base`` lives). Unlike ``_base``, this holds
+    in a deep copy of the cache, whose views share the copied storages."""
+    return tensor.data_ptr() == base.data_ptr()
 
 
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
