@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from decodekit.cache.rotary import rotate
 from decodekit.cache.scoring import PROTECTED, waiting_attention
 
-if TYPE_CHECKING:
-    from decodekit.cache.layer import CompressedLayer
+CompressedLayer = Any  # a decodekit.cache.layer.CompressedLayer (not imported: that module imports this one)
 
 
 class SharedRoom:
