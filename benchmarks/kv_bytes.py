@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--replay", help="how reconstruction scoring replays the prompt: a row of kv_replay.py")
     parser.add_argument("--residual-length", type=int, help="last tokens also held exact (default: recent_tokens)")
     parser.add_argument("--group-size", type=int, help="channels per scale group at 8 and 4 bits (default: 32)")
-    parser.add_argument("--eviction-interval", type=int, help="tokens evicted at once while decoding (default: 8)")
+    parser.add_argument("--eviction-interval", type=int, help="tokens evicted at once (default: the cache's)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model()

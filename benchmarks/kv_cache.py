@@ -486,9 +486,17 @@ def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
 
 def gpu_mode(args, device: torch.device) -> None:
     model = shaped_model(args.shape, device)
-    cuda = device.type == "cuda"
     # The full caches' compiled decoding runs on a copy that no CompressedCache ever hooks.
     plain = copy.deepcopy(model) if args.gpu_compile_modes else None
+    if args.gpu_eager:
+        gpu_eager(model, args, device)
+    if args.gpu_compile_modes:
+        gpu_compiled(plain, model, args, [int(value) for value in args.lengths.split(",")])
+
+
+def gpu_eager(model, args, device: torch.device) -> None:
+    """GPU mode's eager table: prefill time and peak memory, decoding through ``generate`` and cache size."""
+    cuda = device.type == "cuda"
     candidates = {
         "DynamicCache": lambda length: DynamicCache(),
         "CompressedCache": lambda length: CompressedCache(model, budget=length // 4),
@@ -514,12 +522,10 @@ def gpu_mode(args, device: torch.device) -> None:
     print(f"   {'length':>7s} {'cache':40s}{'prefill s':>10s}{'vs full':>8s}{'peak MiB':>10s}{'vs full':>8s}"
           f"{'cold':>8s}{'warm':>8s}{'vs full':>8s}{'batch':>8s}{'vs full':>8s}{'cache MiB':>10s}")  # fmt: skip
     warm_up = torch.randint(0, model.config.vocab_size, (1, 1024), device=device)
-    if not args.gpu_eager:
-        candidates = {}
     for make in candidates.values():  # kernel compilation and library start-up stay out of the timings
         _prefill(model, warm_up, make(1024), cuda)
         decode(model, warm_up[:, :256], make(256), 4)
-    for length in (int(value) for value in args.lengths.split(",")) if candidates else ():
+    for length in (int(value) for value in args.lengths.split(",")):
         if length // 4 < 36:
             raise SystemExit(f"--lengths: {length} is too short for a 25% budget (at least 144 tokens)")
         prompt = torch.randint(0, model.config.vocab_size, (1, length), device=device)
@@ -562,8 +568,6 @@ def gpu_mode(args, device: torch.device) -> None:
               f" <= 1.3x), peak memory {memory}, warm decode {warm / full_warm:.2f}x"
               f" ({verdict(warm >= (1.5 if length >= 32768 else 1.0) * full_warm)}"
               f" >= {'1.5x at 32k' if length >= 32768 else '1.0x'})")  # fmt: skip
-    if args.gpu_compile_modes:
-        gpu_compiled(plain, model, args, [int(value) for value in args.lengths.split(",")])
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from decodekit.cache.rotary import rotate
-from decodekit.cache.scoring import PROTECTED, waiting_attention
+from decodekit.cache.scoring import protect, waiting_attention
+from decodekit.cache.storage import prepare_room
 
 CompressedLayer = Any  # a decodekit.cache.layer.CompressedLayer (not imported: that module imports this one)
 
@@ -129,10 +130,9 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
         values = bases["values"].narrow(3, start, steps)
         bases["_value_norms"].narrow(3, start, steps).copy_(values.float().norm(dim=-1))
     positions, live = bases["_positions"].narrow(3, 0, slots), bases["_live"].narrow(3, 0, slots)
-    protected = (positions < policy.sink_tokens) | (positions >= seen - policy.recent_tokens)
     if policy.ranks_by_value_norm:
         scores = scores * bases["_value_norms"].narrow(3, 0, slots)
-    priority = torch.where(protected, PROTECTED, scores)
+    priority = protect(scores, positions, seen, policy.sink_tokens, policy.recent_tokens)
     if any(layer.live_range[0] < slots for layer in layers):  # a row holds dead slots
         priority = torch.where(live, priority, -math.inf)
     index = priority.topk(keep, dim=-1).indices.sort(dim=-1).values  # [layers, batch, kv_heads, keep]
@@ -140,12 +140,7 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
         stored = base.narrow(3, 0, slots)
         along = index[..., None].expand(*index.shape, base.shape[-1]) if base.dim() == 5 else index
         base.narrow(3, 0, keep).copy_(stored.gather(3, along))
-    room = bases["keys"].shape[3] - keep
-    if room > 0:
-        bases["_live"].narrow(3, keep, room).fill_(True)
-        bases["_scores"].narrow(3, keep, room).zero_()
-        following = torch.arange(seen, seen + room, dtype=torch.int32, device=index.device)
-        bases["_positions"].narrow(3, keep, room).copy_(following)
+    prepare_room(bases, 3, keep, seen)
     for layer in layers:
         layer._pending, layer._lagging = [], False
         layer._forget_freed()

@@ -86,6 +86,20 @@ def waiting_attention(
     return logits.softmax(dim=-1).mul_(weights).sum(dim=(-3, -2))
 
 
+def protect(
+    scores: torch.Tensor, positions: torch.Tensor, seen: int, sink_tokens: int, recent_tokens: int, pads=0
+) -> torch.Tensor:
+    """``scores`` with the sink tokens (the first ``sink_tokens`` after a row's ``pads``) and the recent ones
+    (the last ``recent_tokens`` of the ``seen``) raised above every score; any leading dimensions.
+
+    Example:
+        >>> protect(torch.tensor([0.5, 0.1, 0.2, 0.3]), torch.arange(4), seen=4, sink_tokens=1, recent_tokens=1)
+        tensor([1.0000e+30, 1.0000e-01, 2.0000e-01, 1.0000e+30])
+    """
+    protected = (positions < pads + sink_tokens) | (positions >= seen - recent_tokens)
+    return torch.where(protected, PROTECTED, scores)
+
+
 class EntryScoring:
     """The importance of a ``CompressedLayer``'s entries, and the order in which eviction takes them."""
 
@@ -283,13 +297,11 @@ class EntryScoring:
         """Sinks and recent tokens above every score, then score (times value norm); under a sliding
         window, tokens no later query can see go first."""
         pads = self.pads[:, None, None] if self.pad_range[1] else 0
-        protected = (self.positions < pads + self.policy.sink_tokens) | (
-            self.positions >= self.seen - self.policy.recent_tokens
-        )
         scores = self.priority_scores()
         if self.policy.scoring == "attention+novelty":
             scores = self._with_novelty(scores)
-        priority = torch.where(protected, PROTECTED, scores)
+        policy = self.policy
+        priority = protect(scores, self.positions, self.seen, policy.sink_tokens, policy.recent_tokens, pads)
         if self.sliding_window is not None:
             priority = torch.where(self.positions <= self.seen - self.sliding_window, -PROTECTED, priority)
         return priority

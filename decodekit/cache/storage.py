@@ -47,6 +47,19 @@ def _views_from_start(tensor: torch.Tensor, base: torch.Tensor) -> bool:
     return tensor.data_ptr() == base.data_ptr()
 
 
+def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_position: int) -> None:
+    """Give the spare room's entries (slots along ``dim`` of each tensor in ``spare``), from slot ``filled`` on,
+    what the next tokens will have: live, score 0, consecutive positions from ``next_position``. Their keys,
+    values and value norms come with them (``_append_to_prepared_room``, ``_score_pending``)."""
+    room = spare["keys"].shape[dim] - filled
+    if room <= 0:
+        return
+    spare["_live"].narrow(dim, filled, room).fill_(True)
+    spare["_scores"].narrow(dim, filled, room).zero_()
+    positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=spare["keys"].device)
+    spare["_positions"].narrow(dim, filled, room).copy_(positions)
+
+
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
     """Fill ``target`` with ``entry``: a tensor (broadcast) or one value."""
     if isinstance(entry, torch.Tensor):
@@ -239,16 +252,7 @@ class EntryStorage:
             self._prepare_room(stored + new, self.seen + new)
 
     def _prepare_room(self, filled: int, next_position: int) -> None:
-        """Give the spare room's entries, from slot ``filled`` on, what the next tokens will have: live,
-        score 0, consecutive positions from ``next_position``. Their keys, values and value norms come
-        with them (``_append_to_prepared_room``, ``_score_pending``)."""
-        room = self._spare["keys"].shape[2] - filled
-        if room <= 0:
-            return
-        self._spare["_live"].narrow(2, filled, room).fill_(True)
-        self._spare["_scores"].narrow(2, filled, room).zero_()
-        positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=self.keys.device)
-        self._spare["_positions"].narrow(2, filled, room).copy_(positions)
+        prepare_room(self._spare, 2, filled, next_position)
 
     def _append_to_prepared_room(self, coded: dict[str, torch.Tensor]) -> None:
         """One decoding step whose scoring waits: only its key and value (as stored) are written, and only their
