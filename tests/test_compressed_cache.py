@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from functools import partial
 
@@ -433,6 +434,60 @@ def test_hooks_leave_other_caches_bit_identical(fresh):
     unbind(model)
     with pytest.raises(ValueError, match="only inside a forward pass of the model it was built with"):
         model(ids, past_key_values=cache)
+
+
+def _observed_modules(model) -> list[torch.nn.Module]:
+    attention = [layer.self_attn for layer in model.model.layers]
+    return attention + [module.q_proj for module in attention]
+
+
+def test_binding_wraps_forward_without_hooks(fresh):
+    """The attention modules and their query projections keep PyTorch's plain call path (no hook), and
+    unbind gives them their own forward back."""
+    model, tokenizer = fresh
+    batch = _batch(tokenizer, PROMPTS[:1])
+    CompressedCache(model, budget=36)
+    observed = _observed_modules(model)
+    assert all(not module._forward_hooks and not module._forward_pre_hooks for module in observed)
+    assert all("forward" in module.__dict__ for module in observed)
+    with_cache = _greedy(model, tokenizer, batch, CompressedCache(model, budget=36))
+    unbind(model)
+    assert all("forward" not in module.__dict__ for module in observed)
+    assert torch.equal(_greedy(model, tokenizer, batch, CompressedCache(model, budget=36)), with_cache)
+
+
+def _pass_through(forward, *args, **kwargs):
+    return forward(*args, **kwargs)
+
+
+def test_binding_keeps_a_library_forward_wrapper(fresh):
+    """A forward that another library wrapped (as accelerate's device hooks do) stays inside decodekit's, comes
+    back on unbind, and one wrapped after binding keeps decodekit's inside it, never wrapped twice."""
+    model, tokenizer = fresh
+    batch = _batch(tokenizer, PROMPTS[:1])
+    expected = _greedy(model, tokenizer, batch, CompressedCache(model, budget=36))
+    unbind(model)
+    first, last = model.model.layers[0].self_attn, model.model.layers[-1].self_attn
+    library = first.forward = partial(_pass_through, first.forward)
+    CompressedCache(model, budget=36)
+    unbind(model)
+    assert first.__dict__["forward"] is library
+    CompressedCache(model, budget=36)
+    last.forward = partial(_pass_through, last.forward)  # wrapped after binding
+    unbind(model)
+    assert torch.equal(_greedy(model, tokenizer, batch, CompressedCache(model, budget=36)), expected)
+    assert torch.equal(_greedy(model, tokenizer, batch, CompressedCache(model, budget=36)), expected)
+
+
+def test_a_deep_copy_of_a_bound_model_observes_its_own_modules(fresh):
+    model, tokenizer = fresh
+    batch = _batch(tokenizer, PROMPTS[:1])
+    CompressedCache(model, budget=36)
+    twin = copy.deepcopy(model)
+    expected = _greedy(model, tokenizer, batch, CompressedCache(model, budget=36))
+    assert torch.equal(_greedy(twin, tokenizer, batch, CompressedCache(twin, budget=36)), expected)
+    with pytest.raises(ValueError, match="built for another model"):
+        twin(batch["input_ids"], past_key_values=CompressedCache(model, budget=36))
 
 
 @pytest.mark.parametrize("decoder", ["built-in", "decodekit"])

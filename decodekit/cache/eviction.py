@@ -13,6 +13,7 @@ import math
 import torch
 
 from decodekit.cache.policy import Allocated
+from decodekit.cache.scoring import best_in_slot_order
 
 
 class Eviction:
@@ -106,7 +107,7 @@ class Eviction:
         priority = self._priority()
         if self.live_range[0] < self.slots:  # a row holds dead slots
             priority = torch.where(self.live, priority, -math.inf)
-        self._keep(priority.topk(keep, dim=-1).indices.sort(dim=-1).values)
+        self._keep(best_in_slot_order(priority, keep))
 
     def _add_live(self, new: int) -> None:
         """Count ``new`` more live entries in every row (a pass appended or filled a slot in each)."""

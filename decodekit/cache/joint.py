@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from decodekit.cache.rotary import rotate
-from decodekit.cache.scoring import protect, waiting_attention
-from decodekit.cache.storage import prepare_room
+from decodekit.cache.scoring import best_in_slot_order, protect, waiting_attention
+from decodekit.cache.storage import PARTS, prepare_room, slot_rows, take_slots
 
 CompressedLayer = Any  # a decodekit.cache.layer.CompressedLayer (not imported: that module imports this one)
 
@@ -53,7 +53,7 @@ class SharedRoom:
     def base_of(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor | None:
         """The shared tensor behind ``tensor`` when it is layer ``index``'s slice of it, else None."""
         base = self._bases[name]() if name in self._bases else None
-        if base is None or tensor.data_ptr() != base[index].data_ptr():
+        if base is None or tensor.data_ptr() != base.data_ptr() + index * base.stride(0) * base.element_size():
             return None
         return base
 
@@ -135,14 +135,14 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
     priority = protect(scores, positions, seen, policy.sink_tokens, policy.recent_tokens)
     if any(layer.live_range[0] < slots for layer in layers):  # a row holds dead slots
         priority = torch.where(live, priority, -math.inf)
-    index = priority.topk(keep, dim=-1).indices.sort(dim=-1).values  # [layers, batch, kv_heads, keep]
+    index = best_in_slot_order(priority, keep)  # [layers, batch, kv_heads, keep]
+    rows = slot_rows(index, bases["keys"].shape[3])  # every entry kind has the same room
     for base in bases.values():
-        stored = base.narrow(3, 0, slots)
-        along = index[..., None].expand(*index.shape, base.shape[-1]) if base.dim() == 5 else index
-        base.narrow(3, 0, keep).copy_(stored.gather(3, along))
+        base.narrow(3, 0, keep).copy_(take_slots(base, index, rows))
     prepare_room(bases, 3, keep, seen)
     for layer in layers:
-        layer._pending, layer._lagging = [], False
+        layer._pending = []
         layer._forget_freed()
-        for name in layer.entries:
+        for name in PARTS:
             setattr(layer, name, layer._spare[name].narrow(2, 0, keep))
+        layer._lagging = True  # the bookkeeping views follow when read (``_catch_up``)

@@ -127,7 +127,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
     @scores.setter
     def scores(self, value: torch.Tensor | None) -> None:
         self._score_pending()
-        self._scores = value
+        self._replace_bookkeeping("_scores", value)
 
     @property
     def value_norms(self) -> torch.Tensor | None:
@@ -137,7 +137,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
 
     @value_norms.setter
     def value_norms(self, value: torch.Tensor | None) -> None:
-        self._value_norms = value
+        self._replace_bookkeeping("_value_norms", value)
 
     @property
     def positions(self) -> torch.Tensor | None:
@@ -147,7 +147,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
 
     @positions.setter
     def positions(self, value: torch.Tensor | None) -> None:
-        self._positions = value
+        self._replace_bookkeeping("_positions", value)
 
     @property
     def live(self) -> torch.Tensor | None:
@@ -157,7 +157,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
 
     @live.setter
     def live(self, value: torch.Tensor | None) -> None:
-        self._live = value
+        self._replace_bookkeeping("_live", value)
 
     @property
     def rows(self) -> int:
@@ -200,7 +200,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self.pads = pads.to(dtype=torch.long)
             self._set_live_counts({(pads, None): 0 for pads in self.pads.unique().tolist()})
         free = None
-        if self._fills_free_slot(query_length):
+        if query_length == 1 and self.keys.shape[-2] > self.live_range[1]:  # fills a free slot
             if self._freed is not None and self._freed_taken < self._freed.shape[-1]:
                 free = self._freed[..., self._freed_taken]
                 self._freed_taken += 1
@@ -277,8 +277,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         (columns, self._to_queries, scaling, cos, sin), free = self._queries, self._free
         self._queries = self._free = None
         batch, kv_heads, new, _ = key_states.shape
-        stored_as_given = not self.quantized and self.storage_dtype == key_states.dtype
-        if stored_as_given and self._appends_to_prepared_room(new, free):
+        if new == 1 and free is None and self._has_room_for_step(key_states.dtype) and self._may_defer_scoring():
             # A decoding step between evictions: store the key and value; its scoring waits.
             self._append_to_prepared_room({"keys": key_states, "values": value_states})
             self._add_live(new)
@@ -327,11 +326,6 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         else:
             self.scores.add_(received)
         return keys, values
-
-    def _appends_to_prepared_room(self, new: int, free: torch.Tensor | None) -> bool:
-        """Whether this pass is one decoding step whose scoring waits (``_defers_scoring``) and whose entry
-        fits in the room prepared for it, so that only its key and value need writing."""
-        return self._spare_room() >= 1 and self._defers_scoring(new, free)
 
     def _per_row(self) -> tuple[str, ...]:
         return (*self.entries, "pads", "allocated", *EXACT)

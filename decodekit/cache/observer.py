@@ -1,12 +1,17 @@
 """Attention statistics under any attention implementation, without touching transformers.
 
 SDPA and flash attention return no attention weights, and a cache's ``update`` never sees the
-queries. So decodekit hooks each attention module of a model once: before the module runs, if
-(and only if) its ``past_key_values`` is a :class:`~decodekit.cache.CompressedCache`, the hook
-recomputes the queries of the last few tokens (one small projection) and hands them to the cache
-layer, and, when the rows of a batch keep different tokens, gives the module the mask that hides
-each row's dead entries; after the module runs, it lets the layer evict. With any other cache, or
-none, the hooks return at once and the forward pass is unchanged.
+queries. So decodekit wraps the ``forward`` of each attention module of a model (and of its query
+projection) once: when (and only when) the call's ``past_key_values`` is a
+:class:`~decodekit.cache.CompressedCache`, the wrapper takes the queries of the last few tokens as
+the module's own projection makes them and hands them to the cache layer, gives the module, when
+the rows of a batch keep different tokens, the mask that hides each row's dead entries, and after
+the module runs lets the layer evict. With any other cache, or none, the wrapper calls the module's
+own ``forward`` at once and the forward pass is unchanged.
+
+A wrapped ``forward`` costs one Python call; a forward hook would send every call of the module
+down PyTorch's slower hooked path, about 6% of a decoding step of a small model whose steps are
+bound by the host (``benchmarks/kv_cache.py --host-bound``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 from torch import nn
 
 HOOKS_ATTRIBUTE = "_decodekit_compression_hooks"
+# Set on a module whose forward decodekit wrapped (so that it is never wrapped twice).
+WRAPPED_ATTRIBUTE = "_decodekit_wrapped"
 
 
 def _is_supported_attention(module: nn.Module) -> bool:
@@ -57,26 +64,53 @@ def _query_projection(module: nn.Module) -> nn.Module:
 
 
 def bind(model: nn.Module) -> list[nn.Module]:
-    """Install the observation hooks on ``model`` once; return its attention modules."""
+    """Wrap the forward of ``model``'s attention modules and query projections once, and hook the model's
+    own forward (for a reconstruction-scoring cache's replay); return its attention modules."""
     modules = attention_modules(model)
     if getattr(model, HOOKS_ATTRIBUTE, None) is None:
-        handles = []
+        wrapped = []
         for module in modules:
-            handles.append(module.register_forward_pre_hook(_before_attention, with_kwargs=True))
             capture = partial(_capture_queries, module, partial(queries_from_projection, module))
-            handles.append(_query_projection(module).register_forward_hook(capture))
-            handles.append(module.register_forward_hook(_after_attention, with_kwargs=True))
-        handles.append(model.register_forward_hook(_after_model, with_kwargs=True))
-        setattr(model, HOOKS_ATTRIBUTE, handles)
+            wrapped.append(_wrap_forward(module, partial(_observed_attention, module)))
+            wrapped.append(_wrap_forward(_query_projection(module), capture))
+        handle = model.register_forward_hook(_after_model, with_kwargs=True)
+        setattr(model, HOOKS_ATTRIBUTE, (handle, [entry for entry in wrapped if entry is not None]))
     return modules
 
 
 def unbind(model: nn.Module) -> None:
-    """Remove the hooks that ``bind`` installed (a CompressedCache then refuses to run on ``model``)."""
-    for handle in getattr(model, HOOKS_ATTRIBUTE, None) or []:
-        handle.remove()
-    if hasattr(model, HOOKS_ATTRIBUTE):
-        delattr(model, HOOKS_ATTRIBUTE)
+    """Undo what ``bind`` installed (a CompressedCache then refuses to run on ``model``).
+
+    A module whose forward was wrapped again since (by another library) keeps decodekit's wrapper
+    inside that one, and still feeds a CompressedCache; every other module gets its forward back.
+    """
+    installed = getattr(model, HOOKS_ATTRIBUTE, None)
+    if installed is None:
+        return
+    handle, wrapped = installed
+    handle.remove()
+    for module, previous, wrapper in wrapped:
+        if module.__dict__.get("forward") is not wrapper:
+            continue  # wrapped again since: ours stays inside, and the module stays marked
+        if previous is None:
+            del module.forward  # the class's own forward again
+        else:
+            module.forward = previous
+        delattr(module, WRAPPED_ATTRIBUTE)
+    delattr(model, HOOKS_ATTRIBUTE)
+
+
+def _wrap_forward(module: nn.Module, wrapper) -> tuple[nn.Module, Any, Any] | None:
+    """Make ``module.forward`` call ``wrapper(forward, *args, **kwargs)``, with ``forward`` the one it had (a
+    library's wrapper, as accelerate's device hooks, stays inside); return what ``unbind`` needs to undo it, or
+    None when the module is wrapped already."""
+    if getattr(module, WRAPPED_ATTRIBUTE, False):
+        return None
+    previous = module.__dict__.get("forward")
+    wrapped = partial(wrapper, module.forward)
+    module.forward = wrapped
+    setattr(module, WRAPPED_ATTRIBUTE, True)
+    return module, previous, wrapped
 
 
 def _compressed_cache(kwargs: dict[str, Any]):
@@ -135,7 +169,7 @@ def _left_padding(attention_mask: torch.Tensor | None, batch: int, device: torch
 
 
 # The pass each attention module is in, per thread: (layer, observed tokens, (cos, sin)), set before the
-# module runs and taken by the hook on its query projection, so that the queries are not computed twice.
+# module runs and taken by the wrapper of its query projection, so that the queries are not computed twice.
 _PENDING = threading.local()
 
 
@@ -145,15 +179,31 @@ def _pending() -> dict[int, tuple]:
     return _PENDING.passes
 
 
-def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
-    cache = _compressed_cache(kwargs)
-    if cache is None:
-        return None
+def _observed_attention(module: nn.Module, forward, *args, **kwargs):
+    """``module``'s forward (``forward``, the one it had), observed when the call's cache is a CompressedCache:
+    the layer learns of the pass first (``_before_attention``), and may evict after it."""
+    cache = kwargs.get("past_key_values")
+    if not getattr(cache, "observes_attention", False):
+        return forward(*args, **kwargs)
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    layer = cache.layer_for(module)
+    mask = _before_attention(module, cache, layer, hidden_states, kwargs)
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    try:
+        output = forward(*args, **kwargs)
+    finally:
+        _pending().pop(id(module), None)  # the queries were not taken if the projection did not run
+    layer.compress(hidden_states.shape[1])
+    return output
+
+
+def _before_attention(module: nn.Module, cache, layer, hidden_states: torch.Tensor, kwargs: dict[str, Any]):
+    """Tell ``layer`` of the coming pass; return the attention mask the module must use instead of the
+    model's (None to keep the model's)."""
     position_embeddings = kwargs.get("position_embeddings")
     if position_embeddings is None:
         raise ValueError("CompressedCache needs rotary position embeddings passed to the attention modules")
-    layer = cache.layer_for(module)
     batch, length = hidden_states.shape[:2]
     if cache.policy.replay_output_norms and cache.replaying:
         layer.weigh_replay(1 / hidden_states.float().norm(dim=-1).clamp(min=1e-30), _output_grams(module))
@@ -174,21 +224,24 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) ->
             return None
         # The model's mask was made for another layer's length (allocation="global"): this layer's own.
         visible = layer.pass_mask(length, plain=True)
-    kwargs["attention_mask"] = _attention_mask(module, visible, hidden_states.dtype)
-    return args, kwargs
+    return _attention_mask(module, visible, hidden_states.dtype)
 
 
-def _capture_queries(module: nn.Module, to_queries, projection: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    """Hand the layer the observed tokens' query columns, as the module's own projection made them, with their
-    rotation; the layer turns them into queries (``to_queries``) when it scores, which a decoding step between
-    evictions does not."""
-    pending = _pending().pop(id(module), None)
+def _capture_queries(module: nn.Module, to_queries, forward, *args, **kwargs) -> torch.Tensor:
+    """The query projection's forward (``forward``), which also hands the layer of a pending pass the observed
+    tokens' query columns, as the module's own projection made them, with their rotation; the layer turns them
+    into queries (``to_queries``) when it scores, which a decoding step between evictions does not."""
+    output = forward(*args, **kwargs)
+    passes = getattr(_PENDING, "passes", None)
+    pending = passes.pop(id(module), None) if passes else None
     if pending is None:
-        return
+        return output
     layer, window, (cos, sin) = pending
-    if window < output.shape[1]:
-        output, cos, sin = output[:, -window:], cos[:, -window:], sin[:, -window:]
-    layer.observe(_query_columns(module, output), to_queries, module.scaling, cos, sin)
+    observed = output
+    if window < observed.shape[1]:
+        observed, cos, sin = observed[:, -window:], cos[:, -window:], sin[:, -window:]
+    layer.observe(_query_columns(module, observed), to_queries, module.scaling, cos, sin)
+    return output
 
 
 def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -214,11 +267,3 @@ def _after_model(model: nn.Module, args: tuple, kwargs: dict[str, Any], output: 
     if cache is not None and cache.awaits_replay:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         cache.replay(model, input_ids)
-
-
-def _after_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-    cache = _compressed_cache(kwargs)
-    _pending().pop(id(module), None)
-    if cache is not None:
-        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        cache.layer_for(module).compress(hidden_states.shape[1])

@@ -86,6 +86,25 @@ def waiting_attention(
     return logits.softmax(dim=-1).mul_(weights).sum(dim=(-3, -2))
 
 
+def best_in_slot_order(priority: torch.Tensor, keep: int) -> torch.Tensor:
+    """The slots of the ``keep`` highest priorities along the last dimension, in slot order (``[..., keep]``).
+
+    It finds the few that go (a top-k of the lowest) and packs the others forward with a running count:
+    on a CPU, a top-k of nearly every entry followed by a sort costs several times more.
+
+    Example:
+        >>> best_in_slot_order(torch.tensor([[0.5, 0.1, 0.9, 0.3, 0.7]]), keep=3)
+        tensor([[0, 2, 4]])
+    """
+    slots = priority.shape[-1]
+    going = priority.topk(slots - keep, dim=-1, largest=False).indices
+    stays = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, going, False)
+    target = torch.where(stays, stays.cumsum(dim=-1) - 1, keep)  # a kept slot's place; the others go to a spare one
+    order = torch.arange(slots, device=priority.device).expand_as(target)
+    packed = priority.new_empty((*priority.shape[:-1], keep + 1), dtype=torch.long)
+    return packed.scatter_(-1, target, order)[..., :keep]
+
+
 def protect(
     scores: torch.Tensor, positions: torch.Tensor, seen: int, sink_tokens: int, recent_tokens: int, pads=0
 ) -> torch.Tensor:
@@ -118,18 +137,22 @@ class EntryScoring:
         self._pending.append((columns, cos, sin))
 
     def _defers_scoring(self, new: int, free: torch.Tensor | None) -> bool:
-        """Whether this pass's scoring waits for the next eviction: one decoding step appended to the spare
-        room of a layer whose queries see every entry (no padding, no window, no cap, no pooling), while
-        fewer than ``eviction_interval`` steps wait. Anything else first scores the waiting steps."""
-        deferred = (
-            new == 1 and free is None and self._spare is not None and self.pad_range[1] == 0
-            and self.sliding_window is None and self.softcap is None and self.policy.pool_kernel == 1
-            and not self.replaying and self.live_range[0] == self.slots
-            and len(self._pending) < self.policy.eviction_interval  # a row under its target evicts nothing
-        )  # fmt: skip
+        """Whether this pass's scoring waits for the next eviction: one decoding step appended to the spare room
+        while ``_may_defer_scoring``. Anything else first scores the waiting steps."""
+        deferred = new == 1 and free is None and self._may_defer_scoring()
         if not deferred:
             self._score_pending()
         return deferred
+
+    def _may_defer_scoring(self) -> bool:
+        """Whether a decoding step appended to the spare room may leave its scoring for the next eviction: the
+        layer's queries see every entry (no padding, no window, no cap, no pooling, no dead slot), it is not
+        replaying, and fewer than ``eviction_interval`` steps wait (a row under its target evicts nothing)."""
+        return (
+            self._spare is not None and self.pad_range[1] == 0 and self.sliding_window is None
+            and self.softcap is None and self.policy.pool_kernel == 1 and not self.replaying
+            and self.live_range[0] == self.keys.shape[-2] and len(self._pending) < self.policy.eviction_interval
+        )  # fmt: skip
 
     def _score_pending(self) -> None:
         """Add the attention of the waiting decoding steps to the scores, as one step at a time would.

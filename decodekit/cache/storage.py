@@ -47,6 +47,36 @@ def _views_from_start(tensor: torch.Tensor, base: torch.Tensor) -> bool:
     return tensor.data_ptr() == base.data_ptr()
 
 
+def slot_rows(index: torch.Tensor, slots: int) -> torch.Tensor:
+    """``index`` (``[*lead, n]``, slots below ``slots``) as the row numbers of those entries in a tensor of
+    ``[*lead, slots, ...]`` entries seen as ``[rows * slots, width]``: ``[rows * n]``, for ``take_slots``."""
+    count = index.shape[-1]
+    rows = index.numel() // count if count else 0
+    offsets = torch.arange(0, rows * slots, slots, device=index.device)
+    return (index.reshape(rows, count) + offsets[:, None]).reshape(-1)
+
+
+def take_slots(tensor: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The entries of ``tensor`` (``[*lead, slots, *trailing]``) at ``index`` (``[*lead, n]``, each below ``slots``)
+    along its slots dimension: ``[*lead, n, *trailing]``, as a ``gather`` would give them. ``rows`` is
+    ``slot_rows(index, slots)``, when already made for another tensor of the same slots.
+
+    Each entry is copied whole, as a row of the tensor seen as ``[rows * slots, width]``; on a CPU, a ``gather``
+    over an expanded index copies element by element, several times slower.
+
+    Example:
+        >>> take_slots(torch.arange(12).view(2, 3, 2), torch.tensor([[2, 0], [1, 1]])).tolist()
+        [[[4, 5], [0, 1]], [[8, 9], [8, 9]]]
+    """
+    lead, count = index.shape[:-1], index.shape[-1]
+    slots, trailing = tensor.shape[len(lead)], tensor.shape[len(lead) + 1 :]
+    if count == 0 or tensor.numel() == 0:
+        return tensor.narrow(len(lead), 0, 0).expand(*lead, count, *trailing).clone()
+    if rows is None:
+        rows = slot_rows(index, slots)
+    return tensor.reshape(rows.numel() // count * slots, -1).index_select(0, rows).view(*lead, count, *trailing)
+
+
 def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_position: int) -> None:
     """Give the spare room's entries (slots along ``dim`` of each tensor in ``spare``), from slot ``filled`` on,
     what the next tokens will have: live, score 0, consecutive positions from ``next_position``. Their keys,
@@ -185,11 +215,25 @@ class EntryStorage:
         return quantizer.decode(codes, self.dtype)
 
     def _has_spare(self) -> bool:
-        """Whether the per-entry tensors are views of larger ones (spare room, possibly all used)."""
+        """Whether the per-entry tensors are views of larger ones (spare room, possibly all used).
+
+        Keys and values are checked here (something outside may replace them, as an offload does); the
+        bookkeeping tensors are replaced only through their setters, which give up the room then
+        (``_replace_bookkeeping``)."""
         spare = self._spare
-        if spare is not None and not all(_views_from_start(getattr(self, name), spare[name]) for name in self.entries):
+        if spare is not None and not (
+            _views_from_start(self.keys, spare["keys"]) and _views_from_start(self.values, spare["values"])
+        ):
             self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
         return spare is not None
+
+    def _replace_bookkeeping(self, name: str, value: torch.Tensor | None) -> None:
+        """Set the bookkeeping tensor ``name`` (as its property's setter does); the reserved room is given up
+        unless ``value`` is a view of its start."""
+        setattr(self, name, value)
+        spare = self._spare
+        if spare is not None and name in spare and (value is None or not _views_from_start(value, spare[name])):
+            self._spare = None
 
     def _store(self, coded: dict[str, torch.Tensor], value_states: torch.Tensor, free, first_pass: bool) -> None:
         """Store a pass's entries (``coded``: keys and values as stored, see ``_code``): one token into each
@@ -204,6 +248,15 @@ class EntryStorage:
         live = positions >= self.pads[:, None, None] if first_pass else True
         entries = {**coded, "_scores": 0.0, "_value_norms": value_norms, "_positions": positions, "_live": live}
         self._append({name: entry for name, entry in entries.items() if entry is not None}, first_pass)
+
+    def _has_room_for_step(self, dtype: torch.dtype) -> bool:
+        """Whether one decoding step's key and value, in ``dtype``, can be written as they are into the spare
+        room (storage neither quantized nor in another dtype, and a free slot after the stored ones)."""
+        spare = self._spare
+        return (
+            spare is not None and not self.quantized and self.storage_dtype == dtype
+            and spare["keys"].shape[-2] > self.keys.shape[-2] and self._has_spare()
+        )  # fmt: skip
 
     def _spare_room(self) -> int:
         """How many entries fit after the stored ones without moving them (0 without spare room)."""
@@ -257,9 +310,9 @@ class EntryStorage:
     def _append_to_prepared_room(self, coded: dict[str, torch.Tensor]) -> None:
         """One decoding step whose scoring waits: only its key and value (as stored) are written, and only their
         views extended; the bookkeeping views follow when read (``_catch_up``)."""
-        stored = self.slots
+        stored, spare = self.keys.shape[-2], self._spare
         for name, entry in coded.items():
-            base = self._spare[name]
+            base = spare[name]
             base.narrow(2, stored, 1).copy_(entry)
             setattr(self, name, base.narrow(2, 0, stored + 1))
         self._lagging = True
@@ -280,18 +333,15 @@ class EntryStorage:
         self._forget_freed()
         self._score_pending()
         in_place = self._has_spare()
-        count, by_width = index.shape[2], {}  # by_width: ``index`` over a last dimension of that width
+        count = index.shape[2]
+        # In place, entries are taken from the whole room, which is contiguous (``index`` is below ``slots``).
+        rows = slot_rows(index, self._spare["keys"].shape[2] if in_place else self.slots)
         for name in self.entries:
-            tensor = getattr(self, name)
-            along = index
-            if tensor.dim() == 4:
-                width = tensor.shape[-1]
-                if width not in by_width:
-                    by_width[width] = index[..., None].expand(-1, -1, -1, width)
-                along = by_width[width]
-            kept = tensor.gather(2, along)
             if in_place:
-                kept = self._spare[name].narrow(2, 0, count).copy_(kept)
+                room = self._spare[name]
+                kept = room.narrow(2, 0, count).copy_(take_slots(room, index, rows))
+            else:
+                kept = take_slots(getattr(self, name), index, rows)
             setattr(self, name, kept)
         if in_place:
             self._prepare_room(index.shape[2], self.seen)
