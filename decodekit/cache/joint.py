@@ -82,15 +82,18 @@ class SharedRoom:
         dtype and attention scores alone (no novelty ranks, no replay)."""
         first = layers[0]
         policy = first.policy
-        if policy.scoring != "attention" or policy.pool_kernel != 1 or not first._pending:
+        if policy.scoring != "attention" or policy.pool_kernel != 1 or not first._pending or not first._has_spare():
             return None
         bases = {}
         for name in first.entries:
-            base = self.base_of(name, first.shared_index, first._spare[name]) if first._has_spare() else None
+            base = self.base_of(name, first.shared_index, first._spare[name])
             if base is None:
                 return None
             bases[name] = base
         rotations = [(cos, sin) for _, cos, sin in first._pending]
+        # Where each layer's slice of each shared tensor starts: the base's address plus the layer's index times
+        # the bytes of one slice.
+        starts = [(name, base.data_ptr(), base.stride(0) * base.element_size()) for name, base in bases.items()]
         for layer in layers:
             alike = (
                 layer.slots == first.slots and layer.seen == first.seen and layer.entries == first.entries
@@ -98,14 +101,17 @@ class SharedRoom:
                 and layer.pad_range[1] == 0 and layer.sliding_window is None and layer.softcap is None
                 and not layer.replaying and len(layer._pending) == len(rotations)
                 and layer._pending_first == first._pending_first and layer._pending_scaling == first._pending_scaling
-                and all(cos is shared[0] and sin is shared[1]
-                        for (_, cos, sin), shared in zip(layer._pending, rotations, strict=True))
                 and layer._has_spare()
-                and all(self.base_of(name, layer.shared_index, layer._spare[name]) is bases[name]
-                        for name in layer.entries)
             )  # fmt: skip
             if not alike:
                 return None
+            index, spare = layer.shared_index, layer._spare
+            for name, start, step in starts:
+                if spare[name].data_ptr() != start + index * step:
+                    return None
+            for (_, cos, sin), (shared_cos, shared_sin) in zip(layer._pending, rotations, strict=True):
+                if cos is not shared_cos or sin is not shared_sin:
+                    return None
         return bases
 
 
@@ -119,7 +125,11 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
     steps, start, decay = len(first._pending), first._pending_first, policy.score_decay
     columns = torch.stack([step[0] for layer in layers for step in layer._pending])  # [layers * steps, batch, 1, -]
     columns = columns.view(len(layers), steps, *columns.shape[1:]).squeeze(3).transpose(1, 2)
-    queries = torch.stack([layer._to_queries(part) for layer, part in zip(layers, columns, strict=True)])
+    make = first._to_queries
+    if all(layer._to_queries is make for layer in layers):  # the same for every layer: made at once
+        queries = make(columns.flatten(0, 1)).unflatten(0, columns.shape[:2])
+    else:
+        queries = torch.stack([layer._to_queries(part) for layer, part in zip(layers, columns, strict=True)])
     _, cos, sin = (torch.cat(parts, dim=1) for parts in zip(*first._pending, strict=True))
     queries = rotate(queries, cos.unsqueeze(1), sin.unsqueeze(1))  # [layers, batch, heads, steps, head_dim]
     received = waiting_attention(queries, bases["keys"], start, first._pending_scaling, decay)

@@ -17,7 +17,8 @@ bound by the host (``benchmarks/kv_cache.py --host-bound``).
 from __future__ import annotations
 
 import threading
-from functools import partial
+from collections.abc import Callable
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ def bind(model: nn.Module) -> list[nn.Module]:
     if getattr(model, HOOKS_ATTRIBUTE, None) is None:
         wrapped = []
         for module in modules:
-            capture = partial(_capture_queries, module, partial(queries_from_projection, module))
+            capture = partial(_capture_queries, module, _queries_maker(module))
             wrapped.append(_wrap_forward(module, partial(_observed_attention, module)))
             wrapped.append(_wrap_forward(_query_projection(module), capture))
         handle = model.register_forward_hook(_after_model, with_kwargs=True)
@@ -135,6 +136,26 @@ def queries_from_projection(module: nn.Module, columns: torch.Tensor) -> torch.T
     if isinstance(getattr(module, "q_norm", None), nn.Module):
         queries = module.q_norm(queries)
     return queries.transpose(1, 2)
+
+
+def split_heads(columns: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Queries ``[batch, heads, tokens, head_dim]`` from query columns ``[batch, tokens, heads * head_dim]``."""
+    batch, length, _ = columns.shape
+    return columns.reshape(batch, length, -1, head_dim).transpose(1, 2)
+
+
+@cache
+def _plain_queries(head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The query maker of every module with this head size and no query norm: one function, shared by the
+    layers, so that their waiting queries can be made at once (``joint.evict_together``)."""
+    return partial(split_heads, head_dim=head_dim)
+
+
+def _queries_maker(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What turns ``module``'s query columns into its queries (``queries_from_projection``)."""
+    if isinstance(getattr(module, "q_norm", None), nn.Module):
+        return partial(queries_from_projection, module)
+    return _plain_queries(module.head_dim)
 
 
 def _output_grams(module: nn.Module) -> torch.Tensor:
