@@ -11,9 +11,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-# Under pytest-xdist (make test) the workers share the cores instead of each taking all of them.
+# Under pytest-xdist (make test) the workers share the cores instead of each taking all of them, and so do
+# the processes a test starts (a benchmark script, the CLI): more threads than cores make every one of them
+# wait on the others (a benchmark run took 3 minutes alone and nearly 10 beside another worker).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(share)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(share)
 
 # Without CUDA, Triton kernels run in Triton's interpreter on the CPU (tests/test_cache_triton.py).
 # Triton reads this once, when it is first imported.

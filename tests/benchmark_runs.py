@@ -1,0 +1,20 @@
+"""Running a benchmark script as a test does: a short configuration, its output read back (its figures are
+not asserted; the scripts are run by ``tests/test_benchmark*.py``, split so that pytest-xdist spreads them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run_benchmark(script: str, *args: str) -> str:
+    """The standard output of ``benchmarks/<script> <args>``; fails the test when the script fails."""
+    # The timeout only guards against a hang: the longest run takes a few minutes on a shared 2-core machine.
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=1200, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout

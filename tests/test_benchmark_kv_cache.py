@@ -1,0 +1,38 @@
+"""The cache benchmark's default run still runs on the default model (a short configuration; its figures are
+not asserted here)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.benchmark_runs import run_benchmark
+
+
+def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
+    short = ["--context-tokens", "256", "--continuation-tokens", "32", "--speed-prompt", "256", "--speed-tokens", "4"]
+    short += ["--pass-keys", "1", "--pass-key-filler", "4", "--prefill-tokens", "256", "--prefill-rounds", "1"]
+    presses = tmp_path / "presses.jsonl"  # a recorded kvpress run, so that the comparison code runs too
+    rows = [{"method": "kvpress SnapKV", "ratio": r, "task": t, "perplexity": 1e9} for r in (0.5, 0.75, 0.9)
+            for t in ("gpl3", "argparse.py", "pydoc types", "idle NEWS")]  # fmt: skip
+    rows += [{"method": "kvpress SnapKV", "ratio": r, "task": "pass key", "accuracy": 0.0} for r in (0.5, 0.75, 0.9)]
+    presses.write_text("\n".join(json.dumps(row) for row in rows))
+    byte_presses = tmp_path / "byte_presses.jsonl"  # the per-byte section's recorded presses
+    rows = [{"method": "kvpress KVzip", "ratio": r, "task": t, "perplexity": 1e9} for r in (0.5, 0.75)
+            for t in ("gpl3", "argparse.py", "pydoc types", "idle NEWS")]  # fmt: skip
+    rows += [{"method": "kvpress KVzip", "ratio": r, "task": "pass key", "accuracy": 0.5} for r in (0.5, 0.75)]
+    byte_presses.write_text("\n".join(json.dumps(row) for row in rows))
+    short += ["--byte-shares", "0.5,0.75", "--retrieval-tasks", "1", "--retrieval-tokens", "200"]
+    short += ["--byte-presses-from", str(byte_presses)]
+    out = run_benchmark("kv_cache.py", *short, "--long-tokens", "8", "--presses-from", str(presses))
+    assert "decodekit default" in out and "decodekit reconstruction" in out and "kvpress SnapKV" in out
+    assert "default better than every press: True" in out
+    assert "CompressedCache / DynamicCache prefill time" in out
+    assert "CompressedCache / DynamicCache tokens/s" in out
+    assert "most tokens held at any step" in out
+    assert "CompressedCache kv_bits=4:" in out
+    assert "CompressedCache scoring='reconstruction' (layers share the budget" in out
+    assert "CompressedCache scoring='reconstruction' (layers and KV heads share the budget" in out
+    # Quality per byte: ours sized by bytes, held within them, beside the recorded press at the same share.
+    assert "1b. quality per byte" in out and "kvpress KVzip" in out and "decodekit reconstruction 16-bit" in out
+    assert "75.0% of the bytes removed, decodekit reconstruction: held" in out and "target <= +0.25%" in out
+    assert "vs KVzip's +" in out and "within 25.0%: True" in out and "False)" not in out

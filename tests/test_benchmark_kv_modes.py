@@ -1,0 +1,30 @@
+"""The cache benchmark's host-bound and GPU modes still run on the CPU (tiny configurations; their figures are
+not asserted here)."""
+
+from __future__ import annotations
+
+from tests.benchmark_runs import run_benchmark
+
+
+def test_kv_cache_benchmark_host_bound_mode_runs():
+    out = run_benchmark("kv_cache.py", "--host-bound", "--host-prompt", "64", "--host-tokens", "4",
+                        "--host-rounds", "1", "--no-host-compile")  # fmt: skip
+    assert "CompressedCache / DynamicCache tokens/s, host-bound" in out and "kv_bits=4" in out
+
+
+def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
+    tiny = ["--shape", "tiny", "--lengths", "256,512", "--gpu-tokens", "4", "--device", "cpu"]
+    out = run_benchmark("kv_cache.py", *tiny)
+    assert "CompressedCache observation_window=64" in out and "DynamicCache" in out
+    assert "CompressedCache eviction_interval=8" in out and "compiled decoding" not in out  # none asked on a CPU
+
+
+def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
+    out = run_benchmark("kv_cache.py", "--shape", "tiny", "--lengths", "256", "--gpu-tokens", "4", "--gpu-rounds", "1",
+               "--device", "cpu", "--no-gpu-eager", "--gpu-compile-modes", "default")  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("256 ")]
+    assert [(row[1], row[-4]) for row in rows] == [
+        ("StaticCache", "eager"), ("StaticCache", "default"), ("CompressedCache(budget=64,", "eager"),
+        ("CompressedCache(budget=64,", "default"),
+    ]  # fmt: skip
+    assert "failed" not in out
