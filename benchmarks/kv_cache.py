@@ -363,12 +363,12 @@ def host_bound_mode(args) -> None:
     prompt = torch.randint(0, SHAPES["host-bound"]["vocab_size"], (1, args.host_prompt),
                            generator=torch.Generator().manual_seed(0))  # fmt: skip
     budget = max(args.host_prompt // 4, 36)  # a quarter of the prompt, never below the sinks and recent window
-    # The full caches run on a copy that no CompressedCache ever hooks, as they run for a user without decodekit
-    # (the hooks return at once for other caches, but a module with hooks takes a slower call path).
+    # The full caches run on a copy that no CompressedCache ever bound, as they run for a user without decodekit
+    # (a bound model's attention modules call one wrapper more, which returns at once for other caches).
     plain = copy.deepcopy(model)
     caches = {
         "DynamicCache": (plain, DynamicCache),
-        "  DynamicCache, model hooked": (model, DynamicCache),
+        "  DynamicCache, model bound": (model, DynamicCache),
         f"CompressedCache(budget={budget})": (model, lambda: CompressedCache(model, budget=budget)),
         "  eviction_interval=1": (model, lambda: CompressedCache(model, budget=budget, eviction_interval=1)),
         "  kv_bits=8": (model, lambda: CompressedCache(model, budget=budget, kv_bits=8)),
@@ -409,7 +409,7 @@ def loop_decode(model, forward, prompt: torch.Tensor, cache, new_tokens: int) ->
 
 def compiled_mode(plain, model, prompt: torch.Tensor, budget: int, args) -> None:
     """Eager and ``torch.compile(model.forward)`` (inductor) decoding, by hand, for DynamicCache and StaticCache (on
-    ``plain``, a copy of the model without decodekit's hooks) and a CompressedCache that evicts one token per step
+    ``plain``, a copy of the model that decodekit never bound) and a CompressedCache that evicts one token per step
     (the setting that compiles to one graph)."""
     torch._dynamo.config.recompile_limit = 64
     warm_up = 8  # steps decoded once through each compiled forward before any timing
@@ -445,8 +445,8 @@ def compiled_mode(plain, model, prompt: torch.Tensor, budget: int, args) -> None
 
 def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
     """GPU mode's compiled decoding: ``torch.compile(model.forward, fullgraph=True)`` in each of
-    ``--gpu-compile-modes`` for transformers' StaticCache (on ``plain``, a copy of the model without decodekit's
-    hooks, with room for the prompt and every step) and a CompressedCache holding a quarter of the prompt that
+    ``--gpu-compile-modes`` for transformers' StaticCache (on ``plain``, a copy of the model that decodekit never
+    bound, with room for the prompt and every step) and a CompressedCache holding a quarter of the prompt that
     evicts one token per step (the setting that compiles to one graph), beside both eager; greedy steps by hand,
     the median of ``--gpu-rounds`` runs after one that compiles."""
     torch._dynamo.config.recompile_limit = 64
@@ -486,7 +486,7 @@ def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
 
 def gpu_mode(args, device: torch.device) -> None:
     model = shaped_model(args.shape, device)
-    # The full caches' compiled decoding runs on a copy that no CompressedCache ever hooks.
+    # The full caches' compiled decoding runs on a copy that no CompressedCache ever bound.
     plain = copy.deepcopy(model) if args.gpu_compile_modes else None
     if args.gpu_eager:
         gpu_eager(model, args, device)

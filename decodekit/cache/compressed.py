@@ -111,10 +111,11 @@ class CompressedCache(Cache):
     row's unused slots (this needs ``sdpa`` or ``eager`` attention; a batch of equal-length rows
     runs on any implementation).
 
-    The cache is bound to ``model``, whose attention modules it observes through hooks that do
-    nothing when another cache (or none) is used. It works with fp32/fp16/bf16, grouped-query
-    attention, beam search, assisted generation and prompt lookup (``crop``), and models split
-    across devices. Positions stay logical: ``get_seq_length()`` is the number of tokens seen.
+    The cache is bound to ``model``, whose attention modules it observes through wrapped forwards that
+    do nothing more than call the module's own when another cache (or none) is used. It works with
+    fp32/fp16/bf16, grouped-query attention, beam search, assisted generation and prompt lookup
+    (``crop``), and models split across devices. Positions stay logical: ``get_seq_length()`` is the
+    number of tokens seen.
 
     Scoring with every query of a long prompt costs about twice the prompt's own attention (prefill
     takes about 1.6 times as long as with DynamicCache on a CPU, 1.7 to 2.1 times on an H100 at 8k
@@ -210,7 +211,7 @@ class CompressedCache(Cache):
         print(cache.get_seq_length(), cache.kept_tokens, cache.memory_bytes())
     """
 
-    observes_attention = True  # the observer hooks feed this cache (and only caches that say so)
+    observes_attention = True  # the attention observer feeds this cache (and only caches that say so)
 
     def __init__(
         self,
@@ -321,7 +322,7 @@ class CompressedCache(Cache):
         reproduce the prompt (a unique fact in repetitive text) score high even when no later
         prompt token refers to them. A token is then ranked by the better of its two ranks: by the
         attention the prompt paid it (the default scoring) and by its replay score, so that what
-        either criterion values is kept. Called by the model-level hook after the first forward pass.
+        either criterion values is kept. Called by the model's forward hook after the first forward pass.
         """
         layers = self.units
         if layers[0].pad_range[1] > 0:

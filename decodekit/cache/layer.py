@@ -270,7 +270,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         if self._queries is None:
             raise ValueError(
                 "this CompressedCache received keys without the queries of their forward pass: it works only "
-                "inside a forward pass of the model it was built with, whose attention modules it hooks. Pass it "
+                "inside a forward pass of the model it was built with, whose attention modules it observes. Pass it "
                 "as past_key_values to that model's forward or generate, not to another model and not to "
                 "cache.update() directly; after unbind(model), build a new CompressedCache(model, ...)"
             )
