@@ -200,7 +200,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self.pads = pads.to(dtype=torch.long)
             self._set_live_counts({(pads, None): 0 for pads in self.pads.unique().tolist()})
         free = None
-        if query_length == 1 and self.keys.shape[-2] > self.live_range[1]:  # fills a free slot
+        if self._fills_free_slot(query_length):
             if self._freed is not None and self._freed_taken < self._freed.shape[-1]:
                 free = self._freed[..., self._freed_taken]
                 self._freed_taken += 1

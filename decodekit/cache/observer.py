@@ -203,8 +203,8 @@ def _pending() -> dict[int, tuple]:
 def _observed_attention(module: nn.Module, forward, *args, **kwargs):
     """``module``'s forward (``forward``, the one it had), observed when the call's cache is a CompressedCache:
     the layer learns of the pass first (``_before_attention``), and may evict after it."""
-    cache = kwargs.get("past_key_values")
-    if not getattr(cache, "observes_attention", False):
+    cache = _compressed_cache(kwargs)
+    if cache is None:
         return forward(*args, **kwargs)
     hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     layer = cache.layer_for(module)
