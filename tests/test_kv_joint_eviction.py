@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from decodekit.cache import CompressedCache, joint
+from tests.families import VOCAB, build_family_model
 from tests.tiny import build_model
 
 PROMPT = "The class statement creates a new class object and binds it to a name. " * 6
@@ -152,3 +153,33 @@ def test_a_deep_copy_taken_between_evictions_decodes_what_the_original_decodes(f
     (mine, kept), (theirs, kept_copy) = continuations
     assert mine == theirs
     assert all(torch.equal(a, b) for a, b in zip(kept, kept_copy, strict=True))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen2"])
+def test_other_families_evict_together_as_alone(counted, family):
+    """Query norms (Qwen3: each layer makes its own queries), a fused query-key-value projection with partial
+    rotation (Phi-3) and biased projections (Qwen2): the layers evict together and keep what they keep alone.
+    Their state is read after decoding outside ``no_grad``: scoring the waiting steps then runs a query norm's
+    weights, which require gradients, and must still not write a graph into the scores."""
+    model = build_family_model(family)
+    ids = torch.randint(3, VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
+
+    def decode(cache) -> list[int]:
+        chosen = []
+        with torch.no_grad():
+            token = model(ids, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+            for _ in range(40):
+                chosen.append(int(token))
+                token = model(token, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+        return chosen
+
+    together = CompressedCache(model, budget=48, eviction_interval=8)
+    tokens = decode(together)
+    assert counted.calls >= 3
+    counted.off()
+    alone = CompressedCache(model, budget=48, eviction_interval=8)
+    assert decode(alone) == tokens
+    for mine, theirs in zip(_state(together), _state(alone), strict=True):
+        for name in ("keys", "values", "positions", "live"):
+            assert torch.equal(mine[name], theirs[name]), name
+        torch.testing.assert_close(mine["scores"], theirs["scores"])

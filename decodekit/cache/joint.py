@@ -115,6 +115,7 @@ class SharedRoom:
         return bases
 
 
+@torch.no_grad()
 def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor], keep: int) -> None:
     """Evict every layer (all alike, see ``SharedRoom._together``) down to ``keep`` entries per row and KV head
     at once, on the shared tensors ``bases`` (``[layers, batch, kv_heads, room, ...]`` per entry kind): score

@@ -154,6 +154,7 @@ class EntryScoring:
             and self.live_range[0] == self.keys.shape[-2] and len(self._pending) < self.policy.eviction_interval
         )  # fmt: skip
 
+    @torch.no_grad()  # bookkeeping: read at any time, never part of a graph (a query norm's weight is)
     def _score_pending(self) -> None:
         """Add the attention of the waiting decoding steps to the scores, as one step at a time would.
 
@@ -177,6 +178,7 @@ class EntryScoring:
         if self._value_norms is not None:
             self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
 
+    @torch.no_grad()
     def _attention_received(
         self, queries: torch.Tensor, scaling: float, keys: torch.Tensor, values: torch.Tensor | None = None
     ) -> torch.Tensor:
