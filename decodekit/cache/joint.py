@@ -53,7 +53,7 @@ class SharedRoom:
     def base_of(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor | None:
         """The shared tensor behind ``tensor`` when it is layer ``index``'s slice of it, else None."""
         base = self._bases[name]() if name in self._bases else None
-        if base is None or tensor.data_ptr() != base.data_ptr() + index * base.stride(0) * base.element_size():
+        if base is None or tensor.data_ptr() != _slice_address(base, index):
             return None
         return base
 
@@ -91,9 +91,6 @@ class SharedRoom:
                 return None
             bases[name] = base
         rotations = [(cos, sin) for _, cos, sin in first._pending]
-        # Where each layer's slice of each shared tensor starts: the base's address plus the layer's index times
-        # the bytes of one slice.
-        starts = [(name, base.data_ptr(), base.stride(0) * base.element_size()) for name, base in bases.items()]
         for layer in layers:
             alike = (
                 layer.slots == first.slots and layer.seen == first.seen and layer.entries == first.entries
@@ -106,13 +103,18 @@ class SharedRoom:
             if not alike:
                 return None
             index, spare = layer.shared_index, layer._spare
-            for name, start, step in starts:
-                if spare[name].data_ptr() != start + index * step:
+            for name, base in bases.items():
+                if spare[name].data_ptr() != _slice_address(base, index):
                     return None
             for (_, cos, sin), (shared_cos, shared_sin) in zip(layer._pending, rotations, strict=True):
                 if cos is not shared_cos or sin is not shared_sin:
                     return None
         return bases
+
+
+def _slice_address(base: torch.Tensor, index: int) -> int:
+    """Where layer ``index``'s slice ``base[index]`` of a shared tensor starts, without making the slice."""
+    return base.data_ptr() + index * base.stride(0) * base.element_size()
 
 
 @torch.no_grad()

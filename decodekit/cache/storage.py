@@ -71,7 +71,7 @@ def take_slots(tensor: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | N
     lead, count = index.shape[:-1], index.shape[-1]
     slots, trailing = tensor.shape[len(lead)], tensor.shape[len(lead) + 1 :]
     if count == 0 or tensor.numel() == 0:
-        return tensor.narrow(len(lead), 0, 0).expand(*lead, count, *trailing).clone()
+        return tensor.new_empty((*lead, count, *trailing))
     if rows is None:
         rows = slot_rows(index, slots)
     return tensor.reshape(rows.numel() // count * slots, -1).index_select(0, rows).view(*lead, count, *trailing)
@@ -252,11 +252,7 @@ class EntryStorage:
     def _has_room_for_step(self, dtype: torch.dtype) -> bool:
         """Whether one decoding step's key and value, in ``dtype``, can be written as they are into the spare
         room (storage neither quantized nor in another dtype, and a free slot after the stored ones)."""
-        spare = self._spare
-        return (
-            spare is not None and not self.quantized and self.storage_dtype == dtype
-            and spare["keys"].shape[-2] > self.keys.shape[-2] and self._has_spare()
-        )  # fmt: skip
+        return not self.quantized and self.storage_dtype == dtype and self._spare_room() >= 1
 
     def _spare_room(self) -> int:
         """How many entries fit after the stored ones without moving them (0 without spare room)."""
