@@ -26,6 +26,7 @@ def test_take_slots_is_a_gather(trailing, dtype):
 def test_take_slots_of_nothing():
     assert take_slots(torch.ones(2, 3, 4, 5), torch.zeros(2, 3, 0, dtype=torch.long)).shape == (2, 3, 0, 5)
     assert take_slots(torch.ones(2, 3, 0), torch.zeros(2, 3, 0, dtype=torch.long)).shape == (2, 3, 0)
+    assert take_slots(torch.ones(0, 3, 4, 5), torch.zeros(0, 3, 2, dtype=torch.long)).shape == (0, 3, 2, 5)  # no rows
 
 
 @pytest.mark.parametrize("keep", [0, 1, 7, 19, 20])
