@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from decodekit._validation import in_interval, interval
-from decodekit.fields import BY_NAME, FIELDS, Field
+from decodekit.fields import BY_NAME, CACHE_SIZES, FIELDS, Field
 from decodekit.settings import DEFAULT_SYSTEM_PROMPT
 
 EXIT_USAGE = 2
@@ -82,9 +82,9 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per field of ``decodekit.fields``, grouped by family, with its range in the help."""
     groups = {family: parser.add_argument_group(title) for family, title in GROUPS.items()}
     groups["sampling"].add_argument("--sample", action="store_true", help="sample at temperature 1 with no filter")
-    cache = groups["cache"].add_mutually_exclusive_group()
+    sizes = groups["cache"].add_mutually_exclusive_group()  # one cache size; the cache's options go with it
     for field in FIELDS:
-        target = cache if field.family == "cache" else groups[field.family]
+        target = sizes if field.name in CACHE_SIZES else groups[field.family]
         span = f", {field.span}" if field.span else ""
         metavar = field.name.upper() if field.kind != "texts" else "JSON_LIST"
         target.add_argument(

@@ -259,7 +259,28 @@ CORE_FIELDS = (
         choices=KV_SCORINGS,
         widget="choice",
     ),
+    Field(
+        "kv_eviction_interval",
+        "integer",
+        "cache",
+        "compressed KV cache evicting this many tokens at once while decoding (by default a 32nd of a budget, "
+        "8 to 64; 8 for a ratio)",
+        1,
+        widget=None,
+    ),
+    Field(
+        "kv_residual_length",
+        "integer",
+        "cache",
+        "compressed KV cache in 8 or 4 bits also holding this many of the last tokens exact (by default the "
+        "recent window; none with kv_scoring=reconstruction and kv_memory_fraction)",
+        0,
+        widget=None,
+    ),
 )
+
+# A compressed cache takes one size; the CLI refuses two.
+CACHE_SIZES = ("kv_budget", "kv_compression_ratio", "kv_memory_fraction")
 
 # decodekit's processors, in the order they run (before generate's temperature, top-k and top-p).
 COMPONENTS = (

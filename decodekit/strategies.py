@@ -17,12 +17,12 @@ import torch
 
 from decodekit._validation import is_bool
 from decodekit.cache.policy import check_cache_size
-from decodekit.fields import BEAM_FIELDS, BY_NAME, COMPONENTS, FIELDS, SAMPLING_FIELDS
+from decodekit.fields import BEAM_FIELDS, BY_NAME, CACHE_SIZES, COMPONENTS, FIELDS, SAMPLING_FIELDS
 from decodekit.logits_processors import parse_stages
 from decodekit.logits_processors.repetition import check_stage_table
 from decodekit.plan import GenerationPlan, PlanContext
 
-CACHE_SIZES = ("kv_budget", "kv_compression_ratio", "kv_memory_fraction")  # a compressed cache takes one
+CACHE_OPTIONS = ("kv_scoring", "kv_eviction_interval")  # options of eviction: they need one of those sizes
 
 __all__ = ["BEAM_FIELDS", "SAMPLING_FIELDS", "Strategy"]
 
@@ -47,8 +47,9 @@ class Strategy:
       ``frequency_penalty``, ``presence_penalty``, ``dry_multiplier`` and its ``dry_*`` settings;
     - beam search: ``num_beams``, ``length_normalization``, ``length_alpha``, ``length_reward``,
       ``early_stopping``;
-    - cache: ``kv_budget``, ``kv_compression_ratio`` or ``kv_memory_fraction``, ``kv_scoring``, and
-      ``kv_bits`` (a ``CompressedCache``; ``kv_bits`` alone quantizes every token).
+    - cache: ``kv_budget``, ``kv_compression_ratio`` or ``kv_memory_fraction``, ``kv_scoring``,
+      ``kv_eviction_interval``, ``kv_residual_length``, and ``kv_bits`` (a ``CompressedCache``; ``kv_bits``
+      alone quantizes every token).
 
     Values are checked on construction (a ValueError names the field, its range and the value)
     and stored as plain Python values; a Strategy is immutable and hashable.
@@ -104,10 +105,17 @@ class Strategy:
                     values["kv_budget"], values["kv_compression_ratio"], names=("kv_budget", "kv_compression_ratio")
                 )
             raise ValueError(f"give one cache size, not {' and '.join(sizes)}")
-        if "kv_scoring" in values and not sizes:
+        options = [name for name in CACHE_OPTIONS if name in values]
+        if options and not sizes:
             raise ValueError(
-                "kv_scoring applies to a compressed cache: "
+                f"{options[0]} applies to a compressed cache: "
                 "set kv_budget, kv_compression_ratio or kv_memory_fraction too"
+            )
+        quantized = values.get("kv_bits") in (4, 8) or "kv_memory_fraction" in values
+        if "kv_residual_length" in values and not quantized:
+            raise ValueError(
+                "kv_residual_length applies to keys and values stored in 8 or 4 bits: set kv_bits to 8 or 4, "
+                "or size the cache with kv_memory_fraction"
             )
         if self._do_sample is False and self._sampling_fields():
             names = ", ".join(self._sampling_fields())
@@ -231,6 +239,7 @@ class Strategy:
             cache = CompressedCache(
                 model, self.kv_budget, compression_ratio=self.kv_compression_ratio,
                 memory_fraction=self.kv_memory_fraction, kv_bits=self.kv_bits, scoring=self.kv_scoring or "attention",
+                eviction_interval=self.kv_eviction_interval, residual_length=self.kv_residual_length,
             )  # fmt: skip
         plan = GenerationPlan(processors=processors, sampling=sampling, beam=self.beam,
                               decoder_kwargs=decoder_kwargs, cache=cache)  # fmt: skip

@@ -73,6 +73,17 @@ def test_kv_budget_flag_prints_the_library_result(tiny, tiny_model_dir, capsys):
     assert out.rstrip("\n") == expected.rstrip("\n")
 
 
+def test_cache_option_flags_print_the_library_result(tiny, tiny_model_dir, capsys):
+    model, tokenizer = tiny
+    strategy = Strategy(kv_budget=40, kv_bits=4, kv_eviction_interval=3, kv_residual_length=2)
+    expected = generate_text(model, tokenizer, ["Hello there"], strategy, max_new_tokens=12)[0]
+    argv = ["generate", "Hello there", "--model", str(tiny_model_dir), "--max-new-tokens", "12", "--kv-budget", "40",
+            "--kv-bits", "4", "--kv-eviction-interval", "3", "--kv-residual-length", "2"]  # fmt: skip
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0
+    assert out.rstrip("\n") == expected.rstrip("\n")
+
+
 def test_beam_search_flags_print_the_library_result(tiny, tiny_model_dir, capsys):
     model, tokenizer = tiny
     strategy = Strategy(num_beams=3, length_normalization="gnmt", length_alpha=0.6, early_stopping="never")
@@ -107,6 +118,16 @@ def test_beam_search_flags_print_the_library_result(tiny, tiny_model_dir, capsys
         (["generate", "Hi", "--kv-budget", "8"], "--kv-budget: must be >= 36"),
         (["generate", "Hi", "--kv-ratio", "1"], "--kv-ratio: must be in [0, 1)"),
         (["generate", "Hi", "--kv-ratio", "0.5", "--kv-budget", "64"], "not allowed with argument"),
+        (["generate", "Hi", "--kv-budget", "64", "--kv-eviction-interval", "0"], "--kv-eviction-interval: must be >= 1"),
+        (["generate", "Hi", "--kv-bits", "4", "--kv-residual-length", "-1"], "--kv-residual-length: must be >= 0"),
+        (
+            ["generate", "Hi", "--kv-eviction-interval", "4"],
+            "--kv-eviction-interval applies to a compressed cache: set --kv-budget",
+        ),
+        (
+            ["generate", "Hi", "--kv-budget", "64", "--kv-residual-length", "4"],
+            "--kv-residual-length applies to keys and values stored in 8 or 4 bits: set --kv-bits",
+        ),
         (["generate", "Hi", "--model", "nobody-here/no-such-model"], "--model DIR"),
     ],
 )

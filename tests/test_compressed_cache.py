@@ -617,7 +617,8 @@ def test_decoding_steps_add_their_decayed_attention_whether_scored_at_once_or_st
             eager(following[:, step : step + 1], past_key_values=cache, position_ids=position)
         waiting = [len(layer._pending) for layer in cache.layers]
         attentions = eager(torch.cat([ids, following], dim=1), output_attentions=True).attentions
-    assert waiting == [steps - 1 if interval > 1 else 0] * len(cache.layers)  # the first step had no room yet
+    # Every step waits with an interval, the first one too: it reserved the room its scoring waits in.
+    assert waiting == [steps if interval > 1 else 0] * len(cache.layers)
     kv_heads, total = eager.config.num_key_value_heads, length + steps
     for layer, earlier, weights in zip(cache.layers, before, attentions, strict=True):
         expected = torch.cat([earlier[0], torch.zeros(kv_heads, steps)], dim=-1) * decay**steps

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import decodekit
-from decodekit.cache import CompressedCache
+from decodekit.cache import CompressedCache, joint
 from decodekit.cache.layer import CompressedLayer
 from tests.tiny import build_model
 
@@ -118,16 +118,25 @@ def test_decoding_steps_never_wait_for_the_device(fresh, case):
 def test_the_recorder_catches_a_synchronization(fresh, monkeypatch):
     """The check above can fail: a value read during eviction is caught."""
     model, tokenizer = fresh
-    keep = CompressedLayer._keep
+    keep, evict = CompressedLayer._keep, joint.evict_together
+    evictions = []
 
     def keep_and_read(self, index):
         int(index.max())  # a host read, as a careless change would add
         keep(self, index)
 
+    def evict_and_read(layers, bases, kept):
+        evictions.append(kept)
+        int(bases["_scores"].argmax())
+        evict(layers, bases, kept)
+
     monkeypatch.setattr(CompressedLayer, "_keep", keep_and_read)
-    recorder = SyncRecorder()
-    _decode(model, CompressedCache(model, budget=64), _prompt(tokenizer), steps=20, recorder=recorder)
-    assert "aten._local_scalar_dense.default" in recorder.syncs
+    monkeypatch.setattr(joint, "evict_together", evict_and_read)
+    for kwargs in ({"budget": 64}, {"budget": 64, "kv_bits": 8}):  # the layers evict together; alone
+        recorder = SyncRecorder()
+        _decode(model, CompressedCache(model, **kwargs), _prompt(tokenizer), steps=20, recorder=recorder)
+        assert "aten._local_scalar_dense.default" in recorder.syncs
+    assert evictions  # the first cache's layers evicted together, through the planted read
 
 
 def _state(cache: CompressedCache) -> list[tuple[torch.Tensor, ...]]:

@@ -39,6 +39,13 @@ def test_sampling_names_every_filter_so_model_defaults_cannot_sneak_in():
         ({"kv_budget": 8}, "kv_budget must be an integer >= 36"),
         ({"kv_compression_ratio": 1.0}, r"kv_compression_ratio must be a number in \[0, 1\)"),
         ({"kv_budget": 64, "kv_compression_ratio": 0.5}, "exactly one of kv_budget"),
+        ({"kv_budget": 64, "kv_eviction_interval": 0}, "kv_eviction_interval must be an integer >= 1"),
+        ({"kv_budget": 64, "kv_eviction_interval": 2.5}, "kv_eviction_interval must be an integer >= 1"),
+        ({"kv_eviction_interval": 4}, "kv_eviction_interval applies to a compressed cache: set kv_budget"),
+        ({"kv_bits": 4, "kv_residual_length": -1}, "kv_residual_length must be an integer >= 0"),
+        ({"kv_bits": 4, "kv_residual_length": True}, "kv_residual_length must be an integer >= 0"),
+        ({"kv_budget": 64, "kv_residual_length": 8}, "kv_residual_length applies to keys and values stored in 8 or 4"),
+        ({"kv_bits": 16, "kv_residual_length": 8}, "kv_residual_length applies to keys and values stored in 8 or 4"),
     ],
 )
 def test_bad_fields_are_named(fields, message):
@@ -112,3 +119,19 @@ def test_a_cache_strategy_builds_a_fresh_compressed_cache_per_call(tiny):
     assert first["past_key_values"].policy.budget == 64
     with pytest.raises(ValueError, match="need the model"):
         strategy.generate_kwargs()
+
+
+@pytest.mark.parametrize(
+    ("fields", "interval", "residual"),
+    [
+        ({"kv_budget": 64}, 8, None),  # the cache's own defaults
+        ({"kv_budget": 64, "kv_eviction_interval": 1}, 1, None),
+        ({"kv_budget": 64, "kv_bits": 8, "kv_eviction_interval": 5, "kv_residual_length": 0}, 5, 0),
+        ({"kv_bits": 4, "kv_residual_length": 3}, 8, 3),  # every token kept, in 4 bits
+        ({"kv_memory_fraction": 0.25, "kv_residual_length": 16}, 8, 16),
+    ],
+)
+def test_the_eviction_interval_and_residual_fields_reach_the_cache(tiny, fields, interval, residual):
+    model, _ = tiny
+    policy = Strategy(**fields).generate_kwargs(model)["past_key_values"].policy
+    assert (policy.eviction_interval, policy.residual_length) == (interval, residual)

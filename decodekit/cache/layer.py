@@ -303,8 +303,6 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             for name, entry in coded.items():
                 setattr(self, name, entry[:, :, :0])
         deferred = self._defers_scoring(new, free)
-        if not self.replaying and not deferred:
-            self.scores.mul_(self.policy.score_decay)
         if deferred and self._spare_room() >= 1:
             self._append_to_prepared_room(coded)
         else:
@@ -314,6 +312,11 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         else:
             self._add_live(new)
         self.seen += new
+        # The first decoding step after a pass of several tokens reserves the room (``_append``); its scoring can
+        # then wait like the next steps', for the next eviction.
+        deferred = deferred or (new == 1 and free is None and self._may_defer_scoring())
+        if not self.replaying and not deferred:
+            self.scores.mul_(self.policy.score_decay)  # the new entries hold 0 so far, which decays to 0
         if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
             self._remember_recent(key_states, value_states)
         keys, values = self._read(key_states, value_states, free)
