@@ -118,7 +118,10 @@ def test_beam_search_flags_print_the_library_result(tiny, tiny_model_dir, capsys
         (["generate", "Hi", "--kv-budget", "8"], "--kv-budget: must be >= 36"),
         (["generate", "Hi", "--kv-ratio", "1"], "--kv-ratio: must be in [0, 1)"),
         (["generate", "Hi", "--kv-ratio", "0.5", "--kv-budget", "64"], "not allowed with argument"),
-        (["generate", "Hi", "--kv-budget", "64", "--kv-eviction-interval", "0"], "--kv-eviction-interval: must be >= 1"),
+        (
+            ["generate", "Hi", "--kv-budget", "64", "--kv-eviction-interval", "0"],
+            "--kv-eviction-interval: must be >= 1",
+        ),
         (["generate", "Hi", "--kv-bits", "4", "--kv-residual-length", "-1"], "--kv-residual-length: must be >= 0"),
         (
             ["generate", "Hi", "--kv-eviction-interval", "4"],
