@@ -209,3 +209,37 @@ def test_rows_at_the_floor_decode_what_each_decodes_alone(four_layers, budget):
     together = model.generate(torch.cat([first, second]), past_key_values=cache, do_sample=False, max_new_tokens=12)
     assert torch.equal(together, torch.cat(alone))
     assert all(unit.kept >= 36 for unit in cache.units)  # no head goes below the sinks and the recent window
+
+
+@pytest.mark.parametrize("allocation", ["heads", "global", "uniform"])
+def test_the_prompt_pass_is_scored_only_where_its_attention_counts(four_layers, monkeypatch, allocation):
+    """Shared budgets rank by the replay alone, so the prompt's own pass is not scored (it cost as much as the
+    replay's scoring); the oracle is the same cache made to score it anyway: the same kept tokens and scores."""
+    from decodekit.cache.layer import CompressedLayer
+
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    scored = []
+    received = CompressedLayer._attention_received
+
+    def counted(self, *args, **kwargs):
+        scored.append(self.replaying)
+        return received(self, *args, **kwargs)
+
+    def prefill(**kwargs):
+        scored.clear()
+        cache = CompressedCache(model, scoring="reconstruction", allocation=allocation, reconstruction_chunk=16,
+                                compression_ratio=0.5, **kwargs)  # fmt: skip
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        return cache, list(scored)
+
+    monkeypatch.setattr(CompressedLayer, "_attention_received", counted)
+    cache, calls = prefill()
+    assert calls and all(calls) == (allocation != "uniform")  # only replay passes were scored, or the prompt too
+    monkeypatch.setattr(CompressedLayer, "awaits_replay_alone", property(lambda self: False))
+    reference, calls = prefill()
+    assert not all(calls)  # the reference scored the prompt's pass
+    for unit, expected in zip(cache.units, reference.units, strict=True):
+        assert torch.equal(unit.kept_positions(), expected.kept_positions())
+        assert torch.equal(unit.scores, expected.scores)

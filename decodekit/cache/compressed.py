@@ -335,7 +335,10 @@ class CompressedCache(Cache):
             raise ValueError(
                 "scoring='reconstruction' needs the first forward pass to receive the whole prompt's input_ids"
             )
-        attention = [layer.priority_scores() for layer in layers]  # what the prompt's own queries paid
+        # What the prompt's own queries paid, which a uniform allocation ranks by besides (the others rank by the
+        # replay alone, and left the prompt's pass unscored: ``CompressedLayer.awaits_replay_alone``).
+        uniform = self.policy.allocation not in ("global", "heads")
+        attention = [layer.priority_scores() for layer in layers] if uniform else []
         for layer in layers:
             layer.replaying = True
             layer.scores = torch.zeros_like(layer.scores)
@@ -357,7 +360,7 @@ class CompressedCache(Cache):
             for layer in layers:
                 layer.replaying = layer.deferred = False
                 layer.replay_span = layer.replay_weights = None
-        if self.policy.allocation in ("global", "heads"):
+        if not uniform:
             self._allocate()
         else:
             for layer, paid in zip(layers, attention, strict=True):

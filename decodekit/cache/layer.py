@@ -173,6 +173,13 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         """The logical length (all tokens seen), from which models derive positions."""
         return self.seen
 
+    @property
+    def awaits_replay_alone(self) -> bool:
+        """Whether the coming replay's scores will be this layer's only ones (reconstruction scoring with the
+        budget shared by layers or heads): until then, a pass's attention is not worth scoring. A uniform
+        allocation ranks by both (``CompressedCache.replay``)."""
+        return self.deferred and not self.replaying and self.policy.allocation != "uniform"
+
     def _fills_free_slot(self, query_length: int) -> bool:
         """Whether a pass of ``query_length`` tokens goes into a dead slot of every row instead of a new column."""
         return query_length == 1 and self.slots > self.live_range[1]
@@ -323,6 +330,8 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
             self._wait_for_scoring(columns, scaling, cos, sin)
             return keys, values
+        if self.awaits_replay_alone:
+            return keys, values  # the replay's scores replace anything this pass's queries would give
         received = self._attention_received(self._rotated_queries(columns, cos, sin), scaling, keys, values)
         if self.replaying:
             self.scores = torch.maximum(self.scores, received)
