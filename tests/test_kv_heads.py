@@ -243,3 +243,38 @@ def test_the_prompt_pass_is_scored_only_where_its_attention_counts(four_layers, 
     for unit, expected in zip(cache.units, reference.units, strict=True):
         assert torch.equal(unit.kept_positions(), expected.kept_positions())
         assert torch.equal(unit.scores, expected.scores)
+
+
+def test_a_layer_codes_its_heads_entries_at_once_as_each_head_would(four_layers, monkeypatch):
+    """After the prompt, a layer codes a pass's keys and values once for all its heads; the oracle is each head
+    coding its own share (the cache before): the same entries stored and the same tokens decoded."""
+    from decodekit.cache.layer import CompressedLayer
+
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    code = CompressedLayer._code
+    calls = []
+
+    def counted(self, key_states, value_states):
+        calls.append(key_states.shape[1])
+        return code(self, key_states, value_states)
+
+    def decode():
+        cache = CompressedCache(model, scoring="reconstruction", memory_fraction=0.25, reconstruction_chunk=16)
+        with torch.no_grad():
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+        return cache, out
+
+    monkeypatch.setattr(CompressedLayer, "_code", counted)
+    cache, tokens = decode()
+    kv_heads = model.config.num_key_value_heads
+    assert kv_heads in calls and set(calls) == {1, kv_heads}  # one unit's prompt; every head's later passes at once
+    original_update = CompressedLayer.update
+    monkeypatch.setattr(CompressedLayer, "update", lambda self, k, v, *a, coded=None, **kw: original_update(self, k, v))
+    calls.clear()
+    reference, expected = decode()  # each unit codes its own share (the layer's coding is made and dropped)
+    assert calls.count(1) > calls.count(kv_heads)
+    assert torch.equal(tokens, expected)
+    for unit, other in zip(cache.units, reference.units, strict=True):
+        for name in ("keys", "values", "key_scales", "key_offsets", "value_scales", "value_offsets"):
+            assert torch.equal(getattr(unit, name), getattr(other, name)), name

@@ -124,9 +124,17 @@ class HeadsLayer(DynamicLayer):
             unit.weigh_replay(inverse_hidden_norms, output_grams[index * group : (index + 1) * group])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store each head's keys and values in its unit; return the heads side by side for attention."""
+        """Store each head's keys and values in its unit; return the heads side by side for attention. Quantized
+        entries are coded for every head at once (each entry is coded on its own, so this is what each unit would
+        store), once the units know their storage dtype."""
+        first = self.units[0]
+        coded = first._code(key_states, value_states) if self.is_initialized and first.quantized else None
         parts = [
-            unit.update(key_states[:, index : index + 1], value_states[:, index : index + 1])
+            unit.update(
+                key_states[:, index : index + 1],
+                value_states[:, index : index + 1],
+                coded=None if coded is None else {name: entry[:, index : index + 1] for name, entry in coded.items()},
+            )
             for index, unit in enumerate(self.units)
         ]
         self.is_initialized = True

@@ -273,7 +273,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             return True
         return query_positions - positions < self.sliding_window
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, coded=None, **kwargs):
+        """Store a pass's keys and values (``coded``: already coded as this layer stores them, ``_code``, when the
+        caller coded several layers' at once) and score what it can; return what attention reads."""
         if self._queries is None:
             raise ValueError(
                 "this CompressedCache received keys without the queries of their forward pass: it works only "
@@ -305,7 +307,8 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
                 self.value_norms = empty.clone()
             self.positions = empty.to(torch.int32)
             self.live = empty.to(torch.bool)
-        coded = self._code(key_states, value_states)
+        if coded is None or first_pass:
+            coded = self._code(key_states, value_states)
         if first_pass:
             for name, entry in coded.items():
                 setattr(self, name, entry[:, :, :0])
