@@ -130,18 +130,22 @@ def _query_columns(module: nn.Module, projected: torch.Tensor) -> torch.Tensor:
 
 def queries_from_projection(module: nn.Module, columns: torch.Tensor) -> torch.Tensor:
     """The module's queries from the query columns of its projection (``_query_columns``),
-    ``[batch, heads, tokens, head_dim]``, before rotation."""
-    batch, length, _ = columns.shape
-    queries = columns.reshape(batch, length, -1, module.head_dim)
-    if isinstance(getattr(module, "q_norm", None), nn.Module):
-        queries = module.q_norm(queries)
-    return queries.transpose(1, 2)
+    ``[batch, heads, tokens, head_dim]``, before rotation (after the module's query norm, if it has one)."""
+    norm = getattr(module, "q_norm", None)
+    return split_heads(columns, module.head_dim, norm if isinstance(norm, nn.Module) else None)
 
 
-def split_heads(columns: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Queries ``[batch, heads, tokens, head_dim]`` from query columns ``[batch, tokens, heads * head_dim]``."""
+def split_heads(columns: torch.Tensor, head_dim: int, norm: nn.Module | None = None) -> torch.Tensor:
+    """Queries ``[batch, heads, tokens, head_dim]`` from query columns ``[batch, tokens, heads * head_dim]``, each
+    head's through ``norm`` when given.
+
+    Example:
+        >>> split_heads(torch.arange(8.0).view(1, 2, 4), head_dim=2)[0, :, 1].tolist()  # head, then token 1
+        [[4.0, 5.0], [6.0, 7.0]]
+    """
     batch, length, _ = columns.shape
-    return columns.reshape(batch, length, -1, head_dim).transpose(1, 2)
+    queries = columns.reshape(batch, length, -1, head_dim)
+    return (queries if norm is None else norm(queries)).transpose(1, 2)
 
 
 @cache
