@@ -337,7 +337,7 @@ class CompressedCache(Cache):
             )
         # What the prompt's own queries paid, which a uniform allocation ranks by besides (the others rank by the
         # replay alone, and left the prompt's pass unscored: ``CompressedLayer.awaits_replay_alone``).
-        uniform = self.policy.allocation not in ("global", "heads")
+        uniform = self.policy.allocation == "uniform"
         attention = [layer.priority_scores() for layer in layers] if uniform else []
         for layer in layers:
             layer.replaying = True
