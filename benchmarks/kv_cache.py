@@ -238,13 +238,17 @@ def quality(model, tokenizer, args) -> None:
 BYTE_SIZED = "CompressedCache memory_fraction=0.25, scoring=reconstruction"
 
 
+def byte_sized_cache(model) -> CompressedCache:
+    return CompressedCache(model, memory_fraction=0.25, scoring="reconstruction")
+
+
 def prefill_cost(model, tokenizer, args) -> None:
     ids = tokenizer(PROTOCOL_TEXTS["gpl3"][1](), add_special_tokens=False)["input_ids"][: args.prefill_tokens]
     prompt = torch.tensor([ids], device=model.device)
     candidates = {
         "DynamicCache": DynamicCache,
         "CompressedCache": lambda: CompressedCache(model, compression_ratio=0.75),
-        BYTE_SIZED: lambda: CompressedCache(model, memory_fraction=0.25, scoring="reconstruction"),
+        BYTE_SIZED: lambda: byte_sized_cache(model),
     }
     seconds: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(args.prefill_rounds):
@@ -308,7 +312,7 @@ def speed(model, tokenizer, args) -> None:
         "CompressedCache scoring=reconstruction, global": lambda: CompressedCache(
             model, budget=budget, scoring="reconstruction", allocation="global"
         ),
-        BYTE_SIZED: lambda: CompressedCache(model, memory_fraction=0.25, scoring="reconstruction"),
+        BYTE_SIZED: lambda: byte_sized_cache(model),
     }
     rates = {name: [] for name in caches}
     for _ in range(args.speed_rounds):  # interleaved, so that a slow spell of the machine hits every cache

@@ -111,7 +111,9 @@ class Strategy:
                 f"{options[0]} applies to a compressed cache: "
                 "set kv_budget, kv_compression_ratio or kv_memory_fraction too"
             )
-        quantized = values.get("kv_bits") in (4, 8) or "kv_memory_fraction" in values
+        # A size in bytes with no width stores 8 or 4 bits (``byte_sized_widths``).
+        bits = values.get("kv_bits")
+        quantized = bits in (4, 8) or (bits is None and "kv_memory_fraction" in values)
         if "kv_residual_length" in values and not quantized:
             raise ValueError(
                 "kv_residual_length applies to keys and values stored in 8 or 4 bits: set kv_bits to 8 or 4, "

@@ -46,6 +46,10 @@ def test_sampling_names_every_filter_so_model_defaults_cannot_sneak_in():
         ({"kv_bits": 4, "kv_residual_length": True}, "kv_residual_length must be an integer >= 0"),
         ({"kv_budget": 64, "kv_residual_length": 8}, "kv_residual_length applies to keys and values stored in 8 or 4"),
         ({"kv_bits": 16, "kv_residual_length": 8}, "kv_residual_length applies to keys and values stored in 8 or 4"),
+        (
+            {"kv_memory_fraction": 0.5, "kv_bits": 16, "kv_residual_length": 8},
+            "kv_residual_length applies to keys and values stored in 8 or 4",
+        ),
     ],
 )
 def test_bad_fields_are_named(fields, message):
