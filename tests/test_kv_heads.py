@@ -269,8 +269,8 @@ def test_a_layer_codes_its_heads_entries_at_once_as_each_head_would(four_layers,
     cache, tokens = decode()
     kv_heads = model.config.num_key_value_heads
     assert kv_heads in calls and set(calls) == {1, kv_heads}  # one unit's prompt; every head's later passes at once
-    original_update = CompressedLayer.update
-    monkeypatch.setattr(CompressedLayer, "update", lambda self, k, v, *a, coded=None, **kw: original_update(self, k, v))
+    original_store = CompressedLayer.store
+    monkeypatch.setattr(CompressedLayer, "store", lambda self, k, v, *, coded=None: original_store(self, k, v))
     calls.clear()
     reference, expected = decode()  # each unit codes its own share (the layer's coding is made and dropped)
     assert calls.count(1) > calls.count(kv_heads)
@@ -278,3 +278,46 @@ def test_a_layer_codes_its_heads_entries_at_once_as_each_head_would(four_layers,
     for unit, other in zip(cache.units, reference.units, strict=True):
         for name in ("keys", "values", "key_scales", "key_offsets", "value_scales", "value_offsets"):
             assert torch.equal(getattr(unit, name), getattr(other, name)), name
+
+
+def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monkeypatch):
+    """After the prompt, a quantized layer decodes every head's entries at once, into the side-by-side layout that
+    attention reads; the oracle is each head updated and decoded apart, then padded side by side (the cache
+    before): the same tokens, the same entries kept and the same scores."""
+    from decodekit.cache.heads import HeadsLayer
+
+    model, tokenizer = four_layers
+    ids = _ids(tokenizer)
+    decoded_together = []
+    together = HeadsLayer._decoded_side_by_side
+
+    def counted(self):
+        decoded_together.append(self)
+        return together(self)
+
+    def decode(memory_fraction: float, residual_length: int):
+        cache = CompressedCache(
+            model,
+            scoring="reconstruction",
+            memory_fraction=memory_fraction,
+            residual_length=residual_length,
+            reconstruction_chunk=16,
+        )
+        with torch.no_grad():
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+        return cache, out
+
+    for memory_fraction, residual_length in ((0.25, 0), (0.1, 4)):  # with and without exact recent entries
+        monkeypatch.setattr(HeadsLayer, "_decoded_side_by_side", counted)
+        decoded_together.clear()
+        cache, tokens = decode(memory_fraction, residual_length)
+        assert len(decoded_together) >= 12 * model.config.num_hidden_layers  # each decoding step, each layer
+        assert any(len({unit.slots for unit in layer.units}) > 1 for layer in cache.layers)  # heads of own lengths
+        monkeypatch.setattr(HeadsLayer, "update", HeadsLayer._update_apart)
+        reference, expected = decode(memory_fraction, residual_length)
+        monkeypatch.undo()
+        assert torch.equal(tokens, expected)
+        for layer, other in zip(cache.layers, reference.layers, strict=True):
+            for unit, apart in zip(layer.units, other.units, strict=True):
+                assert torch.equal(unit.positions, apart.positions)
+                torch.testing.assert_close(unit.scores, apart.scores, rtol=1e-5, atol=1e-7)

@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.policy import EvictionPolicy
-from decodekit.cache.storage import storage_bytes
+from decodekit.cache.storage import PARTS, storage_bytes
 
 
 class HeadsLayer(DynamicLayer):
@@ -124,17 +124,33 @@ class HeadsLayer(DynamicLayer):
             unit.weigh_replay(inverse_hidden_norms, output_grams[index * group : (index + 1) * group])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store each head's keys and values in its unit; return the heads side by side for attention. Quantized
-        entries are coded for every head at once (each entry is coded on its own, so this is what each unit would
-        store), once the units know their storage dtype."""
-        first = self.units[0]
-        coded = first._code(key_states, value_states) if self.is_initialized and first.quantized else None
+        """Store each head's keys and values in its unit; return the heads side by side for attention.
+
+        After the first pass, quantized entries are coded for every head at once (each entry is coded on its own,
+        so this is what each unit would store) and decoded for every head at once, straight into the side-by-side
+        layout, which is the one dense copy of the layer."""
+        if not (self.is_initialized and self.units[0].quantized):
+            return self._update_apart(key_states, value_states)
+        heads = range(len(self.units))
+        coded = self.units[0]._code(key_states, value_states)
+        for index, unit in zip(heads, self.units, strict=True):
+            head = slice(index, index + 1)
+            own = {name: entry[:, head] for name, entry in coded.items()}
+            done = unit.store(key_states[:, head], value_states[:, head], coded=own)
+            assert not done, "a quantized unit never reads its stored tensors as they are"
+        keys, values = self._decoded_side_by_side()
+        for index, unit in zip(heads, self.units, strict=True):
+            head, stored = slice(index, index + 1), slice(0, unit.slots)
+            unit_keys, unit_values = keys[:, head, stored], values[:, head, stored]
+            unit.write_ring(unit_keys, unit_values)
+            unit.write_pass_exact(unit_keys, unit_values, key_states[:, head], value_states[:, head])
+            unit.finish_pass(unit_keys, unit_values)
+        return keys, values
+
+    def _update_apart(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """``update`` one unit at a time (the first pass, and entries stored as they are)."""
         parts = [
-            unit.update(
-                key_states[:, index : index + 1],
-                value_states[:, index : index + 1],
-                coded=None if coded is None else {name: entry[:, index : index + 1] for name, entry in coded.items()},
-            )
+            unit.update(key_states[:, index : index + 1], value_states[:, index : index + 1])
             for index, unit in enumerate(self.units)
         ]
         self.is_initialized = True
@@ -149,6 +165,38 @@ class HeadsLayer(DynamicLayer):
             keys[:, index, : unit_keys.shape[2]] = unit_keys[:, 0]
             values[:, index, : unit_values.shape[2]] = unit_values[:, 0]
         return keys, values
+
+    def _decoded_side_by_side(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every unit's stored keys and values decoded at once to the cache's dtype, ``[batch, kv_heads, longest,
+        head_dim]``; past a unit's own entries, zeros (codes, scales and offsets of 0), which the mask hides."""
+        first = self.units[0]
+        decoded = []
+        for part in PARTS:
+            quantizer = first.quantizers[part]
+            if quantizer is None:
+                decoded.append(self._stored_side_by_side(part).to(first.dtype))
+                continue
+            prefix = part[:-1]
+            coded = {
+                "codes": self._stored_side_by_side(part),
+                "scales": self._stored_side_by_side(f"{prefix}_scales"),
+                "offsets": self._stored_side_by_side(f"{prefix}_offsets"),
+            }
+            decoded.append(quantizer.decode(coded, first.dtype))
+        return decoded[0], decoded[1]
+
+    def _stored_side_by_side(self, name: str) -> torch.Tensor:
+        """The units' stored ``name`` (``[batch, 1, slots, ...]`` each) side by side in a new tensor, each padded
+        with zeros to the longest."""
+        parts = [getattr(unit, name) for unit in self.units]
+        longest = max(part.shape[2] for part in parts)
+        if all(part.shape[2] == longest for part in parts):
+            return torch.cat(parts, dim=1)
+        first = parts[0]
+        side_by_side = first.new_zeros((first.shape[0], len(parts), longest, *first.shape[3:]))
+        for index, part in enumerate(parts):
+            side_by_side[:, index, : part.shape[2]] = part[:, 0]
+        return side_by_side
 
     def compress(self, new: int) -> None:
         for unit in self.units:

@@ -101,6 +101,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         # [batch, tokens] and each query head's output-projection Gram matrix [heads, head_dim, head_dim].
         self.replay_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
+        # Between ``store`` and ``finish_pass``: whether the pass's scoring waits, its free slots (or None) and its
+        # observed queries' columns, scaling and rotation.
+        self._stored_pass: tuple | None = None
         # Slots the last in-place eviction freed, [batch, kv_heads, n], and how many of them the next
         # tokens have taken; None when unknown (a dead slot is then searched for).
         self._freed: torch.Tensor | None = None
@@ -276,6 +279,18 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, coded=None, **kwargs):
         """Store a pass's keys and values (``coded``: already coded as this layer stores them, ``_code``, when the
         caller coded several layers' at once) and score what it can; return what attention reads."""
+        if self.store(key_states, value_states, coded=coded):
+            return self.keys, self.values
+        keys, values = self.dense()
+        self.write_pass_exact(keys, values, key_states, value_states)
+        self.finish_pass(keys, values)
+        return keys, values
+
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor, *, coded=None) -> bool:
+        """The first half of ``update``: store the pass's entries. True when the pass is done and attention reads
+        the stored tensors as they are (a decoding step between evictions); otherwise attention reads ``dense()``
+        with ``write_pass_exact``, and ``finish_pass`` scores it (a caller may make that copy itself, as
+        ``HeadsLayer`` does for all its heads at once)."""
         if self._queries is None:
             raise ValueError(
                 "this CompressedCache received keys without the queries of their forward pass: it works only "
@@ -292,7 +307,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self._add_live(new)
             self.seen += new
             self._wait_for_scoring(columns, scaling, cos, sin)
-            return self.keys, self.values
+            return True
         first_pass = not self.is_initialized
         if first_pass:
             self.lazy_initialization(key_states, value_states)
@@ -329,18 +344,23 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self.scores.mul_(self.policy.score_decay)  # the new entries hold 0 so far, which decays to 0
         if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
             self._remember_recent(key_states, value_states)
-        keys, values = self._read(key_states, value_states, free)
+        self._stored_pass = (deferred, free, columns, scaling, cos, sin)
+        return False
+
+    def finish_pass(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The second half of ``update``: score the stored pass on ``keys`` and ``values`` as attention reads them
+        (or queue its queries for the next eviction)."""
+        (deferred, _, columns, scaling, cos, sin), self._stored_pass = self._stored_pass, None
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
             self._wait_for_scoring(columns, scaling, cos, sin)
-            return keys, values
+            return
         if self.awaits_replay_alone:
-            return keys, values  # the replay's scores replace anything this pass's queries would give
+            return  # the replay's scores replace anything this pass's queries would give
         received = self._attention_received(self._rotated_queries(columns, cos, sin), scaling, keys, values)
         if self.replaying:
             self.scores = torch.maximum(self.scores, received)
         else:
             self.scores.add_(received)
-        return keys, values
 
     def _per_row(self) -> tuple[str, ...]:
         return (*self.entries, "pads", "allocated", *EXACT)

@@ -133,8 +133,13 @@ class Quantizer:
     def decode(self, coded: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The values ``coded`` stands for, in ``dtype``."""
         codes, scales, offsets = coded["codes"], coded["scales"], coded["offsets"]
-        if self.bits == 4:
-            codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
-        grouped = codes.unflatten(-1, (scales.shape[-1], -1)).to(torch.float32)
+        if self.bits == 4:  # each byte's low and high codes, written straight into the float32 entries
+            decoded = codes.new_empty((*codes.shape[:-1], 2 * codes.shape[-1]), dtype=torch.float32)
+            pairs = decoded.view(*codes.shape, 2)
+            pairs[..., 0] = codes & 15
+            pairs[..., 1] = codes >> 4
+        else:
+            decoded = codes.to(torch.float32)
+        grouped = decoded.reshape(*scales.shape, -1)  # a view, unless 8-bit codes came strided
         decoded = grouped.mul_(scales.float()[..., None]).add_(offsets.float()[..., None]).flatten(-2)
         return (rotate(decoded) if self.rotated else decoded).to(dtype)

@@ -161,12 +161,15 @@ class EntryStorage:
         self.recent_values.index_copy_(2, slots, self._in_storage_dtype(value_states[:, :, -count:]))
         self.recent_positions.index_copy_(0, slots, positions)
 
-    def _read(self, key_states: torch.Tensor, value_states: torch.Tensor, free) -> tuple[torch.Tensor, torch.Tensor]:
-        """What this pass's attention reads: the stored entries (``dense``), with the pass's own tokens exact
-        (they were stored after ``free`` slots' or after the others)."""
-        keys, values = self.dense()
+    def write_pass_exact(
+        self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
+        """Write the stored pass's own keys and values, exact, into ``keys`` and ``values`` (``dense``'s copy, or a
+        view of one, ``[batch, kv_heads, slots, head_dim]``) where they were stored: in the pass's free slots, or
+        after the other entries. Nothing to do when attention reads the stored tensors themselves."""
         if keys is self.keys:  # stored as they are
-            return keys, values
+            return
+        free = self._stored_pass[1]
         if free is None:
             new = key_states.shape[2]
             keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
@@ -174,7 +177,6 @@ class EntryStorage:
             slot = free[..., None, None].expand(-1, -1, 1, keys.shape[-1])
             keys.scatter_(2, slot, key_states)
             values.scatter_(2, slot, value_states)
-        return keys, values
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored keys and values in the cache's dtype, ``[batch, kv_heads, slots, head_dim]``, as attention
@@ -185,9 +187,15 @@ class EntryStorage:
                 return self.keys, self.values
             return self.keys.to(self.dtype), self.values.to(self.dtype)  # 16-bit storage of a 32-bit model
         keys, values = (self._decoded(part) for part in PARTS)
+        self.write_ring(keys, values)
+        return keys, values
+
+    def write_ring(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the exact copies the ring still holds into ``keys`` and ``values`` (the stored entries decoded,
+        ``[batch, kv_heads, slots, head_dim]``, or a view of them)."""
         ring = self.recent_keys.shape[2]
         if ring == 0:  # residual_length=0: every stored entry is read from its codes
-            return keys, values
+            return
         # The ring's tokens are the latest positions: find the slots of the last ``ring`` positions and, where
         # the ring still holds that position (a crop or replay may have overwritten it), read it exact.
         latest = self.positions.topk(min(ring, self.slots), dim=-1).indices  # [batch, kv_heads, ring]
@@ -199,7 +207,6 @@ class EntryStorage:
         for decoded, recent in ((keys, self.recent_keys), (values, self.recent_values)):
             exact = recent.gather(2, out_of).to(self.dtype)
             decoded.scatter_(2, into, torch.where(held, exact, decoded.gather(2, into)))
-        return keys, values
 
     def _decoded(self, part: str) -> torch.Tensor:
         """The stored ``part`` ("keys" or "values") decoded to the cache's dtype (ring aside)."""
