@@ -6,6 +6,8 @@ copies; the continuation is then scored over them in one pass. The schemes:
 
 - ``rotated`` (what ``CompressedCache`` stores): each entry turned by a Hadamard matrix, then per-token
   groups of ``--group`` channels (``Quantizer(rotated=True)``);
+- ``rotated in blocks of N``: the same, turned by a block-diagonal Hadamard matrix of N-channel blocks instead
+  of the whole entry (a turn that costs N / head_dim of the whole one's products when decoding);
 - ``plain``: per-token groups of channels as they are (``Quantizer()``);
 - ``channel magnitude``: each channel first divided by its largest size over the context (the previous
   key coding), then per-token groups;
@@ -28,11 +30,20 @@ from torch.nn import functional
 from transformers import DynamicCache
 
 from decodekit import load_model
-from decodekit.cache.quantize import Quantizer
+from decodekit.cache.quantize import Quantizer, hadamard
 
 
 def _coded(quantizer: Quantizer) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda states: quantizer.decode(quantizer.encode(states), torch.float32)
+
+
+def _rotated_in_blocks(group: int, block: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    plain = Quantizer(4, group)
+
+    def turn(states: torch.Tensor) -> torch.Tensor:
+        return (states.unflatten(-1, (-1, block)) @ hadamard(block, states.device)).flatten(-2)
+
+    return lambda states: turn(plain.decode(plain.encode(turn(states.float())), torch.float32))
 
 
 def _channel_magnitude(group: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -60,6 +71,8 @@ def schemes(group: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor] | No
     return {
         "exact": None,
         f"rotated, groups of {group}": _coded(Quantizer(4, group, rotated=True)),
+        f"rotated in blocks of 32, groups of {group}": _rotated_in_blocks(group, 32),
+        f"rotated in blocks of 16, groups of {group}": _rotated_in_blocks(group, 16),
         f"plain, groups of {group}": _coded(Quantizer(4, group)),
         f"channel magnitude, groups of {group}": _channel_magnitude(group),
         "per channel, 32-token groups": _per_channel(32),
