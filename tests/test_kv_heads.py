@@ -116,15 +116,16 @@ def test_decoding_holds_each_head_to_its_share_of_the_budget(four_layers):
         assert count - 3 <= unit.kept <= count  # between evictions, at most interval - 1 below
 
 
-@pytest.mark.parametrize("interval", [1, 8])
-def test_rows_of_a_batch_decode_what_each_decodes_alone(four_layers, interval):
+@pytest.mark.parametrize(("interval", "kv_bits"), [(1, None), (8, None), (1, 4), (8, 8)])
+def test_rows_of_a_batch_decode_what_each_decodes_alone(four_layers, interval, kv_bits):
+    """Also with quantized entries, which a layer decodes for all its heads and rows at once."""
     model, tokenizer = four_layers
     first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
     assert first.shape == second.shape
 
     def make():
         return CompressedCache(model, compression_ratio=0.6, scoring="reconstruction", allocation="heads",
-                               eviction_interval=interval)  # fmt: skip
+                               eviction_interval=interval, kv_bits=kv_bits)  # fmt: skip
 
     alone = [model.generate(ids, past_key_values=make(), do_sample=False, max_new_tokens=12) for ids in (first, second)]
     cache = make()
@@ -133,23 +134,25 @@ def test_rows_of_a_batch_decode_what_each_decodes_alone(four_layers, interval):
     assert not torch.equal(cache.units[1].allocated[0], cache.units[1].allocated[1])  # own shares
 
 
-def test_beam_search_moves_each_rows_shares_with_its_beams(four_layers):
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_beam_search_moves_each_rows_shares_with_its_beams(four_layers, kv_bits):
     model, tokenizer = four_layers
     first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
     kwargs = {"num_beams": 3, "max_new_tokens": 10, "custom_generate": beam_search, "do_sample": False}
 
     def make():
-        return CompressedCache(model, budget=48, scoring="reconstruction", allocation="heads")
+        return CompressedCache(model, budget=48, scoring="reconstruction", allocation="heads", kv_bits=kv_bits)
 
     alone = [model.generate(ids, past_key_values=make(), **kwargs) for ids in (first, second)]
     together = model.generate(torch.cat([first, second]), past_key_values=make(), **kwargs)
     assert torch.equal(together, torch.cat(alone))
 
 
-def test_crop_undoes_a_pass_over_heads_of_different_lengths(four_layers):
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_crop_undoes_a_pass_over_heads_of_different_lengths(four_layers, kv_bits):
     model, tokenizer = four_layers
     ids = _ids(tokenizer)
-    cache = _prefill(model, ids, compression_ratio=0.5)
+    cache = _prefill(model, ids, compression_ratio=0.5, kv_bits=kv_bits)
     before = [(unit.kept_positions().clone(), unit.allocated.clone()) for unit in cache.units]
     with torch.no_grad():
         model(ids[:, :5], past_key_values=cache, position_ids=torch.arange(ids.shape[1], ids.shape[1] + 5)[None])
