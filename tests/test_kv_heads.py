@@ -298,26 +298,25 @@ def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monke
         decoded_together.append(self)
         return together(self)
 
-    def decode(memory_fraction: float, residual_length: int):
-        cache = CompressedCache(
-            model,
-            scoring="reconstruction",
-            memory_fraction=memory_fraction,
-            residual_length=residual_length,
-            reconstruction_chunk=16,
-        )
+    def decode(sizes: dict):
+        cache = CompressedCache(model, scoring="reconstruction", allocation="heads", reconstruction_chunk=16, **sizes)
         with torch.no_grad():
             out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
         return cache, out
 
-    for memory_fraction, residual_length in ((0.25, 0), (0.1, 4)):  # with and without exact recent entries
+    sizes = [
+        {"memory_fraction": 0.25},
+        {"memory_fraction": 0.1, "residual_length": 4},  # with exact recent entries
+        {"budget": 40, "kv_bits": 16, "key_bits": 4},  # keys coded, values stored as they are
+    ]
+    for size in sizes:
         monkeypatch.setattr(HeadsLayer, "_decoded_side_by_side", counted)
         decoded_together.clear()
-        cache, tokens = decode(memory_fraction, residual_length)
+        cache, tokens = decode(size)
         assert len(decoded_together) >= 12 * model.config.num_hidden_layers  # each decoding step, each layer
         assert any(len({unit.slots for unit in layer.units}) > 1 for layer in cache.layers)  # heads of own lengths
         monkeypatch.setattr(HeadsLayer, "update", HeadsLayer._update_apart)
-        reference, expected = decode(memory_fraction, residual_length)
+        reference, expected = decode(size)
         monkeypatch.undo()
         assert torch.equal(tokens, expected)
         for layer, other in zip(cache.layers, reference.layers, strict=True):
