@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.policy import EvictionPolicy
-from decodekit.cache.storage import PARTS, storage_bytes
+from decodekit.cache.storage import PARTS, decoded_part, storage_bytes
 
 
 class HeadsLayer(DynamicLayer):
@@ -170,20 +170,10 @@ class HeadsLayer(DynamicLayer):
         """Every unit's stored keys and values decoded at once to the cache's dtype, ``[batch, kv_heads, longest,
         head_dim]``; past a unit's own entries, zeros (codes, scales and offsets of 0), which the mask hides."""
         first = self.units[0]
-        decoded = []
-        for part in PARTS:
-            quantizer = first.quantizers[part]
-            if quantizer is None:
-                decoded.append(self._stored_side_by_side(part).to(first.dtype))
-                continue
-            prefix = part[:-1]
-            coded = {
-                "codes": self._stored_side_by_side(part),
-                "scales": self._stored_side_by_side(f"{prefix}_scales"),
-                "offsets": self._stored_side_by_side(f"{prefix}_offsets"),
-            }
-            decoded.append(quantizer.decode(coded, first.dtype))
-        return decoded[0], decoded[1]
+        keys, values = (
+            decoded_part(part, first.quantizers[part], self._stored_side_by_side, first.dtype) for part in PARTS
+        )
+        return keys, values
 
     def _stored_side_by_side(self, name: str) -> torch.Tensor:
         """The units' stored ``name`` (``[batch, 1, slots, ...]`` each) side by side in a new tensor, each padded

@@ -276,10 +276,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             return True
         return query_positions - positions < self.sliding_window
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, coded=None, **kwargs):
-        """Store a pass's keys and values (``coded``: already coded as this layer stores them, ``_code``, when the
-        caller coded several layers' at once) and score what it can; return what attention reads."""
-        if self.store(key_states, value_states, coded=coded):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store a pass's keys and values and score what it can; return what attention reads."""
+        if self.store(key_states, value_states):
             return self.keys, self.values
         keys, values = self.dense()
         self.write_pass_exact(keys, values, key_states, value_states)
@@ -287,9 +286,10 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         return keys, values
 
     def store(self, key_states: torch.Tensor, value_states: torch.Tensor, *, coded=None) -> bool:
-        """The first half of ``update``: store the pass's entries. True when the pass is done and attention reads
-        the stored tensors as they are (a decoding step between evictions); otherwise attention reads ``dense()``
-        with ``write_pass_exact``, and ``finish_pass`` scores it (a caller may make that copy itself, as
+        """The first half of ``update``: store the pass's entries (``coded``: already coded as this layer stores
+        them, ``_code``, when the caller coded several heads' at once). True when the pass is done and attention
+        reads the stored tensors as they are (a decoding step between evictions); otherwise attention reads
+        ``dense()`` with ``write_pass_exact``, and ``finish_pass`` scores it (a caller may make that copy itself, as
         ``HeadsLayer`` does for all its heads at once)."""
         if self._queries is None:
             raise ValueError(

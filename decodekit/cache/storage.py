@@ -8,9 +8,11 @@ attributes it works on are set up in ``CompressedLayer.__init__``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+
+from decodekit.cache.quantize import Quantizer
 
 # The per-entry tensors, [batch, kv_heads, slots, ...], as stored: the bookkeeping ones are behind the properties
 # ``scores``, ``value_norms``, ``positions`` and ``live``, which bring them up to date first. A layer keeps value
@@ -88,6 +90,19 @@ def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_pos
     spare["_scores"].narrow(dim, filled, room).zero_()
     positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=spare["keys"].device)
     spare["_positions"].narrow(dim, filled, room).copy_(positions)
+
+
+def decoded_part(
+    part: str, quantizer: Quantizer | None, stored: Callable[[str], torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """``part`` ("keys" or "values") of stored entries decoded to ``dtype``, in a new tensor (the ring's exact entries
+    are written into it): ``stored(name)`` gives the stored tensor of that name (the part, and with a ``Quantizer``
+    its ``CODING`` scales and offsets); without one, the part is held as it is, in 16 bits or the model's dtype."""
+    if quantizer is None:
+        return stored(part).to(dtype, copy=True)
+    prefix = part[:-1]
+    coded = {"codes": stored(part), "scales": stored(f"{prefix}_scales"), "offsets": stored(f"{prefix}_offsets")}
+    return quantizer.decode(coded, dtype)
 
 
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
@@ -210,16 +225,7 @@ class EntryStorage:
 
     def _decoded(self, part: str) -> torch.Tensor:
         """The stored ``part`` ("keys" or "values") decoded to the cache's dtype (ring aside)."""
-        stored, quantizer = getattr(self, part), self.quantizers[part]
-        if quantizer is None:
-            return stored.to(self.dtype, copy=True)  # a copy: the ring's entries are written into it
-        prefix = part[:-1]
-        codes = {
-            "codes": stored,
-            "scales": getattr(self, f"{prefix}_scales"),
-            "offsets": getattr(self, f"{prefix}_offsets"),
-        }
-        return quantizer.decode(codes, self.dtype)
+        return decoded_part(part, self.quantizers[part], lambda name: getattr(self, name), self.dtype)
 
     def _has_spare(self) -> bool:
         """Whether the per-entry tensors are views of larger ones (spare room, possibly all used).
