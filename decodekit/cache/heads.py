@@ -131,15 +131,14 @@ class HeadsLayer(DynamicLayer):
         layout, which is the one dense copy of the layer."""
         if not (self.is_initialized and self.units[0].quantized):
             return self._update_apart(key_states, value_states)
-        heads = range(len(self.units))
         coded = self.units[0]._code(key_states, value_states)
-        for index, unit in zip(heads, self.units, strict=True):
+        for index, unit in enumerate(self.units):
             head = slice(index, index + 1)
             own = {name: entry[:, head] for name, entry in coded.items()}
             done = unit.store(key_states[:, head], value_states[:, head], coded=own)
             assert not done, "a quantized unit never reads its stored tensors as they are"
         keys, values = self._decoded_side_by_side()
-        for index, unit in zip(heads, self.units, strict=True):
+        for index, unit in enumerate(self.units):
             head, stored = slice(index, index + 1), slice(0, unit.slots)
             unit_keys, unit_values = keys[:, head, stored], values[:, head, stored]
             unit.write_ring(unit_keys, unit_values)
