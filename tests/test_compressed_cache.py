@@ -456,6 +456,23 @@ def test_binding_wraps_forward_without_hooks(fresh):
     assert torch.equal(_greedy(model, tokenizer, batch, CompressedCache(model, budget=36)), with_cache)
 
 
+def test_only_a_replaying_cache_hooks_the_model(fresh):
+    """The model's own forward gets a hook (PyTorch's slower hooked path for every call) only once a cache that
+    replays the prompt is built on it; that cache still replays, and unbind removes the hook."""
+    model, tokenizer = fresh
+    batch = _batch(tokenizer, PROMPTS[:1])
+    CompressedCache(model, budget=36)
+    assert not model._forward_hooks
+    replaying = CompressedCache(model, budget=36, scoring="reconstruction")
+    assert len(model._forward_hooks) == 1
+    CompressedCache(model, budget=36, scoring="reconstruction")
+    assert len(model._forward_hooks) == 1  # never hooked twice
+    _greedy(model, tokenizer, batch, replaying)
+    assert not replaying.awaits_replay and replaying.kept_tokens <= 36  # replayed, then evicted
+    unbind(model)
+    assert not model._forward_hooks
+
+
 def _pass_through(forward, *args, **kwargs):
     return forward(*args, **kwargs)
 

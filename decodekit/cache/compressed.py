@@ -274,7 +274,7 @@ class CompressedCache(Cache):
             replay_overlap=replay_overlap, replay_scope=replay_scope, replay_output_norms=replay_output_norms,
             residual_length=residual_length,
         )  # fmt: skip
-        modules = bind(model)
+        modules = bind(model, replays=self.policy.scoring == "reconstruction")
         if head_dim and {kv_bits, key_bits} & {4, 8}:
             Quantizer(4, kv_group_size).groups(head_dim)  # a ValueError naming kv_group_size now, not mid-pass
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}

@@ -90,6 +90,8 @@ class SharedRoom:
             if base is None:
                 return None
             bases[name] = base
+        # Where each layer's slice of each shared tensor starts: the first slice's address, a slice's size apart.
+        starts = [(name, base.data_ptr(), base.stride(0) * base.element_size()) for name, base in bases.items()]
         rotations = [(cos, sin) for _, cos, sin in first._pending]
         for layer in layers:
             alike = (
@@ -103,9 +105,8 @@ class SharedRoom:
             if not alike:
                 return None
             index, spare = layer.shared_index, layer._spare
-            for name, base in bases.items():
-                if spare[name].data_ptr() != _slice_address(base, index):
-                    return None
+            if any(spare[name].data_ptr() != start + index * step for name, start, step in starts):
+                return None
             for (_, cos, sin), (shared_cos, shared_sin) in zip(layer._pending, rotations, strict=True):
                 if cos is not shared_cos or sin is not shared_sin:
                     return None
@@ -133,29 +134,32 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
         queries = make(columns.flatten(0, 1)).unflatten(0, columns.shape[:2])
     else:
         queries = torch.stack([layer._to_queries(part) for layer, part in zip(layers, columns, strict=True)])
-    _, cos, sin = (torch.cat(parts, dim=1) for parts in zip(*first._pending, strict=True))
+    cos, sin = (torch.cat(parts, dim=1) for parts in zip(*(step[1:] for step in first._pending), strict=True))
     queries = rotate(queries, cos.unsqueeze(1), sin.unsqueeze(1))  # [layers, batch, heads, steps, head_dim]
     received = waiting_attention(queries, bases["keys"], start, first._pending_scaling, decay)
     visible = start + steps
     scores = bases["_scores"].narrow(3, 0, slots)
-    scores[..., :visible].mul_(decay**steps).add_(received)
+    torch.add(received, scores[..., :visible], alpha=decay**steps, out=scores[..., :visible])  # decayed, then added
     if "_value_norms" in bases:
         values = bases["values"].narrow(3, start, steps)
-        bases["_value_norms"].narrow(3, start, steps).copy_(values.float().norm(dim=-1))
-    positions, live = bases["_positions"].narrow(3, 0, slots), bases["_live"].narrow(3, 0, slots)
+        torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32, out=bases["_value_norms"].narrow(3, start, steps))
+    positions = bases["_positions"].narrow(3, 0, slots)
     if policy.ranks_by_value_norm:
         scores = scores * bases["_value_norms"].narrow(3, 0, slots)
     priority = protect(scores, positions, seen, policy.sink_tokens, policy.recent_tokens)
+    moved = bases
     if any(layer.live_range[0] < slots for layer in layers):  # a row holds dead slots
-        priority = torch.where(live, priority, -math.inf)
+        priority = torch.where(bases["_live"].narrow(3, 0, slots), priority, -math.inf)
+    else:  # every slot of the room is live (the unfilled ones were prepared so) and stays so: nothing to move
+        moved = {name: base for name, base in bases.items() if name != "_live"}
     index = best_in_slot_order(priority, keep)  # [layers, batch, kv_heads, keep]
     rows = slot_rows(index, bases["keys"].shape[3])  # every entry kind has the same room
-    for base in bases.values():
+    for base in moved.values():
         base.narrow(3, 0, keep).copy_(take_slots(base, index, rows))
-    prepare_room(bases, 3, keep, seen)
+    prepare_room(moved, 3, keep, seen)
     for layer in layers:
         layer._pending = []
         layer._forget_freed()
-        for name in PARTS:
+        for name in PARTS:  # the bookkeeping views follow when read (``_catch_up``)
             setattr(layer, name, layer._spare[name].narrow(2, 0, keep))
-        layer._lagging = True  # the bookkeeping views follow when read (``_catch_up``)
+        layer._lagging = True

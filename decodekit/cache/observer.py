@@ -64,18 +64,25 @@ def _query_projection(module: nn.Module) -> nn.Module:
     return projection if isinstance(projection, nn.Module) else module.qkv_proj
 
 
-def bind(model: nn.Module) -> list[nn.Module]:
-    """Wrap the forward of ``model``'s attention modules and query projections once, and hook the model's
-    own forward (for a reconstruction-scoring cache's replay); return its attention modules."""
+def bind(model: nn.Module, *, replays: bool = False) -> list[nn.Module]:
+    """Wrap the forward of ``model``'s attention modules and query projections once, and, for a cache that
+    ``replays`` the prompt (reconstruction scoring), hook the model's own forward; return its attention modules.
+
+    The model's hook is added only for such a cache: it sends every call of the model down PyTorch's hooked
+    path, about 1% of a decoding step of a small model whose steps are bound by the host, whatever the cache.
+    """
     modules = attention_modules(model)
-    if getattr(model, HOOKS_ATTRIBUTE, None) is None:
+    installed = getattr(model, HOOKS_ATTRIBUTE, None)
+    if installed is None:
         wrapped = []
         for module in modules:
             capture = partial(_capture_queries, module, _queries_maker(module))
             wrapped.append(_wrap_forward(module, partial(_observed_attention, module)))
             wrapped.append(_wrap_forward(_query_projection(module), capture))
-        handle = model.register_forward_hook(_after_model, with_kwargs=True)
-        setattr(model, HOOKS_ATTRIBUTE, (handle, [entry for entry in wrapped if entry is not None]))
+        installed = (None, [entry for entry in wrapped if entry is not None])
+    if replays and installed[0] is None:
+        installed = (model.register_forward_hook(_after_model, with_kwargs=True), installed[1])
+    setattr(model, HOOKS_ATTRIBUTE, installed)
     return modules
 
 
@@ -89,7 +96,8 @@ def unbind(model: nn.Module) -> None:
     if installed is None:
         return
     handle, wrapped = installed
-    handle.remove()
+    if handle is not None:
+        handle.remove()
     for module, previous, wrapper in wrapped:
         if module.__dict__.get("forward") is not wrapper:
             continue  # wrapped again since: ours stays inside, and the module stays marked

@@ -86,7 +86,8 @@ def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_pos
     room = spare["keys"].shape[dim] - filled
     if room <= 0:
         return
-    spare["_live"].narrow(dim, filled, room).fill_(True)
+    if "_live" in spare:  # (left out by a caller whose room is live already)
+        spare["_live"].narrow(dim, filled, room).fill_(True)
     spare["_scores"].narrow(dim, filled, room).zero_()
     positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=spare["keys"].device)
     spare["_positions"].narrow(dim, filled, room).copy_(positions)
