@@ -142,6 +142,8 @@ def _assert_within_a_step(layer, exact_keys, exact_values, *, ring_in_use: bool 
     positions = layer.positions.long().clamp(max=exact_keys.shape[2] - 1)  # dead entries may be past the end
     index = positions[..., None].expand(-1, -1, -1, keys.shape[-1])
     true_keys, true_values = exact_keys.gather(2, index), exact_values.gather(2, index)
+    if layer.reads_turned_keys:  # attention reads the keys turned, as they were coded
+        true_keys = rotate(true_keys)
     group = layer.quantizers["keys"].group_size
     key_step = layer.key_scales.float().repeat_interleave(group, -1)
     value_step = layer.value_scales.float().repeat_interleave(group, -1)
@@ -453,3 +455,61 @@ def test_a_bad_residual_length_is_refused_by_name(fresh, bad):
     model, _ = fresh
     with pytest.raises(ValueError, match="residual_length must be an integer >= 0"):
         CompressedCache(model, budget=40, kv_bits=4, residual_length=bad)
+
+
+# -- coded keys read turned -------------------------------------------------------------------------
+
+
+def _passes(model, cache, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The logits of a prefill of ``ids`` and of ``steps`` greedy decoding steps over ``cache``."""
+    logits = []
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache)
+        logits.append(out.logits[:, -1])
+        for _ in range(steps):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+            logits.append(out.logits[:, -1])
+    return logits
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "mistral-sliding", "qwen3", "gemma3"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"budget": 40, "kv_bits": 4},
+        {"budget": 40, "kv_bits": 16, "key_bits": 8, "eviction_interval": 1},
+        {"memory_fraction": 0.25, "scoring": "reconstruction"},
+    ],
+)
+def test_coded_keys_read_turned_give_what_turning_them_back_gives(family, options):
+    """Where a module's queries reach attention as its projection made them (no query norm), its coded keys are
+    read turned, as coded, and its queries are turned alike: the logits, the kept tokens and their scores are
+    those of keys turned back (the layers told not to read them turned), and no stored key is turned back."""
+    from tests.families import VOCAB, build_family_model
+
+    model = build_family_model(family)
+    ids = torch.randint(3, VOCAB, (1, 72), generator=torch.Generator().manual_seed(0))
+    turned_back = CompressedCache(model, **options)
+    for layer in turned_back.layers:
+        layer.reads_turned_keys = False
+    expected = _passes(model, turned_back, ids, steps=12)
+    cache = CompressedCache(model, **options)
+    assert all(layer.reads_turned_keys == (family not in ("qwen3", "gemma3")) for layer in cache.layers)
+    decoded = []
+    original_decode = Quantizer.decode
+
+    def recording_decode(quantizer, coded, dtype, **kwargs):
+        decoded.append(quantizer.rotated and kwargs.get("turn_back", True))
+        return original_decode(quantizer, coded, dtype, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Quantizer, "decode", recording_decode)
+        logits = _passes(model, cache, ids, steps=12)
+    for got, want in zip(logits, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    units = [unit for layer in cache.layers for unit in getattr(layer, "units", (layer,))]
+    oracle = [unit for layer in turned_back.layers for unit in getattr(layer, "units", (layer,))]
+    for unit, reference in zip(units, oracle, strict=True):
+        assert torch.equal(unit.kept_positions(), reference.kept_positions())
+        torch.testing.assert_close(unit.scores, reference.scores, atol=1e-5, rtol=1e-4)
+    assert decoded and any(decoded) == (family in ("qwen3", "gemma3"))

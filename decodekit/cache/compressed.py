@@ -14,7 +14,7 @@ from decodekit.cache.allocation import layer_counts
 from decodekit.cache.heads import HeadsLayer
 from decodekit.cache.joint import SharedRoom
 from decodekit.cache.layer import CompressedLayer
-from decodekit.cache.observer import bind
+from decodekit.cache.observer import bind, queries_can_turn
 from decodekit.cache.policy import EvictionPolicy, default_eviction_interval
 from decodekit.cache.quantize import Quantizer
 from decodekit.cache.scoring import rank_fractions
@@ -287,6 +287,11 @@ class CompressedCache(Cache):
         else:
             layers = [CompressedLayer(self.policy) for _ in modules]
         super().__init__(layers=layers)
+        # Coded keys are read turned, as coded, where the module's queries can be turned alike (one product per
+        # query instead of one per stored key at every pass).
+        keys_coded = (key_bits or kv_bits) in (4, 8)
+        for layer, module in zip(layers, modules, strict=True):
+            layer.reads_turned_keys = keys_coded and queries_can_turn(module)
 
     @property
     def units(self) -> list[CompressedLayer]:

@@ -55,6 +55,16 @@ class HeadsLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.units[0].get_seq_length()
 
+    @property
+    def reads_turned_keys(self) -> bool:
+        """Whether attention reads the heads' coded keys turned (see ``CompressedLayer.reads_turned_keys``)."""
+        return self.units[0].reads_turned_keys
+
+    @reads_turned_keys.setter
+    def reads_turned_keys(self, turned: bool) -> None:
+        for unit in self.units:
+            unit.reads_turned_keys = turned
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return max(unit.get_mask_sizes(query_length)[0] for unit in self.units), 0
 
@@ -170,8 +180,12 @@ class HeadsLayer(DynamicLayer):
         head_dim]``; past a unit's own entries, zeros (codes, scales and offsets of 0), which the mask hides."""
         first = self.units[0]
         keys, values = (
-            decoded_part(part, first.quantizers[part], self._stored_side_by_side, first.dtype) for part in PARTS
-        )
+            decoded_part(
+                part, first.quantizers[part], self._stored_side_by_side, first.dtype,
+                turned=part == "keys" and first.reads_turned_keys,
+            )
+            for part in PARTS
+        )  # fmt: skip
         return keys, values
 
     def _stored_side_by_side(self, name: str) -> torch.Tensor:

@@ -65,6 +65,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         self.quantizers = {part: Quantizer(bits, policy.kv_group_size, rotated=part == "keys") if bits in (4, 8)
                            else None for part, bits in widths.items()}  # fmt: skip
         self.quantized = any(quantizer is not None for quantizer in self.quantizers.values())
+        # Whether attention reads this layer's coded keys turned, as coded (set by the cache where the attention
+        # module's queries can be turned alike: ``rotary.turned_query_columns``), instead of turned back.
+        self.reads_turned_keys = False
         self.storage_dtype: torch.dtype | None = None  # what keys, values (or their scales) are stored in
         coding = tuple(name for name in CODING if self.quantizers[name.split("_")[0] + "s"] is not None)
         # Value norms are kept only where eviction ranks by them (not under allocation "global" or "heads").

@@ -9,6 +9,12 @@ the rows of a batch keep different tokens, the mask that hides each row's dead e
 the module runs lets the layer evict. With any other cache, or none, the wrapper calls the module's
 own ``forward`` at once and the forward pass is unchanged.
 
+Where a layer stores its keys coded and turned by a Hadamard matrix (``kv_bits`` or ``key_bits`` of 4 or 8),
+the wrapper of the query projection also hands the module query columns turned alike
+(``rotary.turned_query_columns``), so that attention reads the keys as coded, without turning every stored
+key back at every pass; scores, and so the module's output, are unchanged (a module with a query norm
+between projection and attention keeps its queries, and its keys are turned back).
+
 A wrapped ``forward`` costs one Python call; a forward hook would send every call of the module
 down PyTorch's slower hooked path, about 6% of a decoding step of a small model whose steps are
 bound by the host (``benchmarks/kv_cache.py --host-bound``).
@@ -23,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from decodekit.cache.rotary import turned_query_columns
 
 HOOKS_ATTRIBUTE = "_decodekit_compression_hooks"
 # Set on a module whose forward decodekit wrapped (so that it is never wrapped twice).
@@ -163,6 +171,12 @@ def _plain_queries(head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return partial(split_heads, head_dim=head_dim)
 
 
+def queries_can_turn(module: nn.Module) -> bool:
+    """Whether ``module``'s queries can be turned through its projection's output (``turned_query_columns``): the
+    columns become the queries as they are (no query norm between them)."""
+    return not isinstance(getattr(module, "q_norm", None), nn.Module)
+
+
 def _queries_maker(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """What turns ``module``'s query columns into its queries (``queries_from_projection``)."""
     if isinstance(getattr(module, "q_norm", None), nn.Module):
@@ -270,11 +284,20 @@ def _capture_queries(module: nn.Module, to_queries, forward, *args, **kwargs) ->
     if pending is None:
         return output
     layer, window, (cos, sin) = pending
+    if layer.reads_turned_keys:  # the layer's coded keys are read turned: turn the queries alike
+        output = _with_turned_queries(module, output, cos, sin)
     observed = output
     if window < observed.shape[1]:
         observed, cos, sin = observed[:, -window:], cos[:, -window:], sin[:, -window:]
     layer.observe(_query_columns(module, observed), to_queries, module.scaling, cos, sin)
     return output
+
+
+def _with_turned_queries(module: nn.Module, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The query projection's output with its query columns turned (``turned_query_columns``), the others kept."""
+    width = module.config.num_attention_heads * module.head_dim
+    turned = turned_query_columns(projected[..., :width], module.head_dim, cos, sin)
+    return turned if projected.shape[-1] == width else torch.cat([turned, projected[..., width:]], dim=-1)
 
 
 def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

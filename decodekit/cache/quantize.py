@@ -130,8 +130,9 @@ class Quantizer:
             codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return {"codes": codes, "scales": scales, "offsets": offsets}  # in this order
 
-    def decode(self, coded: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The values ``coded`` stands for, in ``dtype``."""
+    def decode(self, coded: dict[str, torch.Tensor], dtype: torch.dtype, *, turn_back: bool = True) -> torch.Tensor:
+        """The values ``coded`` stands for, in ``dtype``; with ``turn_back=False``, entries coded turned (``rotated``)
+        are left turned (for attention whose queries are turned alike: see ``rotary.turned_query_columns``)."""
         codes, scales, offsets = coded["codes"], coded["scales"], coded["offsets"]
         if self.bits == 4:  # each byte's low and high codes, written straight into the float32 entries
             decoded = codes.new_empty((*codes.shape[:-1], 2 * codes.shape[-1]), dtype=torch.float32)
@@ -142,4 +143,4 @@ class Quantizer:
             decoded = codes.to(torch.float32)
         grouped = decoded.reshape(*scales.shape, -1)  # a view, unless 8-bit codes came strided
         decoded = grouped.mul_(scales.float()[..., None]).add_(offsets.float()[..., None]).flatten(-2)
-        return (rotate(decoded) if self.rotated else decoded).to(dtype)
+        return (rotate(decoded) if self.rotated and turn_back else decoded).to(dtype)

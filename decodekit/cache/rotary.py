@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from decodekit.cache.quantize import rotate as turn
+
 
 def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
     """The second half of the last dimension, negated, followed by the first half."""
@@ -24,3 +26,25 @@ def rotate(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return queries * cos + rotate_half(queries) * sin
     turned, kept = queries[..., :rotary], queries[..., rotary:]
     return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
+
+
+def turned_query_columns(columns: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Query columns ``[batch, tokens, heads * head_dim]`` changed so that the attention module's own rotary
+    embedding (``cos``, ``sin``: ``[batch, tokens, rotary]``) makes of them the rotary queries turned by the
+    Hadamard matrix that coded keys are turned by (``quantize.rotate``): rotated, turned, rotated back.
+
+    Attention scores are unchanged when queries and keys are turned by the same orthonormal matrix, so a
+    layer whose queries are turned this way reads its coded keys without turning them back.
+
+    Example:
+        >>> columns, angles = torch.randn(1, 3, 8), torch.rand(1, 3, 2).repeat(1, 1, 2)  # 2 heads of 4; 3 tokens
+        >>> cos, sin = angles.cos(), angles.sin()
+        >>> rotary = lambda x: rotate(x.view(1, 3, 2, 4), cos[:, :, None], sin[:, :, None])
+        >>> torch.allclose(rotary(turned_query_columns(columns, 4, cos, sin)), turn(rotary(columns)), atol=1e-5)
+        True
+    """
+    batch, tokens, _ = columns.shape
+    queries = columns.float().view(batch, tokens, -1, head_dim)
+    cos, sin = cos.float()[:, :, None], sin.float()[:, :, None]
+    turned = turn(rotate(queries, cos, sin))
+    return rotate(turned, cos, -sin).view(batch, tokens, -1).to(columns.dtype)

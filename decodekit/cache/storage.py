@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from decodekit.cache.quantize import Quantizer
+from decodekit.cache.quantize import rotate as turn
 
 # The per-entry tensors, [batch, kv_heads, slots, ...], as stored: the bookkeeping ones are behind the properties
 # ``scores``, ``value_norms``, ``positions`` and ``live``, which bring them up to date first. A layer keeps value
@@ -94,16 +95,22 @@ def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_pos
 
 
 def decoded_part(
-    part: str, quantizer: Quantizer | None, stored: Callable[[str], torch.Tensor], dtype: torch.dtype
+    part: str,
+    quantizer: Quantizer | None,
+    stored: Callable[[str], torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    turned: bool = False,
 ) -> torch.Tensor:
     """``part`` ("keys" or "values") of stored entries decoded to ``dtype``, in a new tensor (the ring's exact entries
     are written into it): ``stored(name)`` gives the stored tensor of that name (the part, and with a ``Quantizer``
-    its ``CODING`` scales and offsets); without one, the part is held as it is, in 16 bits or the model's dtype."""
+    its ``CODING`` scales and offsets); without one, the part is held as it is, in 16 bits or the model's dtype.
+    ``turned``: coded keys are left turned, as a layer that ``reads_turned_keys`` reads them."""
     if quantizer is None:
         return stored(part).to(dtype, copy=True)
     prefix = part[:-1]
     coded = {"codes": stored(part), "scales": stored(f"{prefix}_scales"), "offsets": stored(f"{prefix}_offsets")}
-    return quantizer.decode(coded, dtype)
+    return quantizer.decode(coded, dtype, turn_back=not turned)
 
 
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
@@ -173,7 +180,7 @@ class EntryStorage:
             return
         positions = torch.arange(self.seen - count, self.seen, device=key_states.device, dtype=torch.int32)
         slots = (positions % ring).long()
-        self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(key_states[:, :, -count:]))
+        self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(self._as_read(key_states[:, :, -count:])))
         self.recent_values.index_copy_(2, slots, self._in_storage_dtype(value_states[:, :, -count:]))
         self.recent_positions.index_copy_(0, slots, positions)
 
@@ -185,7 +192,7 @@ class EntryStorage:
         after the other entries. Nothing to do when attention reads the stored tensors themselves."""
         if keys is self.keys:  # stored as they are
             return
-        free = self._stored_pass[1]
+        free, key_states = self._stored_pass[1], self._as_read(key_states)
         if free is None:
             new = key_states.shape[2]
             keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
@@ -226,7 +233,14 @@ class EntryStorage:
 
     def _decoded(self, part: str) -> torch.Tensor:
         """The stored ``part`` ("keys" or "values") decoded to the cache's dtype (ring aside)."""
-        return decoded_part(part, self.quantizers[part], lambda name: getattr(self, name), self.dtype)
+        turned = part == "keys" and self.reads_turned_keys
+        return decoded_part(part, self.quantizers[part], lambda name: getattr(self, name), self.dtype, turned=turned)
+
+    def _as_read(self, key_states: torch.Tensor) -> torch.Tensor:
+        """Exact keys as attention reads them: turned like their codes when the layer ``reads_turned_keys``."""
+        if not self.reads_turned_keys:
+            return key_states
+        return turn(key_states.float()).to(key_states.dtype)
 
     def _has_spare(self) -> bool:
         """Whether the per-entry tensors are views of larger ones (spare room, possibly all used).
