@@ -273,7 +273,9 @@ def test_a_layer_codes_its_heads_entries_at_once_as_each_head_would(four_layers,
     kv_heads = model.config.num_key_value_heads
     assert kv_heads in calls and set(calls) == {1, kv_heads}  # one unit's prompt; every head's later passes at once
     original_store = CompressedLayer.store
-    monkeypatch.setattr(CompressedLayer, "store", lambda self, k, v, *, coded=None: original_store(self, k, v))
+    monkeypatch.setattr(
+        CompressedLayer, "store", lambda self, k, v, *, coded=None, read_keys=None: original_store(self, k, v)
+    )
     calls.clear()
     reference, expected = decode()  # each unit codes its own share (the layer's coding is made and dropped)
     assert calls.count(1) > calls.count(kv_heads)

@@ -71,7 +71,10 @@ class Eviction:
         in_place = self.slots - keep_most <= 1 + slack
         if bound == 0 and in_place:
             return
-        if uniform and self._has_spare():
+        # With reserved room, the kept entries move to its front, so that the steps until the next eviction append
+        # after them; evicting at every step, the few that go are marked dead in place and the next steps take their
+        # slots (the room then serves only a target that grows).
+        if uniform and self._has_spare() and not (in_place and self.policy.eviction_interval == 1):
             if self.shared is not None:
                 self.shared.defer(self, keep_most)  # with the other layers, after the pass's last one
             else:

@@ -142,17 +142,20 @@ class HeadsLayer(DynamicLayer):
         if not (self.is_initialized and self.units[0].quantized):
             return self._update_apart(key_states, value_states)
         coded = self.units[0]._code(key_states, value_states)
+        read_keys = self.units[0]._as_read(key_states)
         for index, unit in enumerate(self.units):
             head = slice(index, index + 1)
             own = {name: entry[:, head] for name, entry in coded.items()}
-            done = unit.store(key_states[:, head], value_states[:, head], coded=own)
+            done = unit.store(key_states[:, head], value_states[:, head], coded=own, read_keys=read_keys[:, head])
             assert not done, "a quantized unit never reads its stored tensors as they are"
         keys, values = self._decoded_side_by_side()
         for index, unit in enumerate(self.units):
             head, stored = slice(index, index + 1), slice(0, unit.slots)
             unit_keys, unit_values = keys[:, head, stored], values[:, head, stored]
             unit.write_ring(unit_keys, unit_values)
-            unit.write_pass_exact(unit_keys, unit_values, key_states[:, head], value_states[:, head])
+            unit.write_pass_exact(
+                unit_keys, unit_values, key_states[:, head], value_states[:, head], read_keys=read_keys[:, head]
+            )
             unit.finish_pass(unit_keys, unit_values)
         return keys, values
 

@@ -288,9 +288,10 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         self.finish_pass(keys, values)
         return keys, values
 
-    def store(self, key_states: torch.Tensor, value_states: torch.Tensor, *, coded=None) -> bool:
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor, *, coded=None, read_keys=None) -> bool:
         """The first half of ``update``: store the pass's entries (``coded``: already coded as this layer stores
-        them, ``_code``, when the caller coded several heads' at once). True when the pass is done and attention
+        them, ``_code``, and ``read_keys``: the keys as attention reads them, ``_as_read``, when the caller made
+        those for several heads at once). True when the pass is done and attention
         reads the stored tensors as they are (a decoding step between evictions); otherwise attention reads
         ``dense()`` with ``write_pass_exact``, and ``finish_pass`` scores it (a caller may make that copy itself, as
         ``HeadsLayer`` does for all its heads at once)."""
@@ -346,7 +347,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         if not self.replaying and not deferred:
             self.scores.mul_(self.policy.score_decay)  # the new entries hold 0 so far, which decays to 0
         if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
-            self._remember_recent(key_states, value_states)
+            self._remember_recent(key_states, value_states, read_keys)
         self._stored_pass = (deferred, free, columns, scaling, cos, sin)
         return False
 

@@ -147,9 +147,11 @@ class EntryScoring:
     def _may_defer_scoring(self) -> bool:
         """Whether a decoding step appended to the spare room may leave its scoring for the next eviction: the
         layer's queries see every entry (no padding, no window, no cap, no pooling, no dead slot), it is not
-        replaying, and fewer than ``eviction_interval`` steps wait (a row under its target evicts nothing)."""
+        replaying, and fewer than ``eviction_interval`` steps wait (a row under its target evicts nothing); never
+        when evicting at every step (its room serves a growing target only)."""
         return (
-            self._spare is not None and self.pad_range[1] == 0 and self.sliding_window is None
+            self.policy.eviction_interval > 1 and self._spare is not None and self.pad_range[1] == 0
+            and self.sliding_window is None
             and self.softcap is None and self.policy.pool_kernel == 1 and not self.replaying
             and self.live_range[0] == self.keys.shape[-2] and len(self._pending) < self.policy.eviction_interval
         )  # fmt: skip

@@ -43,6 +43,23 @@ def full_cache_bytes(model: Any, tokens: int, rows: int = 1, element_size: int |
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * rows * element
 
 
+# The least room a decoding step reserves after a layer's entries when it finds none, so that a layer whose
+# target grows with the tokens seen (a ratio, a size in bytes) and evicts at every step copies its entries into
+# a larger tensor once every few steps of growth, not at every one.
+GROWTH_ROOM = 4
+
+
+def reserved_room(eviction_interval: int, grows: bool) -> int:
+    """The slots a decoding step that finds no room reserves after the stored entries, its own included: one per
+    step until the next eviction, and at least ``GROWTH_ROOM`` when the target ``grows`` with the tokens seen.
+
+    Example:
+        >>> reserved_room(8, grows=False), reserved_room(1, grows=False), reserved_room(1, grows=True)
+        (8, 1, 4)
+    """
+    return max(eviction_interval, GROWTH_ROOM) if grows else eviction_interval
+
+
 @dataclass(frozen=True)
 class EntryBytes:
     """What one layer of a compressed cache holds per row and KV head, in bytes: per kept token (keys,
@@ -100,6 +117,6 @@ def entry_bytes(
     # stored in 16 bits or fewer), and the reserved slots.
     waiting = eviction_interval * (query_heads * head_dim + 2 * head_dim) * min(stored, element) / kv_heads
     kept = sum(coded) + bookkeeping
-    reserved = (eviction_interval + 1) * kept
+    reserved = (reserved_room(eviction_interval, grows=True) + 1) * kept  # a size in bytes grows with the tokens
     padding = 32 / kv_heads  # the row's padding, a free-slot index and its allocated share (allocation="global")
     return EntryBytes(kept, ring + waiting + reserved + padding, 2 * head_dim * 2, units)

@@ -14,6 +14,7 @@ import torch
 
 from decodekit.cache.quantize import Quantizer
 from decodekit.cache.quantize import rotate as turn
+from decodekit.cache.size import reserved_room
 
 # The per-entry tensors, [batch, kv_heads, slots, ...], as stored: the bookkeeping ones are behind the properties
 # ``scores``, ``value_norms``, ``positions`` and ``live``, which bring them up to date first. A layer keeps value
@@ -172,27 +173,38 @@ class EntryStorage:
         limit = torch.finfo(dtype).max
         return states.clamp(-limit, limit).to(dtype)
 
-    def _remember_recent(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Keep the exact keys and values of the pass's last tokens (up to the ring's size) in the ring."""
+    def _remember_recent(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, read_keys: torch.Tensor | None = None
+    ) -> None:
+        """Keep the exact keys and values of the pass's last tokens (up to the ring's size) in the ring, the keys as
+        attention reads them (``read_keys`` when the caller made them already: ``_as_read``)."""
         ring = self.recent_keys.shape[2]
         count = min(key_states.shape[2], ring)
         if count == 0:  # residual_length=0: no exact copies
             return
         positions = torch.arange(self.seen - count, self.seen, device=key_states.device, dtype=torch.int32)
         slots = (positions % ring).long()
-        self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(self._as_read(key_states[:, :, -count:])))
+        last = read_keys[:, :, -count:] if read_keys is not None else self._as_read(key_states[:, :, -count:])
+        self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(last))
         self.recent_values.index_copy_(2, slots, self._in_storage_dtype(value_states[:, :, -count:]))
         self.recent_positions.index_copy_(0, slots, positions)
 
     def write_pass_exact(
-        self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *,
+        read_keys: torch.Tensor | None = None,
     ) -> None:
         """Write the stored pass's own keys and values, exact, into ``keys`` and ``values`` (``dense``'s copy, or a
         view of one, ``[batch, kv_heads, slots, head_dim]``) where they were stored: in the pass's free slots, or
-        after the other entries. Nothing to do when attention reads the stored tensors themselves."""
+        after the other entries; the keys as attention reads them (``read_keys`` when the caller made them already:
+        ``_as_read``). Nothing to do when attention reads the stored tensors themselves."""
         if keys is self.keys:  # stored as they are
             return
-        free, key_states = self._stored_pass[1], self._as_read(key_states)
+        free, key_states = self._stored_pass[1], read_keys if read_keys is not None else self._as_read(key_states)
         if free is None:
             new = key_states.shape[2]
             keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
@@ -290,9 +302,9 @@ class EntryStorage:
         """Store ``entries`` (a tensor, or one value for every new entry) after the stored ones: in spare
         room when it fits, else in new tensors.
 
-        One decoding step with ``eviction_interval > 1`` reserves room for the steps up to the next
-        eviction (never beyond ``budget + 1`` slots), so that those steps copy one entry each
-        instead of the whole layer.
+        One decoding step reserves room for the steps up to the next eviction, at least ``GROWTH_ROOM`` slots
+        when the target grows with the tokens seen (``size.reserved_room``; never beyond ``budget + 1`` slots),
+        so that those steps copy one entry each instead of the whole layer.
         """
         self._catch_up()
         new, stored = entries["keys"].shape[2], 0 if first_pass else self.slots
@@ -303,12 +315,12 @@ class EntryStorage:
                 setattr(self, name, base.narrow(2, 0, stored + new))
             return
         self._spare = None
-        interval = self.policy.eviction_interval
+        fixed = self._fixed_target()
+        room = reserved_room(self.policy.eviction_interval, grows=fixed is None)
         capacity = stored + new
-        reserve = not first_pass and new == 1 and interval > 1 and self.pad_range[1] == 0
+        reserve = not first_pass and new == 1 and room > 1 and self.pad_range[1] == 0
         if reserve:
-            capacity += interval - 1
-            fixed = self._fixed_target()
+            capacity += room - 1
             if fixed is not None:
                 capacity = max(stored + new, min(capacity, fixed + 1))
         spare = {}
