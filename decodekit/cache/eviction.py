@@ -121,7 +121,7 @@ class Eviction:
     def _set_live_counts(self, live_by_group: dict[tuple[int, Allocated | None], int]) -> None:
         """Record each group's live count, the least and most padding, and the least and most count."""
         self.live_by_group = live_by_group
-        self._quiet_steps = 0
+        self._quiet_steps = self._plain_steps = 0
         pads, counts = [group[0] for group in live_by_group], live_by_group.values()
         self.pad_range = (min(pads), max(pads)) if live_by_group else (0, 0)
         self.live_range = (min(counts), max(counts)) if live_by_group else (0, 0)

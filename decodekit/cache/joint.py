@@ -64,6 +64,8 @@ class SharedRoom:
 
     def evict_due(self) -> None:
         """Evict the waiting layers: all at once when every layer waits in the same state, else one by one."""
+        if not self._due:
+            return
         due, self._due = self._due, {}
         layers = [self.layers[index] for index in sorted(due)]
         keeps = set(due.values())

@@ -91,6 +91,11 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         # Decoding steps that cannot make any row go over its target (targets never shrink as tokens come),
         # so that ``compress`` skips them; 0 after anything that changes the counts.
         self._quiet_steps = 0
+        # Decoding steps that may still append to the prepared room with their scoring waiting, as the last such
+        # step found (``_plain_steps_left``), while ``keys`` is still the view that step made (anything that moves
+        # entries makes another); 0 after anything that changes the counts or the room.
+        self._plain_steps = 0
+        self._plain_view: torch.Tensor | None = None
         # The attention module's own shape: a sliding window (a query sees the last ``sliding_window``
         # positions only) and a logit soft cap, both None for plain causal attention.
         self.sliding_window: int | None = None
@@ -212,6 +217,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
                 raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
             self.pads = pads.to(dtype=torch.long)
             self._set_live_counts({(pads, None): 0 for pads in self.pads.unique().tolist()})
+        if query_length == 1 and self._plain_steps and self.keys is self._plain_view:
+            self._free = None  # a plain decoding step: no free slot, no mask (see ``_may_defer_scoring``)
+            return None
         free = None
         if self._fills_free_slot(query_length):
             if self._freed is not None and self._freed_taken < self._freed.shape[-1]:
@@ -305,12 +313,17 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         (columns, self._to_queries, scaling, cos, sin), free = self._queries, self._free
         self._queries = self._free = None
         batch, kv_heads, new, _ = key_states.shape
-        if new == 1 and free is None and self._has_room_for_step(key_states.dtype) and self._may_defer_scoring():
+        plain = new == 1 and free is None and self._plain_steps and self.keys is self._plain_view
+        if plain or (
+            new == 1 and free is None and self._has_room_for_step(key_states.dtype) and self._may_defer_scoring()
+        ):
             # A decoding step between evictions: store the key and value; its scoring waits.
             self._append_to_prepared_room({"keys": key_states, "values": value_states})
             self._add_live(new)
             self.seen += new
             self._wait_for_scoring(columns, scaling, cos, sin)
+            self._plain_steps = self._plain_steps - 1 if plain else self._plain_steps_left()
+            self._plain_view = self.keys
             return True
         first_pass = not self.is_initialized
         if first_pass:
@@ -350,6 +363,13 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self._remember_recent(key_states, value_states, read_keys)
         self._stored_pass = (deferred, free, columns, scaling, cos, sin)
         return False
+
+    def _plain_steps_left(self) -> int:
+        """How many of the next decoding steps may append to the prepared room with their scoring waiting, as this
+        one did, without checking again (``_may_defer_scoring``): the room left, and the steps that may still wait
+        before the next eviction."""
+        waiting = self.policy.eviction_interval - len(self._pending)
+        return max(min(self._spare["keys"].shape[2] - self.slots, waiting), 0)
 
     def finish_pass(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The second half of ``update``: score the stored pass on ``keys`` and ``values`` as attention reads them
@@ -414,6 +434,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             )
         if tokens_to_remove == 0 or not self.is_initialized:
             return
+        self._plain_steps = 0
         self._score_pending()
         self.seen = max(self.seen + tokens_to_remove, 0)
         self.live &= self.positions < self.seen

@@ -217,13 +217,14 @@ def _left_padding(attention_mask: torch.Tensor | None, batch: int, device: torch
 
 # The pass each attention module is in, per thread: (layer, observed tokens, (cos, sin)), set before the
 # module runs and taken by the wrapper of its query projection, so that the queries are not computed twice.
-_PENDING = threading.local()
+class _Passes(threading.local):
+    """Per thread, the pending passes by attention module id (a fresh dict in each thread)."""
+
+    def __init__(self) -> None:
+        self.passes: dict[int, tuple] = {}
 
 
-def _pending() -> dict[int, tuple]:
-    if not hasattr(_PENDING, "passes"):
-        _PENDING.passes = {}
-    return _PENDING.passes
+_PENDING = _Passes()
 
 
 def _observed_attention(module: nn.Module, forward, *args, **kwargs):
@@ -240,7 +241,7 @@ def _observed_attention(module: nn.Module, forward, *args, **kwargs):
     try:
         output = forward(*args, **kwargs)
     finally:
-        _pending().pop(id(module), None)  # the queries were not taken if the projection did not run
+        _PENDING.passes.pop(id(module), None)  # the queries were not taken if the projection did not run
     layer.compress(hidden_states.shape[1])
     return output
 
@@ -255,7 +256,7 @@ def _before_attention(module: nn.Module, cache, layer, hidden_states: torch.Tens
     if cache.policy.replay_output_norms and cache.replaying:
         layer.weigh_replay(1 / hidden_states.float().norm(dim=-1).clamp(min=1e-30), _output_grams(module))
     window = length if cache.policy.observation_window is None else min(length, cache.policy.observation_window)
-    _pending()[id(module)] = (layer, window, position_embeddings)
+    _PENDING.passes[id(module)] = (layer, window, position_embeddings)
     first_pass = not layer.is_initialized
     if first_pass:
         pads = _left_padding(kwargs.get("attention_mask"), batch, hidden_states.device)
@@ -279,7 +280,7 @@ def _capture_queries(module: nn.Module, to_queries, forward, *args, **kwargs) ->
     tokens' query columns, as the module's own projection made them, with their rotation; the layer turns them
     into queries (``to_queries``) when it scores, which a decoding step between evictions does not."""
     output = forward(*args, **kwargs)
-    passes = getattr(_PENDING, "passes", None)
+    passes = _PENDING.passes
     pending = passes.pop(id(module), None) if passes else None
     if pending is None:
         return output
