@@ -226,3 +226,70 @@ def test_compiled_decoding_has_one_graph_and_matches_eager(fresh, backend):
     assert cache.kept_tokens == 48 and cache.get_seq_length() == prompt.shape[1] + 200  # every step evicted
     assert after_warmup == at_end <= 2
     assert compiled == eager
+
+
+def _decode_with_interruptions(model, cache, batch, steps: int) -> torch.Tensor:
+    """Greedy decoding by hand, with between evictions: the last two tokens cropped and fed again (step 9), the
+    rows swapped as a beam reorder does (step 14), and the first layer's keys and values replaced by other tensors,
+    as an offload does, the keys changed besides (step 20). Returns the tokens."""
+    tokens, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(**batch, past_key_values=cache).logits[:, -1]
+
+        def feed(token):
+            nonlocal mask
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            positions = (mask.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+            step = {"input_ids": token, "attention_mask": mask, "position_ids": positions, "past_key_values": cache}
+            return model(**step).logits[:, -1]
+
+        for step in range(steps):
+            token = logits.argmax(dim=-1, keepdim=True)
+            tokens = torch.cat([tokens, token], dim=-1)
+            logits = feed(token)
+            if step == 9:
+                cache.crop(-2)
+                mask = mask[:, :-2]
+                for again in tokens[:, -2:].split(1, dim=-1):
+                    logits = feed(again)
+            if step == 14 and tokens.shape[0] == 2:
+                swap = torch.tensor([1, 0])
+                cache.reorder_cache(swap)
+                tokens, mask, logits = tokens[swap], mask[swap], logits[swap]
+            if step == 20:
+                first = cache.layers[0]
+                if isinstance(first, CompressedLayer):
+                    changed = first.keys + 1e-3 if first.keys.is_floating_point() else first.keys.clone()  # (or codes)
+                    first.keys, first.values = changed, first.values.clone()
+    return tokens
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plain_steps_change_nothing(fresh, monkeypatch, case):
+    """Decoding where a step between evictions skips the checks the step before it made equals decoding where
+    every step checks in full, through a crop, a beam reorder and keys replaced from outside between evictions."""
+    model, tokenizer = fresh
+    kwargs, rows, padded = CASES[case]
+    batch = _prompt(tokenizer, rows or 2, padded)
+    left = []
+    counted = CompressedLayer._plain_steps_left
+
+    def count(self):
+        left.append(counted(self))
+        return left[-1]
+
+    monkeypatch.setattr(CompressedLayer, "_plain_steps_left", count)
+    quick = CompressedCache(model, **kwargs)
+    quick_tokens = _decode_with_interruptions(model, quick, batch, steps=30)
+    takes_plain_steps = not (quick.units[0].quantized or padded or case in EVERY_STEP_EVICTS)
+    assert (max(left, default=0) > 0) == takes_plain_steps
+    monkeypatch.setattr(CompressedLayer, "_plain_steps_left", lambda self: 0)
+    full = CompressedCache(model, **kwargs)
+    full_tokens = _decode_with_interruptions(model, full, batch, steps=30)
+    assert torch.equal(quick_tokens, full_tokens)
+    for (positions, scores, keys), (positions_full, scores_full, keys_full) in zip(
+        _state(quick), _state(full), strict=True
+    ):
+        assert torch.equal(positions, positions_full)
+        torch.testing.assert_close(scores, scores_full)
+        assert torch.equal(keys, keys_full)

@@ -264,6 +264,7 @@ class EntryStorage:
         if spare is not None and not (
             _views_from_start(self.keys, spare["keys"]) and _views_from_start(self.values, spare["values"])
         ):
+            self._catch_up()  # the bookkeeping views first cover the steps appended to the room
             self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
         return spare is not None
 
