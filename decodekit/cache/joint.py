@@ -165,3 +165,6 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
         for name in PARTS:  # the bookkeeping views follow when read (``_catch_up``)
             setattr(layer, name, layer._spare[name].narrow(2, 0, keep))
         layer._lagging = True
+        # The next steps append to the room with their scoring waiting, as after any step that did (all live, none
+        # waiting, room after the kept entries): they need not check again.
+        layer._plain_steps, layer._plain_view = layer._plain_steps_left(), layer.keys
