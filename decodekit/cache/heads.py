@@ -141,8 +141,7 @@ class HeadsLayer(DynamicLayer):
         layout, which is the one dense copy of the layer."""
         if not (self.is_initialized and self.units[0].quantized):
             return self._update_apart(key_states, value_states)
-        coded = self.units[0]._code(key_states, value_states)
-        read_keys = self.units[0]._as_read(key_states)
+        coded, read_keys = self.units[0]._code(key_states, value_states)
         for index, unit in enumerate(self.units):
             head = slice(index, index + 1)
             own = {name: entry[:, head] for name, entry in coded.items()}

@@ -340,7 +340,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self.positions = empty.to(torch.int32)
             self.live = empty.to(torch.bool)
         if coded is None or first_pass:
-            coded = self._code(key_states, value_states)
+            coded, read_keys = self._code(key_states, value_states)
         if first_pass:
             for name, entry in coded.items():
                 setattr(self, name, entry[:, :, :0])
@@ -361,7 +361,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self.scores.mul_(self.policy.score_decay)  # the new entries hold 0 so far, which decays to 0
         if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
             self._remember_recent(key_states, value_states, read_keys)
-        self._stored_pass = (deferred, free, columns, scaling, cos, sin)
+        self._stored_pass = (deferred, free, columns, scaling, cos, sin, read_keys)
         return False
 
     def _plain_steps_left(self) -> int:
@@ -374,7 +374,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
     def finish_pass(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The second half of ``update``: score the stored pass on ``keys`` and ``values`` as attention reads them
         (or queue its queries for the next eviction)."""
-        (deferred, _, columns, scaling, cos, sin), self._stored_pass = self._stored_pass, None
+        (deferred, _, columns, scaling, cos, sin, _), self._stored_pass = self._stored_pass, None
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
             self._wait_for_scoring(columns, scaling, cos, sin)
             return

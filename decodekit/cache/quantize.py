@@ -114,9 +114,19 @@ class Quantizer:
     def encode(self, values: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Code ``values`` ``[..., head_dim]``: ``codes`` (uint8, two per byte at 4 bits), and ``scales`` and
         ``offsets`` ``[..., groups]`` in ``dtype`` (by default ``values``' own)."""
+        return self.encode_turned(values, dtype)[0]
+
+    def encode_turned(
+        self, values: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``encode``, and the values as coded, in float32: turned when ``rotated``."""
         dtype = dtype or values.dtype
         head_dim = values.shape[-1]
         values = rotate(values.float()) if self.rotated else values.float()
+        return self._encode_float(values, dtype, head_dim), values
+
+    def _encode_float(self, values: torch.Tensor, dtype: torch.dtype, head_dim: int) -> dict[str, torch.Tensor]:
+        """The codes, scales and offsets of ``values`` (float32, turned already when ``rotated``)."""
         grouped = values.unflatten(-1, (self.groups(head_dim), self.group_size))
         low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
         # The offset rounded down and the scale up in the storage dtype, so that the stored range still

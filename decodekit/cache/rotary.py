@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 from decodekit.cache.quantize import rotate as turn
@@ -45,6 +48,31 @@ def turned_query_columns(columns: torch.Tensor, head_dim: int, cos: torch.Tensor
     """
     batch, tokens, _ = columns.shape
     queries = columns.float().view(batch, tokens, -1, head_dim)
+    if tokens == 1:  # a decoding step: one product with the step's matrix, made once for all layers
+        turned = torch.matmul(queries, _step_turn(head_dim, cos, sin)[:, None])
+        return turned.view(batch, tokens, -1).to(columns.dtype)
+    return _turned(queries, cos, sin).view(batch, tokens, -1).to(columns.dtype)
+
+
+def _turned(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``queries`` ``[batch, tokens, heads, head_dim]`` (float32) rotated, turned and rotated back."""
     cos, sin = cos.float()[:, :, None], sin.float()[:, :, None]
-    turned = turn(rotate(queries, cos, sin))
-    return rotate(turned, cos, -sin).view(batch, tokens, -1).to(columns.dtype)
+    return rotate(turn(rotate(queries, cos, sin)), cos, -sin)
+
+
+# The last decoding step's turning matrices, with (weak references to) the rotary embedding they were made for:
+# the model hands every layer of a forward pass the same ``cos`` and ``sin`` tensors.
+_STEP_TURN = threading.local()
+
+
+def _step_turn(head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``[batch, head_dim, head_dim]``: per row, the matrix that a one-token pass's query rows (``[..., head_dim]``)
+    are multiplied by to be rotated, turned and rotated back (``_turned`` of the identity's rows)."""
+    made = getattr(_STEP_TURN, "made", None)
+    if made is not None and made[0]() is cos and made[1]() is sin and made[2].shape[-1] == head_dim:
+        return made[2]
+    batch = cos.shape[0]
+    identity = torch.eye(head_dim, device=cos.device).expand(batch, 1, head_dim, head_dim)
+    matrix = _turned(identity, cos, sin)[:, 0]  # row i: the i-th unit query rotated, turned and rotated back
+    _STEP_TURN.made = (weakref.ref(cos), weakref.ref(sin), matrix)
+    return matrix

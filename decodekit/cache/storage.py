@@ -151,19 +151,24 @@ class EntryStorage:
         self.recent_values = torch.zeros_like(self.recent_keys)
         self.recent_positions = torch.full((ring,), -1, dtype=torch.int32, device=key_states.device)
 
-    def _code(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _code(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """What a pass's keys and values store as: themselves (in 16 bits with ``kv_bits=16``), or their codes,
-        scales and offsets."""
-        coded = {}
+        scales and offsets; and the pass's keys as attention reads them (turned as coded when the layer
+        ``reads_turned_keys``, from the coding's own turn)."""
+        coded, read_keys = {}, key_states
         for part, states in zip(PARTS, (key_states, value_states), strict=True):
             quantizer = self.quantizers[part]
             if quantizer is None:
                 coded[part] = self._in_storage_dtype(states)
                 continue
-            codes = quantizer.encode(states, self.storage_dtype)
+            codes, turned = quantizer.encode_turned(states, self.storage_dtype)
+            if part == "keys" and self.reads_turned_keys:
+                read_keys = turned.to(states.dtype)
             prefix = part[:-1]
             coded[part], coded[f"{prefix}_scales"], coded[f"{prefix}_offsets"] = codes.values()
-        return coded
+        return coded, read_keys
 
     def _in_storage_dtype(self, states: torch.Tensor) -> torch.Tensor:
         """``states`` in the storage dtype; a 32-bit value beyond float16's range is held at its largest."""
@@ -185,6 +190,7 @@ class EntryStorage:
         positions = torch.arange(self.seen - count, self.seen, device=key_states.device, dtype=torch.int32)
         slots = (positions % ring).long()
         last = read_keys[:, :, -count:] if read_keys is not None else self._as_read(key_states[:, :, -count:])
+
         self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(last))
         self.recent_values.index_copy_(2, slots, self._in_storage_dtype(value_states[:, :, -count:]))
         self.recent_positions.index_copy_(0, slots, positions)
@@ -204,7 +210,9 @@ class EntryStorage:
         ``_as_read``). Nothing to do when attention reads the stored tensors themselves."""
         if keys is self.keys:  # stored as they are
             return
-        free, key_states = self._stored_pass[1], read_keys if read_keys is not None else self._as_read(key_states)
+        free, stored_read = self._stored_pass[1], self._stored_pass[6]
+        read_keys = read_keys if read_keys is not None else stored_read
+        key_states = read_keys if read_keys is not None else self._as_read(key_states)
         if free is None:
             new = key_states.shape[2]
             keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
