@@ -294,3 +294,14 @@ def test_plain_steps_change_nothing(fresh, monkeypatch, case):
         assert torch.equal(positions, positions_full)
         torch.testing.assert_close(scores, scores_full)
         assert torch.equal(keys, keys_full)
+
+
+def test_reset_lets_go_of_every_tensor(fresh):
+    """After reset no layer holds a tensor (its reserved room is freed), reset between evictions too."""
+    model, tokenizer = fresh
+    cache = CompressedCache(model, budget=64, eviction_interval=8)
+    _decode(model, cache, _prompt(tokenizer), steps=11)  # the 9th step evicted, two plain steps followed
+    assert cache.layers[0]._plain_steps > 0
+    cache.reset()
+    for layer in cache.layers:
+        assert [name for name, value in vars(layer).items() if isinstance(value, torch.Tensor)] == []

@@ -122,6 +122,7 @@ class Eviction:
         """Record each group's live count, the least and most padding, and the least and most count."""
         self.live_by_group = live_by_group
         self._quiet_steps = self._plain_steps = 0
+        self._plain_view = None  # (so that no replaced storage stays held through it)
         pads, counts = [group[0] for group in live_by_group], live_by_group.values()
         self.pad_range = (min(pads), max(pads)) if live_by_group else (0, 0)
         self.live_range = (min(counts), max(counts)) if live_by_group else (0, 0)

@@ -434,7 +434,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             )
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        self._plain_steps = 0
+        self._plain_steps, self._plain_view = 0, None
         self._score_pending()
         self.seen = max(self.seen + tokens_to_remove, 0)
         self.live &= self.positions < self.seen
