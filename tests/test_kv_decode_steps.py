@@ -146,20 +146,35 @@ def _state(cache: CompressedCache) -> list[tuple[torch.Tensor, ...]]:
     return [(layer.kept_positions(), layer.scores.clone(), layer.keys.clone()) for layer in cache.units]
 
 
+def _assert_same_state(cache: CompressedCache, reference: CompressedCache) -> None:
+    """Every unit of ``cache`` keeps the positions, scores and keys of ``reference``'s."""
+    for (positions, scores, keys), (positions_full, scores_full, keys_full) in zip(
+        _state(cache), _state(reference), strict=True
+    ):
+        assert torch.equal(positions, positions_full)
+        torch.testing.assert_close(scores, scores_full)
+        assert torch.equal(keys, keys_full)
+
+
+def _recording(monkeypatch, name: str) -> list[int]:
+    """Patch ``CompressedLayer.<name>`` to record what it returns; the list of returned values."""
+    returned, original = [], getattr(CompressedLayer, name)
+
+    def record(self):
+        returned.append(original(self))
+        return returned[-1]
+
+    monkeypatch.setattr(CompressedLayer, name, record)
+    return returned
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_skipping_quiet_steps_changes_nothing(fresh, monkeypatch, case):
     """Decoding equals decoding where every step runs the full eviction check."""
     model, tokenizer = fresh
     kwargs, rows, padded = CASES[case]
     batch = _prompt(tokenizer, rows, padded)
-    quiet = []
-    counted = CompressedLayer._steps_without_eviction
-
-    def count(self):
-        quiet.append(counted(self))
-        return quiet[-1]
-
-    monkeypatch.setattr(CompressedLayer, "_steps_without_eviction", count)
+    quiet = _recording(monkeypatch, "_steps_without_eviction")
     quick = CompressedCache(model, **kwargs)
     quick_tokens = _decode(model, quick, batch, steps=30)
     assert (max(quiet) == 0) == (case in EVERY_STEP_EVICTS)  # elsewhere steps were skipped
@@ -167,12 +182,7 @@ def test_skipping_quiet_steps_changes_nothing(fresh, monkeypatch, case):
     full = CompressedCache(model, **kwargs)
     full_tokens = _decode(model, full, batch, steps=30)
     assert torch.equal(torch.cat(quick_tokens, dim=-1), torch.cat(full_tokens, dim=-1))
-    for (positions, scores, keys), (positions_full, scores_full, keys_full) in zip(
-        _state(quick), _state(full), strict=True
-    ):
-        assert torch.equal(positions, positions_full)
-        torch.testing.assert_close(scores, scores_full)
-        assert torch.equal(keys, keys_full)
+    _assert_same_state(quick, full)
 
 
 def test_bookkeeping_read_between_evictions_covers_every_entry(fresh):
@@ -271,14 +281,7 @@ def test_plain_steps_change_nothing(fresh, monkeypatch, case):
     model, tokenizer = fresh
     kwargs, rows, padded = CASES[case]
     batch = _prompt(tokenizer, rows or 2, padded)
-    left = []
-    counted = CompressedLayer._plain_steps_left
-
-    def count(self):
-        left.append(counted(self))
-        return left[-1]
-
-    monkeypatch.setattr(CompressedLayer, "_plain_steps_left", count)
+    left = _recording(monkeypatch, "_plain_steps_left")
     quick = CompressedCache(model, **kwargs)
     quick_tokens = _decode_with_interruptions(model, quick, batch, steps=30)
     # (at the budget's floor, the one step after each eviction appends to the room it left)
@@ -288,12 +291,7 @@ def test_plain_steps_change_nothing(fresh, monkeypatch, case):
     full = CompressedCache(model, **kwargs)
     full_tokens = _decode_with_interruptions(model, full, batch, steps=30)
     assert torch.equal(quick_tokens, full_tokens)
-    for (positions, scores, keys), (positions_full, scores_full, keys_full) in zip(
-        _state(quick), _state(full), strict=True
-    ):
-        assert torch.equal(positions, positions_full)
-        torch.testing.assert_close(scores, scores_full)
-        assert torch.equal(keys, keys_full)
+    _assert_same_state(quick, full)
 
 
 def test_reset_lets_go_of_every_tensor(fresh):
