@@ -152,9 +152,7 @@ class HeadsLayer(DynamicLayer):
             head, stored = slice(index, index + 1), slice(0, unit.slots)
             unit_keys, unit_values = keys[:, head, stored], values[:, head, stored]
             unit.write_ring(unit_keys, unit_values)
-            unit.write_pass_exact(
-                unit_keys, unit_values, key_states[:, head], value_states[:, head], read_keys=read_keys[:, head]
-            )
+            unit.write_pass_exact(unit_keys, unit_values)
             unit.finish_pass(unit_keys, unit_values)
         return keys, values
 

@@ -109,8 +109,8 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         # [batch, tokens] and each query head's output-projection Gram matrix [heads, head_dim, head_dim].
         self.replay_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
-        # Between ``store`` and ``finish_pass``: whether the pass's scoring waits, its free slots (or None) and its
-        # observed queries' columns, scaling and rotation.
+        # Between ``store`` and ``finish_pass``: whether the pass's scoring waits, its free slots (or None), its
+        # observed queries' columns, scaling and rotation, and its own keys (as attention reads them) and values.
         self._stored_pass: tuple | None = None
         # Slots the last in-place eviction freed, [batch, kv_heads, n], and how many of them the next
         # tokens have taken; None when unknown (a dead slot is then searched for).
@@ -292,7 +292,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         if self.store(key_states, value_states):
             return self.keys, self.values
         keys, values = self.dense()
-        self.write_pass_exact(keys, values, key_states, value_states)
+        self.write_pass_exact(keys, values)
         self.finish_pass(keys, values)
         return keys, values
 
@@ -341,6 +341,8 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self.live = empty.to(torch.bool)
         if coded is None or first_pass:
             coded, read_keys = self._code(key_states, value_states)
+        elif read_keys is None:
+            read_keys = self._as_read(key_states)
         if first_pass:
             for name, entry in coded.items():
                 setattr(self, name, entry[:, :, :0])
@@ -360,8 +362,8 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         if not self.replaying and not deferred:
             self.scores.mul_(self.policy.score_decay)  # the new entries hold 0 so far, which decays to 0
         if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
-            self._remember_recent(key_states, value_states, read_keys)
-        self._stored_pass = (deferred, free, columns, scaling, cos, sin, read_keys)
+            self._remember_recent(read_keys, value_states)
+        self._stored_pass = (deferred, free, columns, scaling, cos, sin, read_keys, value_states)
         return False
 
     def _plain_steps_left(self) -> int:
@@ -374,7 +376,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
     def finish_pass(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The second half of ``update``: score the stored pass on ``keys`` and ``values`` as attention reads them
         (or queue its queries for the next eviction)."""
-        (deferred, _, columns, scaling, cos, sin, _), self._stored_pass = self._stored_pass, None
+        (deferred, _, columns, scaling, cos, sin, _, _), self._stored_pass = self._stored_pass, None
         if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
             self._wait_for_scoring(columns, scaling, cos, sin)
             return
@@ -434,7 +436,6 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             )
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        self._plain_steps, self._plain_view = 0, None
         self._score_pending()
         self.seen = max(self.seen + tokens_to_remove, 0)
         self.live &= self.positions < self.seen

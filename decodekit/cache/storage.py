@@ -178,41 +178,27 @@ class EntryStorage:
         limit = torch.finfo(dtype).max
         return states.clamp(-limit, limit).to(dtype)
 
-    def _remember_recent(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, read_keys: torch.Tensor | None = None
-    ) -> None:
-        """Keep the exact keys and values of the pass's last tokens (up to the ring's size) in the ring, the keys as
-        attention reads them (``read_keys`` when the caller made them already: ``_as_read``)."""
+    def _remember_recent(self, read_keys: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Keep the exact keys (as attention reads them: ``_as_read``) and values of the pass's last tokens (up to
+        the ring's size) in the ring."""
         ring = self.recent_keys.shape[2]
-        count = min(key_states.shape[2], ring)
+        count = min(read_keys.shape[2], ring)
         if count == 0:  # residual_length=0: no exact copies
             return
-        positions = torch.arange(self.seen - count, self.seen, device=key_states.device, dtype=torch.int32)
+        positions = torch.arange(self.seen - count, self.seen, device=read_keys.device, dtype=torch.int32)
         slots = (positions % ring).long()
-        last = read_keys[:, :, -count:] if read_keys is not None else self._as_read(key_states[:, :, -count:])
-
-        self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(last))
+        self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(read_keys[:, :, -count:]))
         self.recent_values.index_copy_(2, slots, self._in_storage_dtype(value_states[:, :, -count:]))
         self.recent_positions.index_copy_(0, slots, positions)
 
-    def write_pass_exact(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        *,
-        read_keys: torch.Tensor | None = None,
-    ) -> None:
-        """Write the stored pass's own keys and values, exact, into ``keys`` and ``values`` (``dense``'s copy, or a
-        view of one, ``[batch, kv_heads, slots, head_dim]``) where they were stored: in the pass's free slots, or
-        after the other entries; the keys as attention reads them (``read_keys`` when the caller made them already:
-        ``_as_read``). Nothing to do when attention reads the stored tensors themselves."""
+    def write_pass_exact(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the stored pass's own keys (as attention reads them) and values, exact, into ``keys`` and ``values``
+        (``dense``'s copy, or a view of one, ``[batch, kv_heads, slots, head_dim]``) where they were stored: in the
+        pass's free slots, or after the other entries. Nothing to do when attention reads the stored tensors
+        themselves."""
         if keys is self.keys:  # stored as they are
             return
-        free, stored_read = self._stored_pass[1], self._stored_pass[6]
-        read_keys = read_keys if read_keys is not None else stored_read
-        key_states = read_keys if read_keys is not None else self._as_read(key_states)
+        free, key_states, value_states = self._stored_pass[1], *self._stored_pass[6:]
         if free is None:
             new = key_states.shape[2]
             keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
