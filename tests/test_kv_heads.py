@@ -296,9 +296,9 @@ def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monke
     decoded_together = []
     together = HeadsLayer._decoded_side_by_side
 
-    def counted(self):
+    def counted(self, head_dim):
         decoded_together.append(self)
-        return together(self)
+        return together(self, head_dim)
 
     def decode(sizes: dict):
         cache = CompressedCache(model, scoring="reconstruction", allocation="heads", reconstruction_chunk=16, **sizes)

@@ -66,6 +66,30 @@ def test_decoding_errs_by_at_most_half_a_step(bits, dtype):
     assert torch.isfinite(decoded).all()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("little_endian", [True, False])
+def test_every_decoding_path_gives_offset_plus_code_times_scale(monkeypatch, bits, dtype, little_endian):
+    """Decoding into a new tensor, in place into a view of a wider one (float32) or through a copy (bf16), and
+    the byte-order fallback of 4-bit unpacking all give offset + code * scale, worked out from the codes by hand."""
+    monkeypatch.setattr("decodekit.cache.quantize._LITTLE_ENDIAN", little_endian)
+    generator = torch.Generator().manual_seed(bits)
+    values = torch.randn(2, 3, 20, 64, generator=generator)
+    quantizer = Quantizer(bits=bits, group_size=16)
+    coded = quantizer.encode(values)
+    codes = coded["codes"].long()
+    if bits == 4:  # channel 2i in the low half of byte i, 2i + 1 in the high half
+        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+    expected = coded["offsets"].repeat_interleave(16, -1) + codes * coded["scales"].repeat_interleave(16, -1)
+    expected = expected.to(dtype)
+    wider = torch.full((2, 5, 24, 64), float("nan"), dtype=dtype)
+    into = wider[:, 1:4, 2:22]  # a view whose rows are not contiguous with each other
+    assert quantizer.decode(coded, dtype, out=into) is into
+    torch.testing.assert_close(quantizer.decode(coded, dtype), expected, rtol=0, atol=0)
+    torch.testing.assert_close(into, expected, rtol=0, atol=0)
+    assert wider[:, 0].isnan().all() and wider[:, 1:4, :2].isnan().all()  # nothing written outside the view
+
+
 def test_a_constant_group_decodes_exactly():
     values = torch.full((2, 32), -1.5)
     quantizer = Quantizer(bits=4, group_size=32)

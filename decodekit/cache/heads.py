@@ -10,6 +10,7 @@ mask hides: that dense copy exists for one layer's attention call at a time and 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -147,7 +148,7 @@ class HeadsLayer(DynamicLayer):
             own = {name: entry[:, head] for name, entry in coded.items()}
             done = unit.store(key_states[:, head], value_states[:, head], coded=own, read_keys=read_keys[:, head])
             assert not done, "a quantized unit never reads its stored tensors as they are"
-        keys, values = self._decoded_side_by_side()
+        keys, values = self._decoded_side_by_side(key_states.shape[-1])
         for index, unit in enumerate(self.units):
             head, stored = slice(index, index + 1), slice(0, unit.slots)
             unit_keys, unit_values = keys[:, head, stored], values[:, head, stored]
@@ -175,31 +176,23 @@ class HeadsLayer(DynamicLayer):
             values[:, index, : unit_values.shape[2]] = unit_values[:, 0]
         return keys, values
 
-    def _decoded_side_by_side(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every unit's stored keys and values decoded at once to the cache's dtype, ``[batch, kv_heads, longest,
-        head_dim]``; past a unit's own entries, zeros (codes, scales and offsets of 0), which the mask hides."""
+    def _decoded_side_by_side(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every unit's stored keys and values decoded to the cache's dtype, each straight into its head's place in
+        ``[batch, kv_heads, longest, head_dim]``; past a unit's own entries, zeros, which the mask hides."""
         first = self.units[0]
-        keys, values = (
-            decoded_part(
-                part, first.quantizers[part], self._stored_side_by_side, first.dtype,
-                turned=part == "keys" and first.reads_turned_keys,
-            )
-            for part in PARTS
-        )  # fmt: skip
+        lengths = [unit.slots for unit in self.units]
+        longest = max(lengths)
+        shape = (first.keys.shape[0], len(self.units), longest, head_dim)
+        keys, values = (first.keys.new_empty(shape, dtype=first.dtype) for _ in PARTS)
+        for part, side_by_side in zip(PARTS, (keys, values), strict=True):
+            quantizer, turned = first.quantizers[part], part == "keys" and first.reads_turned_keys
+            for index, (unit, length) in enumerate(zip(self.units, lengths, strict=True)):
+                head = side_by_side[:, index : index + 1]
+                stored = partial(getattr, unit)
+                decoded_part(part, quantizer, stored, first.dtype, turned=turned, out=head[:, :, :length])
+                if length < longest:
+                    head[:, :, length:].zero_()
         return keys, values
-
-    def _stored_side_by_side(self, name: str) -> torch.Tensor:
-        """The units' stored ``name`` (``[batch, 1, slots, ...]`` each) side by side in a new tensor, each padded
-        with zeros to the longest."""
-        parts = [getattr(unit, name) for unit in self.units]
-        longest = max(part.shape[2] for part in parts)
-        if all(part.shape[2] == longest for part in parts):
-            return torch.cat(parts, dim=1)
-        first = parts[0]
-        side_by_side = first.new_zeros((first.shape[0], len(parts), longest, *first.shape[3:]))
-        for index, part in enumerate(parts):
-            side_by_side[:, index, : part.shape[2]] = part[:, 0]
-        return side_by_side
 
     def compress(self, new: int) -> None:
         for unit in self.units:

@@ -17,6 +17,7 @@ group's range and rounding a code is the only error: at most half a step, ``scal
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -24,6 +25,8 @@ import torch
 
 from decodekit._validation import check_int
 from decodekit.settings import KV_BITS  # noqa: F401  (16: the entries themselves, in a 16-bit dtype)
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _rounded(values: torch.Tensor, dtype: torch.dtype, toward: float) -> torch.Tensor:
@@ -140,17 +143,52 @@ class Quantizer:
             codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return {"codes": codes, "scales": scales, "offsets": offsets}  # in this order
 
-    def decode(self, coded: dict[str, torch.Tensor], dtype: torch.dtype, *, turn_back: bool = True) -> torch.Tensor:
+    def decode(
+        self,
+        coded: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        *,
+        turn_back: bool = True,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The values ``coded`` stands for, in ``dtype``; with ``turn_back=False``, entries coded turned (``rotated``)
-        are left turned (for attention whose queries are turned alike: see ``rotary.turned_query_columns``)."""
+        are left turned (for attention whose queries are turned alike: see ``rotary.turned_query_columns``).
+
+        ``out``: a tensor of the decoded shape and ``dtype`` (or a view of one) to write them into; a float32 ``out``
+        is decoded in place, with no tensor of the decoded size made beside it."""
         codes, scales, offsets = coded["codes"], coded["scales"], coded["offsets"]
-        if self.bits == 4:  # each byte's low and high codes, written straight into the float32 entries
-            decoded = codes.new_empty((*codes.shape[:-1], 2 * codes.shape[-1]), dtype=torch.float32)
-            pairs = decoded.view(*codes.shape, 2)
+        turns = self.rotated and turn_back
+        in_place = out is not None and out.dtype == torch.float32 and not turns
+        decoded = out if in_place else codes.new_empty((*scales.shape[:-1], self._width(codes)), dtype=torch.float32)
+        self._unpack(codes, decoded)
+        grouped = decoded.view(*scales.shape, -1)
+        grouped.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
+        if turns:
+            decoded = rotate(decoded)
+        if in_place:
+            return out
+        if out is not None:
+            return out.copy_(decoded)
+        return decoded.to(dtype)
+
+    def _width(self, codes: torch.Tensor) -> int:
+        """Channels per entry of ``codes`` (two per byte at 4 bits)."""
+        return codes.shape[-1] * (2 if self.bits == 4 else 1)
+
+    def _unpack(self, codes: torch.Tensor, target: torch.Tensor) -> None:
+        """Write the integer codes into ``target`` (float, ``[..., head_dim]``, its last dimension contiguous).
+
+        At 4 bits each byte holds channel ``2i`` in its low half and ``2i + 1`` in its high half: widened to 16 bits
+        and spread as ``low | high << 8``, its two bytes are the two codes in channel order (on a little-endian
+        host), and a single conversion writes them."""
+        if self.bits == 8:
+            target.copy_(codes)
+        elif _LITTLE_ENDIAN:
+            wide = codes.to(torch.int16)
+            spread = wide << 4
+            spread.bitwise_or_(wide).bitwise_and_(0x0F0F)  # bits 0-3: the low code; bits 8-11: the high one
+            target.copy_(spread.view(torch.uint8))
+        else:
+            pairs = target.view(*codes.shape, 2)
             pairs[..., 0] = codes & 15
             pairs[..., 1] = codes >> 4
-        else:
-            decoded = codes.to(torch.float32)
-        grouped = decoded.reshape(*scales.shape, -1)  # a view, unless 8-bit codes came strided
-        decoded = grouped.mul_(scales.float()[..., None]).add_(offsets.float()[..., None]).flatten(-2)
-        return (rotate(decoded) if self.rotated and turn_back else decoded).to(dtype)

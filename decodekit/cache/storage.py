@@ -102,16 +102,18 @@ def decoded_part(
     dtype: torch.dtype,
     *,
     turned: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``part`` ("keys" or "values") of stored entries decoded to ``dtype``, in a new tensor (the ring's exact entries
-    are written into it): ``stored(name)`` gives the stored tensor of that name (the part, and with a ``Quantizer``
-    its ``CODING`` scales and offsets); without one, the part is held as it is, in 16 bits or the model's dtype.
+    """``part`` ("keys" or "values") of stored entries decoded to ``dtype``, in a new tensor or into ``out`` (a
+    tensor of that shape and dtype, or a view of one; the ring's exact entries are written into it afterwards):
+    ``stored(name)`` gives the stored tensor of that name (the part, and with a ``Quantizer`` its ``CODING``
+    scales and offsets); without one, the part is held as it is, in 16 bits or the model's dtype.
     ``turned``: coded keys are left turned, as a layer that ``reads_turned_keys`` reads them."""
     if quantizer is None:
-        return stored(part).to(dtype, copy=True)
+        return stored(part).to(dtype, copy=True) if out is None else out.copy_(stored(part))
     prefix = part[:-1]
     coded = {"codes": stored(part), "scales": stored(f"{prefix}_scales"), "offsets": stored(f"{prefix}_offsets")}
-    return quantizer.decode(coded, dtype, turn_back=not turned)
+    return quantizer.decode(coded, dtype, turn_back=not turned, out=out)
 
 
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
