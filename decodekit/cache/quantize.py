@@ -124,9 +124,32 @@ class Quantizer:
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """``encode``, and the values as coded, in float32: turned when ``rotated``."""
         dtype = dtype or values.dtype
-        head_dim = values.shape[-1]
-        values = rotate(values.float()) if self.rotated else values.float()
-        return self._encode_float(values, dtype, head_dim), values
+        turned = self.as_coded(values)
+        return self._encode_float(turned, dtype, values.shape[-1]), turned
+
+    def as_coded(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` as this quantizer codes them: in float32, turned when ``rotated``."""
+        return rotate(values.float()) if self.rotated else values.float()
+
+    def groups_like(self, other: Quantizer) -> bool:
+        """Whether ``other`` codes in the same width and groups (a turn aside): ``encode_together`` may take both."""
+        return (self.bits, self.group_size) == (other.bits, other.group_size)
+
+    def encode_together(self, parts: list[torch.Tensor], dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+        """The codes of each of ``parts`` (float32 ``[n_i, ..., head_dim]``, the same trailing shape, each already
+        ``as_coded`` by a quantizer of this width and group size), made in one coding pass: entries are coded each
+        on its own, so this is what coding them apart gives, in a third of the operators for two parts.
+
+        Example:
+            >>> keys, values = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+            >>> together = Quantizer(4).encode_together([keys, values], torch.float32)
+            >>> all(torch.equal(together[1][name], Quantizer(4).encode(values)[name]) for name in together[1])
+            True
+        """
+        coded = self._encode_float(torch.cat(parts), dtype, parts[0].shape[-1])
+        sizes = [part.shape[0] for part in parts]
+        split = {name: torch.split(tensor, sizes) for name, tensor in coded.items()}
+        return [{name: pieces[index] for name, pieces in split.items()} for index in range(len(parts))]
 
     def _encode_float(self, values: torch.Tensor, dtype: torch.dtype, head_dim: int) -> dict[str, torch.Tensor]:
         """The codes, scales and offsets of ``values`` (float32, turned already when ``rotated``)."""

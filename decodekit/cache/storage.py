@@ -160,17 +160,27 @@ class EntryStorage:
         scales and offsets; and the pass's keys as attention reads them (turned as coded when the layer
         ``reads_turned_keys``, from the coding's own turn)."""
         coded, read_keys = {}, key_states
-        for part, states in zip(PARTS, (key_states, value_states), strict=True):
-            quantizer = self.quantizers[part]
-            if quantizer is None:
+        pass_states = (key_states, value_states)
+        for part, states, codes in zip(PARTS, pass_states, self._encoded(*pass_states), strict=True):
+            if codes is None:
                 coded[part] = self._in_storage_dtype(states)
                 continue
-            codes, turned = quantizer.encode_turned(states, self.storage_dtype)
+            codes, turned = codes
             if part == "keys" and self.reads_turned_keys:
                 read_keys = turned.to(states.dtype)
             prefix = part[:-1]
             coded[part], coded[f"{prefix}_scales"], coded[f"{prefix}_offsets"] = codes.values()
         return coded, read_keys
+
+    def _encoded(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple | None]:
+        """Per part, its codes and the states as coded (``Quantizer.encode_turned``), or None where the part is
+        stored as it is. Keys and values coded alike (but for the keys' turn) are coded in one pass."""
+        keys_coding, values_coding = (self.quantizers[part] for part in PARTS)
+        if keys_coding is None or values_coding is None or not keys_coding.groups_like(values_coding):
+            return [None if quantizer is None else quantizer.encode_turned(states, self.storage_dtype)
+                    for quantizer, states in ((keys_coding, key_states), (values_coding, value_states))]  # fmt: skip
+        turned = [keys_coding.as_coded(key_states), values_coding.as_coded(value_states)]
+        return list(zip(values_coding.encode_together(turned, self.storage_dtype), turned, strict=True))
 
     def _in_storage_dtype(self, states: torch.Tensor) -> torch.Tensor:
         """``states`` in the storage dtype; a 32-bit value beyond float16's range is held at its largest."""
