@@ -287,8 +287,9 @@ def test_a_layer_codes_its_heads_entries_at_once_as_each_head_would(four_layers,
 
 def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monkeypatch):
     """After the prompt, a quantized layer decodes every head's entries at once, into the side-by-side layout that
-    attention reads; the oracle is each head updated and decoded apart, then padded side by side (the cache
-    before): the same tokens, the same entries kept and the same scores."""
+    attention reads, and scores a step's token for every head at once where none waits; the oracle is each head
+    updated, decoded and scored apart, then padded side by side (the cache before): the same tokens, the same
+    entries kept and the same scores."""
     from decodekit.cache.heads import HeadsLayer
 
     model, tokenizer = four_layers
@@ -299,6 +300,14 @@ def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monke
     def counted(self, head_dim):
         decoded_together.append(self)
         return together(self, head_dim)
+
+    scored_together = []
+    score_together = HeadsLayer._score_step_together
+
+    def counted_scoring(self, keys):
+        done = score_together(self, keys)
+        scored_together.append(done)
+        return done
 
     def decode(sizes: dict):
         cache = CompressedCache(model, scoring="reconstruction", allocation="heads", reconstruction_chunk=16, **sizes)
@@ -313,9 +322,13 @@ def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monke
     ]
     for size in sizes:
         monkeypatch.setattr(HeadsLayer, "_decoded_side_by_side", counted)
+        monkeypatch.setattr(HeadsLayer, "_score_step_together", counted_scoring)
         decoded_together.clear()
+        scored_together.clear()
         cache, tokens = decode(size)
         assert len(decoded_together) >= 12 * model.config.num_hidden_layers  # each decoding step, each layer
+        if "memory_fraction" in size:  # a byte size evicts at every step: no step's scoring waits
+            assert scored_together.count(True) >= 11 * model.config.num_hidden_layers
         assert any(len({unit.slots for unit in layer.units}) > 1 for layer in cache.layers)  # heads of own lengths
         monkeypatch.setattr(HeadsLayer, "update", HeadsLayer._update_apart)
         reference, expected = decode(size)

@@ -9,6 +9,7 @@ mask hides: that dense copy exists for one layer's attention call at a time and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -36,6 +37,10 @@ class HeadsLayer(DynamicLayer):
         self.policy = policy
         self.units = [CompressedLayer(policy) for _ in range(kv_heads)]
         self._lengths: list[int] = []  # each unit's keys in the coming pass (its ``get_mask_sizes``)
+        # The coming pass's visibility, ``[batch, kv_heads, queries, longest]`` (None: everything stored), and its
+        # observed query columns for every head: what scoring all heads at once needs.
+        self._visible: torch.Tensor | None = None
+        self._columns: torch.Tensor | None = None
 
     # -- what the units share ------------------------------------------------------------------------
 
@@ -88,7 +93,8 @@ class HeadsLayer(DynamicLayer):
         else:
             masks = [unit.begin_pass(query_length) for unit in self.units]
         self._lengths = [unit.get_mask_sizes(query_length)[0] for unit in self.units]
-        return None if first_pass else self._layer_mask(query_length, masks)
+        self._visible = None if first_pass else self._layer_mask(query_length, masks)
+        return self._visible
 
     def pass_mask(self, query_length: int, *, plain: bool = False) -> torch.Tensor | None:
         """The layer's mask for the coming pass (see ``CompressedLayer.pass_mask``)."""
@@ -124,6 +130,7 @@ class HeadsLayer(DynamicLayer):
         sin: torch.Tensor,
     ) -> None:
         """Give each head the query columns of the query heads that share it (they are grouped in order)."""
+        self._columns = columns
         width = columns.shape[-1] // len(self.units)
         for index, unit in enumerate(self.units):
             unit.observe(columns[..., index * width : (index + 1) * width], to_queries, scaling, cos, sin)
@@ -151,11 +158,40 @@ class HeadsLayer(DynamicLayer):
         keys, values = self._decoded_side_by_side(key_states.shape[-1])
         for index, unit in enumerate(self.units):
             head, stored = slice(index, index + 1), slice(0, unit.slots)
-            unit_keys, unit_values = keys[:, head, stored], values[:, head, stored]
-            unit.write_ring(unit_keys, unit_values)
-            unit.write_pass_exact(unit_keys, unit_values)
-            unit.finish_pass(unit_keys, unit_values)
+            unit.write_ring(keys[:, head, stored], values[:, head, stored])
+            unit.write_pass_exact(keys[:, head, stored], values[:, head, stored])
+        if not self._score_step_together(keys):
+            for index, unit in enumerate(self.units):
+                head, stored = slice(index, index + 1), slice(0, unit.slots)
+                unit.finish_pass(keys[:, head, stored], values[:, head, stored])
+        self._columns = None
         return keys, values
+
+    def _score_step_together(self, keys: torch.Tensor) -> bool:
+        """Score a decoding step's one token for every head at once, as each unit's ``finish_pass`` would: the mean,
+        over the query heads sharing a KV head, of each query's attention (a softmax over what the pass's mask lets
+        it see). False, with nothing done, when some unit scores otherwise (waiting, replaying, a sliding window,
+        a softcap, pooled scores)."""
+        first = self.units[0]
+        if self._columns is None or self._columns.shape[1] != 1 or first.softcap is not None:
+            return False
+        if first.policy.pool_kernel != 1 or first.sliding_window is not None or first.replaying:
+            return False
+        passes = [unit._stored_pass for unit in self.units]
+        if any(stored_pass is None or stored_pass[0] for stored_pass in passes) or first.awaits_replay_alone:
+            return False
+        _, _, _, scaling, cos, sin, _, _ = passes[0]
+        queries = first._rotated_queries(self._columns, cos, sin)  # [batch, heads, 1, head_dim]
+        batch, kv_heads, _, head_dim = keys.shape
+        grouped = (queries.float() * scaling).reshape(batch, kv_heads, -1, head_dim)
+        logits = torch.matmul(grouped, keys.float().transpose(-1, -2))  # [batch, kv_heads, group, longest]
+        if self._visible is not None:
+            logits.masked_fill_(~self._visible, -math.inf)
+        received = logits.softmax(dim=-1).mean(dim=2)
+        for index, unit in enumerate(self.units):
+            unit._stored_pass = None
+            unit.scores.add_(received[:, index : index + 1, : unit.slots])
+        return True
 
     def _update_apart(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """``update`` one unit at a time (the first pass, and entries stored as they are)."""
