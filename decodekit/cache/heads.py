@@ -146,7 +146,8 @@ class HeadsLayer(DynamicLayer):
 
         After the first pass, quantized entries are coded for every head at once (each entry is coded on its own,
         so this is what each unit would store) and decoded for every head at once, straight into the side-by-side
-        layout, which is the one dense copy of the layer."""
+        layout, which is the one dense copy of the layer; a decoding step's token is scored for every head at once
+        where no head's scoring waits (``_score_step_together``)."""
         if not (self.is_initialized and self.units[0].quantized):
             return self._update_apart(key_states, value_states)
         coded, read_keys = self.units[0]._code(key_states, value_states)
@@ -164,7 +165,7 @@ class HeadsLayer(DynamicLayer):
             for index, unit in enumerate(self.units):
                 head, stored = slice(index, index + 1), slice(0, unit.slots)
                 unit.finish_pass(keys[:, head, stored], values[:, head, stored])
-        self._columns = None
+        self._columns = self._visible = None
         return keys, values
 
     def _score_step_together(self, keys: torch.Tensor) -> bool:
@@ -195,6 +196,7 @@ class HeadsLayer(DynamicLayer):
 
     def _update_apart(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """``update`` one unit at a time (the first pass, and entries stored as they are)."""
+        self._columns = self._visible = None  # each unit scores its own pass
         parts = [
             unit.update(key_states[:, index : index + 1], value_states[:, index : index + 1])
             for index, unit in enumerate(self.units)
@@ -257,6 +259,7 @@ class HeadsLayer(DynamicLayer):
             unit.reset()
         self.is_initialized = False
         self._lengths = []
+        self._columns = self._visible = None
 
     def kept_positions(self) -> torch.Tensor:
         """The logical positions of the live tokens, ``[batch, kv_heads, kept]``, increasing; a head that
