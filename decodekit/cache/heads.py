@@ -157,14 +157,16 @@ class HeadsLayer(DynamicLayer):
             done = unit.store(key_states[:, head], value_states[:, head], coded=own, read_keys=read_keys[:, head])
             assert not done, "a quantized unit never reads its stored tensors as they are"
         keys, values = self._decoded_side_by_side(key_states.shape[-1])
-        for index, unit in enumerate(self.units):
-            head, stored = slice(index, index + 1), slice(0, unit.slots)
-            unit.write_ring(keys[:, head, stored], values[:, head, stored])
-            unit.write_pass_exact(keys[:, head, stored], values[:, head, stored])
+        own_parts = [
+            (keys[:, index : index + 1, : unit.slots], values[:, index : index + 1, : unit.slots])
+            for index, unit in enumerate(self.units)
+        ]
+        for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
+            unit.write_ring(unit_keys, unit_values)
+            unit.write_pass_exact(unit_keys, unit_values)
         if not self._score_step_together(keys):
-            for index, unit in enumerate(self.units):
-                head, stored = slice(index, index + 1), slice(0, unit.slots)
-                unit.finish_pass(keys[:, head, stored], values[:, head, stored])
+            for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
+                unit.finish_pass(unit_keys, unit_values)
         self._columns = self._visible = None
         return keys, values
 
