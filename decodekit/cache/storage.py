@@ -161,11 +161,11 @@ class EntryStorage:
         ``reads_turned_keys``, from the coding's own turn)."""
         coded, read_keys = {}, key_states
         pass_states = (key_states, value_states)
-        for part, states, codes in zip(PARTS, pass_states, self._encoded(*pass_states), strict=True):
-            if codes is None:
+        for part, states, encoded in zip(PARTS, pass_states, self._encoded(*pass_states), strict=True):
+            if encoded is None:
                 coded[part] = self._in_storage_dtype(states)
                 continue
-            codes, turned = codes
+            codes, turned = encoded
             if part == "keys" and self.reads_turned_keys:
                 read_keys = turned.to(states.dtype)
             prefix = part[:-1]
