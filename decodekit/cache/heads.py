@@ -181,12 +181,12 @@ class HeadsLayer(DynamicLayer):
         if first.policy.pool_kernel != 1 or first.sliding_window is not None or first.replaying:
             return False
         passes = [unit._stored_pass for unit in self.units]
-        if any(stored_pass is None or stored_pass[0] for stored_pass in passes) or first.awaits_replay_alone:
+        if any(stored is None or stored.deferred for stored in passes) or first.awaits_replay_alone:
             return False
-        _, _, _, scaling, cos, sin, _, _ = passes[0]
-        queries = first._rotated_queries(self._columns, cos, sin)  # [batch, heads, 1, head_dim]
+        stored = passes[0]
+        queries = first._rotated_queries(self._columns, stored.cos, stored.sin)  # [batch, heads, 1, head_dim]
         batch, kv_heads, _, head_dim = keys.shape
-        grouped = (queries.float() * scaling).reshape(batch, kv_heads, -1, head_dim)
+        grouped = (queries.float() * stored.scaling).reshape(batch, kv_heads, -1, head_dim)
         logits = torch.matmul(grouped, keys.float().transpose(-1, -2))  # [batch, kv_heads, group, longest]
         if self._visible is not None:
             logits.masked_fill_(~self._visible, -math.inf)

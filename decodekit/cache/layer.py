@@ -19,6 +19,7 @@ them, and their scoring waits for the next eviction (``_score_pending``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -29,6 +30,19 @@ from decodekit.cache.policy import Allocated, EvictionPolicy
 from decodekit.cache.quantize import Quantizer, hadamard, rotation_block
 from decodekit.cache.scoring import EntryScoring
 from decodekit.cache.storage import BOOKKEEPING, CODING, EXACT, EntryStorage, storage_bytes
+
+
+class StoredPass(NamedTuple):
+    """What ``CompressedLayer.store`` leaves for the rest of the pass (``write_pass_exact``, ``finish_pass``)."""
+
+    deferred: bool  # whether the pass's scoring waits for the next eviction
+    free: torch.Tensor | None  # the free slots its token went into, or None when it was appended
+    columns: torch.Tensor  # the observed queries' projection columns, their scaling and rotation
+    scaling: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    read_keys: torch.Tensor  # the pass's own keys, as attention reads them, and its values
+    value_states: torch.Tensor
 
 
 class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
@@ -109,9 +123,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         # [batch, tokens] and each query head's output-projection Gram matrix [heads, head_dim, head_dim].
         self.replay_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
-        # Between ``store`` and ``finish_pass``: whether the pass's scoring waits, its free slots (or None), its
-        # observed queries' columns, scaling and rotation, and its own keys (as attention reads them) and values.
-        self._stored_pass: tuple | None = None
+        self._stored_pass: StoredPass | None = None  # between ``store`` and ``finish_pass``
         # Slots the last in-place eviction freed, [batch, kv_heads, n], and how many of them the next
         # tokens have taken; None when unknown (a dead slot is then searched for).
         self._freed: torch.Tensor | None = None
@@ -363,7 +375,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self.scores.mul_(self.policy.score_decay)  # the new entries hold 0 so far, which decays to 0
         if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
             self._remember_recent(read_keys, value_states)
-        self._stored_pass = (deferred, free, columns, scaling, cos, sin, read_keys, value_states)
+        self._stored_pass = StoredPass(deferred, free, columns, scaling, cos, sin, read_keys, value_states)
         return False
 
     def _plain_steps_left(self) -> int:
@@ -376,13 +388,14 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
     def finish_pass(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The second half of ``update``: score the stored pass on ``keys`` and ``values`` as attention reads them
         (or queue its queries for the next eviction)."""
-        (deferred, _, columns, scaling, cos, sin, _, _), self._stored_pass = self._stored_pass, None
-        if deferred:  # the step went into reserved room (kept or made anew by ``_append``)
-            self._wait_for_scoring(columns, scaling, cos, sin)
+        stored, self._stored_pass = self._stored_pass, None
+        if stored.deferred:  # the step went into reserved room (kept or made anew by ``_append``)
+            self._wait_for_scoring(stored.columns, stored.scaling, stored.cos, stored.sin)
             return
         if self.awaits_replay_alone:
             return  # the replay's scores replace anything this pass's queries would give
-        received = self._attention_received(self._rotated_queries(columns, cos, sin), scaling, keys, values)
+        queries = self._rotated_queries(stored.columns, stored.cos, stored.sin)
+        received = self._attention_received(queries, stored.scaling, keys, values)
         if self.replaying:
             self.scores = torch.maximum(self.scores, received)
         else:

@@ -178,7 +178,7 @@ class Quantizer:
         are left turned (for attention whose queries are turned alike: see ``rotary.turned_query_columns``).
 
         ``out``: a tensor of the decoded shape and ``dtype`` (or a view of one) to write them into; a float32 ``out``
-        is decoded in place, with no tensor of the decoded size made beside it."""
+        is decoded in place (unless entries are turned back), with no tensor of the decoded size made beside it."""
         codes, scales, offsets = coded["codes"], coded["scales"], coded["offsets"]
         turns = self.rotated and turn_back
         in_place = out is not None and out.dtype == torch.float32 and not turns

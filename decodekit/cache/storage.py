@@ -210,7 +210,8 @@ class EntryStorage:
         themselves."""
         if keys is self.keys:  # stored as they are
             return
-        free, key_states, value_states = self._stored_pass[1], *self._stored_pass[6:]
+        stored = self._stored_pass
+        free, key_states, value_states = stored.free, stored.read_keys, stored.value_states
         if free is None:
             new = key_states.shape[2]
             keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
