@@ -67,6 +67,7 @@ def row_options(tokenizer) -> dict[str, dict]:
             "replay_scope": "chunk",
             "replay_output_norms": True,
         },
+        "prompt queries": {"replay": "prompt_queries"},
     }
 
 

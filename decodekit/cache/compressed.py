@@ -152,6 +152,11 @@ class CompressedCache(Cache):
         replay_output_norms: weigh each replay query's attention to an entry by the norm of what the entry
             writes into the residual stream (its value through the head's output projection) over the norm
             of the query token's hidden state, as KVzip+ does (False by default).
+        replay: how reconstruction scores are had: "forward" (the default: the prompt is fed again, as
+            above) or "prompt_queries": estimated in the prompt's own pass, with no replay pass, from each
+            prompt token's query placed where a replay would place it (``replay_estimate.py``; needs
+            allocation "heads" or "global", every query observed and the other replay settings at their
+            defaults).
         scoring_backend: "auto" (the default: Triton kernels for a pass's scores when the cache is on
             CUDA and Triton is installed, else blocked PyTorch), "triton" or "torch". The kernels hold
             one tile of logits at a time (flash-attention style), so scoring a long prompt needs no
@@ -239,6 +244,7 @@ class CompressedCache(Cache):
         replay_overlap: int = 0,
         replay_scope: str = "prompt",
         replay_output_norms: bool = False,
+        replay: str = "forward",
         residual_length: int | None = None,
     ) -> None:
         sizes = (budget, compression_ratio, memory_fraction, max_bytes)
@@ -272,7 +278,7 @@ class CompressedCache(Cache):
             value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,
             key_bits, memory_fraction, max_bytes, by_bytes, allocation, replay_prefix=replay_prefix,
             replay_overlap=replay_overlap, replay_scope=replay_scope, replay_output_norms=replay_output_norms,
-            residual_length=residual_length,
+            replay=replay, residual_length=residual_length,
         )  # fmt: skip
         modules = bind(model, replays=self.policy.scoring == "reconstruction")
         if head_dim and {kv_bits, key_bits} & {4, 8}:
@@ -344,6 +350,23 @@ class CompressedCache(Cache):
         # replay alone, and left the prompt's pass unscored: ``CompressedLayer.awaits_replay_alone``).
         uniform = self.policy.allocation == "uniform"
         attention = [layer.priority_scores() for layer in layers] if uniform else []
+        if self.policy.replay == "prompt_queries":  # the prompt's pass scored it already (``replay_estimate.py``)
+            for layer in layers:
+                layer.deferred = False
+        else:
+            self._replay_forward(model, input_ids, length)
+        if not uniform:
+            self._allocate()
+        else:
+            for layer, paid in zip(layers, attention, strict=True):
+                layer.set_priority(_union_of_ranks(paid, layer.scores))
+        for layer in layers:
+            layer.compress(length)
+
+    def _replay_forward(self, model: nn.Module, input_ids: torch.Tensor, length: int) -> None:
+        """Feed the prompt again, chunk by chunk, each chunk forgotten after its pass; the layers keep the most
+        attention any replay query paid each entry as its score."""
+        layers = self.units
         for layer in layers:
             layer.replaying = True
             layer.scores = torch.zeros_like(layer.scores)
@@ -365,13 +388,6 @@ class CompressedCache(Cache):
             for layer in layers:
                 layer.replaying = layer.deferred = False
                 layer.replay_span = layer.replay_weights = None
-        if not uniform:
-            self._allocate()
-        else:
-            for layer, paid in zip(layers, attention, strict=True):
-                layer.set_priority(_union_of_ranks(paid, layer.scores))
-        for layer in layers:
-            layer.compress(length)
 
     def _replay_pieces(self, input_ids: torch.Tensor):
         """The replay's forward passes: per chunk of the prompt, the tokens fed (the replay prefix, the previous

@@ -14,6 +14,7 @@ from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BI
 
 SCORING_BACKENDS = ("auto", "triton", "torch")
 REPLAY_SCOPES = ("prompt", "chunk")  # what a replay chunk's attention is spread over (scoring="reconstruction")
+REPLAYS = ("forward", "prompt_queries")  # how reconstruction scores are had: a replay pass, or estimated without one
 # A layer's share of the tokens, when it is chosen by the allocation: it keeps ``count`` tokens per KV head
 # when a uniform layer keeps ``base``, and ``count * target // base`` when a uniform layer keeps ``target``.
 Allocated = tuple[int, int]
@@ -111,6 +112,7 @@ class EvictionPolicy:
     replay_overlap: int = 0
     replay_scope: str = "prompt"
     replay_output_norms: bool = False
+    replay: str = "forward"
     residual_length: int | None = None  # with kv_bits 8 or 4: the last tokens also held exact (None: recent_tokens)
 
     def __post_init__(self) -> None:
@@ -179,6 +181,10 @@ class EvictionPolicy:
             raise ValueError(
                 f"replay_scope must be one of {', '.join(map(repr, REPLAY_SCOPES))}; got {self.replay_scope!r}"
             )
+        if self.replay not in REPLAYS:
+            raise ValueError(f"replay must be one of {', '.join(map(repr, REPLAYS))}; got {self.replay!r}")
+        if self.replay == "prompt_queries":
+            self._check_replay_estimate()
         prefix = self.replay_prefix
         if isinstance(prefix, torch.Tensor):
             prefix = prefix.flatten().tolist()
@@ -189,6 +195,25 @@ class EvictionPolicy:
         if overlap >= chunk:
             raise ValueError(f"replay_overlap must be smaller than reconstruction_chunk ({chunk}); got {overlap}")
         return {"replay_prefix": prefix, "replay_overlap": overlap}
+
+    def _check_replay_estimate(self) -> None:
+        """``replay="prompt_queries"`` scores with every query of the prompt's pass, as a plain replay would, and
+        replaces the layers' scores: no other replay setting, no observation window, no uniform allocation."""
+        others = {
+            "scoring='reconstruction'": self.scoring == "reconstruction",
+            "allocation 'heads' or 'global'": self.allocation != "uniform",
+            "observation_window=None": self.observation_window is None,
+            "no replay_prefix": not self.replay_prefix,
+            "replay_overlap=0": self.replay_overlap == 0,
+            "replay_scope='prompt'": self.replay_scope == "prompt",
+            "replay_output_norms=False": not self.replay_output_norms,
+        }
+        missing = [name for name, holds in others.items() if not holds]
+        if missing:
+            raise ValueError(
+                f"replay='prompt_queries' (reconstruction scores without a replay pass) needs {', '.join(missing)}; "
+                "use replay='forward' for the others"
+            )
 
     def _checked_byte_size(self) -> dict[str, float | int]:
         """Check a size given in bytes (``memory_fraction`` or ``max_bytes``, and nothing else)."""

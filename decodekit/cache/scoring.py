@@ -17,7 +17,10 @@ from types import ModuleType
 import torch
 from torch.nn import functional
 
+from decodekit.cache.replay_estimate import replay_scores
 from decodekit.cache.rotary import rotate
+
+REPLAY_OWN_FROM = int(os.environ.get("DK_OWN_FROM", "0"))
 
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
 QUERY_BLOCK = 128  # observed queries scored at once
@@ -179,6 +182,21 @@ class EntryScoring:
         self._scores[:, :, :visible].mul_(decay**steps).add_(received)
         if self._value_norms is not None:
             self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
+
+    @torch.no_grad()
+    def _replay_estimate(self, stored, keys: torch.Tensor) -> torch.Tensor:
+        """The prompt's replay scores estimated from its own pass (``replay="prompt_queries"``,
+        ``replay_estimate.replay_scores``): ``stored`` is the first pass's ``StoredPass``, ``keys`` all its entries."""
+        queries = self._rotated_queries(stored.columns, stored.cos, stored.sin)
+        if queries.shape[2] != keys.shape[2]:
+            raise ValueError("replay='prompt_queries' needs the prompt's first pass to observe every query")
+        if queries.shape[2] < 2:  # one token: nothing a replay could rank
+            return keys.new_zeros(keys.shape[:3], dtype=torch.float32)
+        return replay_scores(
+            queries, keys, stored.scaling, stored.cos, stored.sin, chunk=self.policy.reconstruction_chunk,
+            own_from=REPLAY_OWN_FROM, turned=self.reads_turned_keys, sliding_window=self.sliding_window,
+            softcap=self.softcap,
+        )  # fmt: skip
 
     @torch.no_grad()
     def _attention_received(

@@ -1,0 +1,128 @@
+"""Reconstruction scores without a replay pass: the prompt pass's own queries, placed where a replay would put them.
+
+A replay of an ``L``-token prompt feeds token ``p`` again at position ``L + p``: its query sees every prompt entry
+and, causally, the replay's own tokens of its chunk. The estimate takes the prompt pass's query of token ``p``
+instead of the replay's (the same in a model's first layer, where a query depends on its token alone) and scores
+what the replay would: rotary attention depends on positions only through their difference, so
+
+- a prompt entry ``j`` is seen at distance ``L + p - j``: the query against the key moved ``L`` positions back;
+- the replay's own token ``j`` (``j <= p``, in ``p``'s chunk) is seen at distance ``p - j``: the query against the
+  prompt's key ``j`` as stored.
+
+Each query's softmax runs over both parts; an entry's score is the most probability any query pays it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from decodekit.cache.quantize import rotate as turn
+from decodekit.cache.rotary import rotate
+
+LOGIT_ELEMENTS = 1 << 25  # at most this many logits held at once (128 MiB in float32)
+
+
+def rotation_by(length: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary turn by ``length`` positions, ``(cos, sin)`` ``[batch, rotary]``, from a pass's embedding ``cos``,
+    ``sin`` ``[batch, tokens >= 2, rotary]`` of positions 0, 1, ...: a plain rotation, without the attention
+    scaling some rotary types fold into both (read at position 0).
+
+    Example:
+        >>> angles = torch.arange(3.0)[None, :, None] * torch.tensor([0.5, 0.1])  # positions 0..2, two frequencies
+        >>> cos, sin = rotation_by(7, angles.cos(), angles.sin())
+        >>> torch.allclose(cos, (7 * torch.tensor([[0.5, 0.1]])).cos(), atol=1e-6)
+        True
+    """
+    cos64, sin64 = cos.double(), sin.double()
+    scale = cos64[:, 0]  # cos at position 0: the scaling alone
+    one_cos, one_sin = cos64[:, 1] / scale, sin64[:, 1] / scale
+    angle_cos, angle_sin = torch.ones_like(one_cos), torch.zeros_like(one_sin)
+    step_cos, step_sin, remaining = one_cos, one_sin, length
+    while remaining:  # turns by 1, 2, 4, ... positions, composed where ``length`` has a bit
+        if remaining & 1:
+            angle_cos, angle_sin = (
+                angle_cos * step_cos - angle_sin * step_sin,
+                angle_sin * step_cos + angle_cos * step_sin,
+            )
+        step_cos, step_sin = step_cos * step_cos - step_sin * step_sin, 2 * step_sin * step_cos
+        remaining >>= 1
+    return angle_cos.to(cos.dtype), angle_sin.to(sin.dtype)
+
+
+def moved_back(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, turned: bool) -> torch.Tensor:
+    """``keys`` ``[batch, heads, slots, head_dim]`` (float32, rotary already applied) moved back by the turn
+    ``cos``, ``sin`` ``[batch, rotary]``; ``turned``: the keys are turned by the Hadamard matrix, as a layer that
+    reads its coded keys turned holds them (the matrix is its own inverse)."""
+    keys = turn(keys) if turned else keys
+    moved = rotate(keys, cos[:, None, None].float(), -sin[:, None, None].float())
+    return turn(moved) if turned else moved
+
+
+@torch.no_grad()
+def replay_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    chunk: int,
+    own_from: int = 0,
+    turned: bool = False,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``[batch, kv_heads, slots]``: the most attention a replay of the prompt would pay each entry, estimated with
+    the prompt pass's own rotated ``queries`` ``[batch, heads, tokens, head_dim]`` of every prompt token, over the
+    prompt's ``keys`` ``[batch, kv_heads, tokens, head_dim]`` as attention reads them; ``cos``, ``sin``: the pass's
+    rotary embedding ``[batch, tokens, rotary]``. ``chunk``: the prompt tokens a replay feeds per pass (a replayed
+    token sees its own chunk's earlier tokens); ``own_from``: the replay's own tokens before this prompt position
+    are not seen (the attention sinks, whose pull a replayed token does not have).
+
+    Example:
+        >>> queries, keys = torch.randn(1, 2, 6, 4), torch.randn(1, 1, 6, 4)
+        >>> angles = torch.arange(6.0)[None, :, None] * torch.tensor([0.3, 0.05]).repeat(2)
+        >>> replay_scores(queries, keys, 0.5, angles.cos(), angles.sin(), chunk=4).shape
+        torch.Size([1, 1, 6])
+    """
+    batch, kv_heads, length, head_dim = keys.shape
+    group = queries.shape[1] // kv_heads
+    grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, length, head_dim)
+    keys = keys.float()
+    shift_cos, shift_sin = rotation_by(length, cos, sin)
+    earlier = moved_back(keys, shift_cos, shift_sin, turned).transpose(-1, -2)[:, :, None]
+    own = keys.transpose(-1, -2)[:, :, None]
+    received = grouped.new_zeros((batch, kv_heads, length))
+    block = max(1, min(chunk, LOGIT_ELEMENTS // (batch * kv_heads * group * 2 * length)))
+    for start, stop in _blocks(length, chunk, block):
+        first_own = (start // chunk) * chunk
+        queries_here = grouped[:, :, :, start:stop]
+        prompt = torch.matmul(queries_here, earlier)  # [batch, kv_heads, group, queries, length]
+        replayed = torch.matmul(queries_here, own[..., first_own:stop])  # [..., queries, stop - first_own]
+        if softcap is not None:
+            for logits in (prompt, replayed):
+                logits.div_(softcap).tanh_().mul_(softcap)
+        query_position = torch.arange(start, stop, device=keys.device)[:, None]
+        own_position = torch.arange(first_own, stop, device=keys.device)
+        hidden = (own_position > query_position) | (own_position < own_from)
+        if sliding_window is not None:
+            hidden |= query_position - own_position >= sliding_window
+            prompt_position = torch.arange(length, device=keys.device)
+            prompt.masked_fill_(length + query_position - prompt_position >= sliding_window, -math.inf)
+        replayed.masked_fill_(hidden, -math.inf)
+        top = torch.maximum(prompt.amax(dim=-1, keepdim=True), replayed.amax(dim=-1, keepdim=True))
+        prompt.sub_(top).exp_()
+        total = prompt.sum(dim=-1, keepdim=True) + replayed.sub_(top).exp_().sum(dim=-1, keepdim=True)
+        prompt.div_(total)
+        torch.maximum(received, prompt.amax(dim=(2, 3)), out=received)
+    return received
+
+
+def _blocks(length: int, chunk: int, block: int):
+    """``(start, stop)`` of the query blocks, none across a replay chunk's boundary."""
+    for chunk_start in range(0, length, chunk):
+        chunk_stop = min(chunk_start + chunk, length)
+        for start in range(chunk_start, chunk_stop, block):
+            yield start, min(start + block, chunk_stop)

@@ -1,0 +1,157 @@
+"""Reconstruction scores without a replay pass (``replay="prompt_queries"``): checked against a replay through the
+model where the two must agree (a model's first layer, whose queries depend on their token alone), against a
+naive loop with rotary embeddings at explicit positions in every layer, and for the cost it saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decodekit.cache import CompressedCache
+from decodekit.cache.replay_estimate import rotation_by
+from decodekit.cache.size import full_cache_bytes
+from tests.families import FAMILIES, build_family_model
+
+PROMPT = torch.randint(3, 384, (1, 40), generator=torch.Generator().manual_seed(5))
+
+
+def _scores(model, replay: str, **options) -> list[torch.Tensor]:
+    """Per layer ``[kv_heads, tokens]``: the reconstruction scores of ``PROMPT``, nothing evicted."""
+    cache = CompressedCache(
+        model, compression_ratio=0.0, scoring="reconstruction", allocation="global", sink_tokens=0,
+        reconstruction_chunk=options.pop("chunk", 16), replay=replay, **options,
+    )  # fmt: skip
+    with torch.no_grad():
+        model(PROMPT, past_key_values=cache)
+    assert all(layer.slots == PROMPT.shape[1] for layer in cache.layers)
+    return [layer.scores[0] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_in_a_first_layer_the_estimate_is_the_replay(family):
+    """A first layer's queries and keys depend on their token alone, so a replayed token's query is the prompt's
+    own: there the estimate must give what replaying the prompt through the model gives (sliding windows, query
+    norms, partial rotary, biased projections included), and deeper layers differ. A sliding window is checked with
+    one replayed chunk: a replay through the model places a later chunk's window by the cache's count of tokens
+    (each chunk follows the prompt), the estimate by the chunk's rotary positions (after the earlier chunks)."""
+    model = build_family_model(family)
+    chunk = 64 if "sliding" in family or family == "gemma3" else 16
+    replayed, estimated = _scores(model, "forward", chunk=chunk), _scores(model, "prompt_queries", chunk=chunk)
+    torch.testing.assert_close(estimated[0], replayed[0], atol=1e-6, rtol=1e-4)
+    assert (estimated[-1] - replayed[-1]).abs().max() > 1e-4  # the replay's own hidden states
+
+
+def _naive_scores(model, ids: torch.Tensor, chunk: int, own_from: int) -> list[torch.Tensor]:
+    """Per layer ``[kv_heads, tokens]``, one query at a time: the prompt pass's query of token ``p`` rotated at
+    position ``length + p`` against every prompt key rotated at its position and against the keys of the tokens
+    of ``p``'s chunk up to ``p`` (from ``own_from`` on) rotated at ``length`` plus their position."""
+    config, length = model.config, ids.shape[1]
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    projected: dict[str, list[torch.Tensor]] = {"q": [], "k": []}
+    hooks = [
+        getattr(layer.self_attn, f"{part}_proj").register_forward_hook(
+            lambda module, args, output, part=part: projected[part].append(output[0])
+        )
+        for layer in model.model.layers
+        for part in ("q", "k")
+    ]
+    with torch.no_grad():
+        model(ids)
+        cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(2 * length)[None])
+    for hook in hooks:
+        hook.remove()
+
+    def rotated(vector: torch.Tensor, position: int) -> torch.Tensor:
+        half = vector.shape[-1] // 2
+        turned_half = torch.cat([-vector[..., half:], vector[..., :half]], dim=-1)
+        return vector * cos[0, position] + turned_half * sin[0, position]
+
+    expected = []
+    for queries, keys in zip(projected["q"], projected["k"], strict=True):
+        queries, keys = queries.view(length, heads, head_dim), keys.view(length, kv_heads, head_dim)
+        best = torch.zeros(kv_heads, length)
+        for head in range(heads):
+            kv_head = head // (heads // kv_heads)
+            for p in range(length):
+                query = rotated(queries[p, head], length + p)
+                first_own = max(p // chunk * chunk, own_from)
+                seen = [rotated(keys[j, kv_head], j) for j in range(length)]
+                seen += [rotated(keys[j, kv_head], length + j) for j in range(first_own, p + 1)]
+                weights = (torch.stack(seen) @ query / head_dim**0.5).softmax(dim=0)[:length]
+                best[kv_head] = torch.maximum(best[kv_head], weights)
+        expected.append(best)
+    return expected
+
+
+@pytest.mark.parametrize(("chunk", "kv_bits"), [(16, None), (64, None), (16, 4)])
+def test_the_estimate_matches_a_naive_loop_in_every_layer(chunk, kv_bits):
+    """In every layer, the estimate is what the naive loop computes from the prompt pass's projections. With 4-bit
+    storage the layer reads its keys turned by a Hadamard matrix, which the estimate must undo around its move."""
+    model = build_family_model("llama")
+    estimated = _scores(model, "prompt_queries", chunk=chunk, kv_bits=kv_bits)
+    for layer, expected in zip(estimated, _naive_scores(model, PROMPT, chunk, own_from=0), strict=True):
+        torch.testing.assert_close(layer, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_rotation_by_is_the_rotary_turn_at_that_position_without_its_scaling():
+    """Rotary types that scale cos and sin (YaRN) or stretch frequencies (Llama 3): the turn by ``length``
+    positions built from the float32 embedding of positions 0 and 1 is the float64 turn by the model's frequencies,
+    to about the float32 rounding of an angle that large (the model's own embedding there is no closer)."""
+    for rope in (
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ):  # fmt: skip
+        config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, rope_parameters=rope)
+        rotary = LlamaForCausalLM(config).model.rotary_emb
+        cos, sin = rotary(torch.zeros(1), torch.arange(2)[None])
+        assert rope["rope_type"] != "yarn" or cos[0, 0, 0] > 1.01  # a scaling to remove
+        for length in (1, 2, 37, 2048, 32768):
+            angles = (length * rotary.inv_freq.double()).repeat(2)[None]
+            turn_cos, turn_sin = rotation_by(length, cos, sin)
+            tolerance = 2e-6 + 1.2e-7 * length
+            torch.testing.assert_close(turn_cos.double(), angles.cos(), atol=tolerance, rtol=0)
+            torch.testing.assert_close(turn_sin.double(), angles.sin(), atol=tolerance, rtol=0)
+
+
+def test_the_estimate_feeds_no_second_pass_and_evicts_to_a_byte_size():
+    """The model runs once for the prompt (a replay runs it once per chunk more), and the cache still keeps what
+    the memory size allows, every head its own number."""
+    model = build_family_model("llama")
+    calls = []
+    model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    ids = torch.randint(3, 384, (1, 120), generator=torch.Generator().manual_seed(1))
+    for replay, passes in (("forward", 1 + 3), ("prompt_queries", 1)):
+        calls.clear()
+        cache = CompressedCache(model, memory_fraction=0.25, scoring="reconstruction", reconstruction_chunk=48,
+                                sink_tokens=2, recent_tokens=4, replay=replay)  # fmt: skip
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        assert len(calls) == passes
+        assert cache.memory_bytes() <= 0.25 * full_cache_bytes(model, ids.shape[1], element_size=2)
+        assert len({unit.kept for unit in cache.units}) > 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"replay": "later"}, "replay must be one of 'forward', 'prompt_queries'"),
+        ({"allocation": "uniform"}, "needs allocation 'heads' or 'global'"),
+        ({"observation_window": 8}, "needs observation_window=None"),
+        ({"replay_prefix": [5]}, "needs no replay_prefix"),
+        ({"replay_overlap": 2}, "needs replay_overlap=0"),
+        ({"replay_scope": "chunk"}, "needs replay_scope='prompt'"),
+        ({"replay_output_norms": True}, "needs replay_output_norms=False"),
+    ],
+)
+def test_bad_estimate_options_name_the_parameter(options, message):
+    model = build_family_model("llama")
+    options = {"replay": "prompt_queries", **options}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", **options)
+    if options["replay"] == "prompt_queries":
+        with pytest.raises(ValueError, match="needs scoring='reconstruction'"):
+            CompressedCache(model, compression_ratio=0.5, replay="prompt_queries")
