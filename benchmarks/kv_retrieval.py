@@ -166,6 +166,10 @@ def main() -> None:
     parser.add_argument(
         "--memory-fractions", help="size the caches in bytes instead (memory_fraction, e.g. 0.5,0.25,0.1)"
     )
+    parser.add_argument(
+        "--replay", choices=("forward", "prompt_queries"), default="forward",
+        help="how reconstruction scores are had (CompressedCache's replay): a replay pass, or estimated without one",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
@@ -183,11 +187,13 @@ def main() -> None:
         for scoring in args.scorings.split(","):
             cells = []
             for ratio in ratios:
-                make = partial(CompressedCache, model, scoring=scoring, **{size: ratio})
+                options = {"replay": args.replay} if scoring == "reconstruction" else {}
+                make = partial(CompressedCache, model, scoring=scoring, **{size: ratio}, **options)
                 hits = answer_tasks(model, tokenizer, tasks, make)
                 kept = sum(h and f for h, f in zip(hits, full, strict=True)) / max(sum(full), 1)
                 cells.append(f"{sum(hits):3d} {kept:4.0%}")
-            print(f"  {kind:12s}{scoring:34s}{sum(full):8d}{''.join(f'{cell:>8s}' for cell in cells)}", flush=True)
+            method = f"{scoring}, {args.replay}" if scoring == "reconstruction" else scoring
+            print(f"  {kind:12s}{method:34s}{sum(full):8d}{''.join(f'{cell:>8s}' for cell in cells)}", flush=True)
         print(f"  ({kind}: {time.perf_counter() - started:.0f} s)")
 
 

@@ -42,10 +42,10 @@ def test_in_a_first_layer_the_estimate_is_the_replay(family):
     assert (estimated[-1] - replayed[-1]).abs().max() > 1e-4  # the replay's own hidden states
 
 
-def _naive_scores(model, ids: torch.Tensor, chunk: int, own_from: int) -> list[torch.Tensor]:
+def _naive_scores(model, ids: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     """Per layer ``[kv_heads, tokens]``, one query at a time: the prompt pass's query of token ``p`` rotated at
     position ``length + p`` against every prompt key rotated at its position and against the keys of the tokens
-    of ``p``'s chunk up to ``p`` (from ``own_from`` on) rotated at ``length`` plus their position."""
+    of ``p``'s chunk up to ``p`` rotated at ``length`` plus their position."""
     config, length = model.config, ids.shape[1]
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.hidden_size // heads
@@ -76,7 +76,7 @@ def _naive_scores(model, ids: torch.Tensor, chunk: int, own_from: int) -> list[t
             kv_head = head // (heads // kv_heads)
             for p in range(length):
                 query = rotated(queries[p, head], length + p)
-                first_own = max(p // chunk * chunk, own_from)
+                first_own = p // chunk * chunk
                 seen = [rotated(keys[j, kv_head], j) for j in range(length)]
                 seen += [rotated(keys[j, kv_head], length + j) for j in range(first_own, p + 1)]
                 weights = (torch.stack(seen) @ query / head_dim**0.5).softmax(dim=0)[:length]
@@ -91,7 +91,7 @@ def test_the_estimate_matches_a_naive_loop_in_every_layer(chunk, kv_bits):
     storage the layer reads its keys turned by a Hadamard matrix, which the estimate must undo around its move."""
     model = build_family_model("llama")
     estimated = _scores(model, "prompt_queries", chunk=chunk, kv_bits=kv_bits)
-    for layer, expected in zip(estimated, _naive_scores(model, PROMPT, chunk, own_from=0), strict=True):
+    for layer, expected in zip(estimated, _naive_scores(model, PROMPT, chunk), strict=True):
         torch.testing.assert_close(layer, expected, atol=1e-5, rtol=1e-4)
 
 

@@ -20,8 +20,6 @@ from torch.nn import functional
 from decodekit.cache.replay_estimate import replay_scores
 from decodekit.cache.rotary import rotate
 
-REPLAY_OWN_FROM = int(os.environ.get("DK_OWN_FROM", "0"))
-
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
 QUERY_BLOCK = 128  # observed queries scored at once
 LOGIT_ELEMENTS = 1 << 25  # at most this many logits (128 MiB in float32) held at once while scoring
@@ -194,7 +192,7 @@ class EntryScoring:
             return keys.new_zeros(keys.shape[:3], dtype=torch.float32)
         return replay_scores(
             queries, keys, stored.scaling, stored.cos, stored.sin, chunk=self.policy.reconstruction_chunk,
-            own_from=REPLAY_OWN_FROM, turned=self.reads_turned_keys, sliding_window=self.sliding_window,
+            turned=self.reads_turned_keys, sliding_window=self.sliding_window,
             softcap=self.softcap,
         )  # fmt: skip
 
