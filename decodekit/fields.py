@@ -29,6 +29,7 @@ from decodekit.settings import (
     DRY_MULTIPLIER_RANGE,
     EARLY_STOPPING,
     KV_BITS,
+    KV_REPLAYS,
     KV_SCORINGS,
     MAX_BEAMS,
     MIROSTAT_ETA_RANGE,
@@ -258,6 +259,16 @@ CORE_FIELDS = (
         "one budget shared by all layers and KV heads) or attention+novelty (with a cache size)",
         choices=KV_SCORINGS,
         widget="choice",
+    ),
+    Field(
+        "kv_replay",
+        "choice",
+        "cache",
+        "how kv_scoring=reconstruction scores the prompt: forward (the default: the prompt fed again) or "
+        "prompt_queries (estimated in the prompt's own pass: about half the prefill time)",
+        choices=KV_REPLAYS,
+        requires="kv_scoring",
+        widget=None,
     ),
     Field(
         "kv_eviction_interval",

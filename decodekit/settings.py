@@ -42,6 +42,8 @@ DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
 KV_BITS = (16, 8, 4)  # a compressed cache's storage widths (None: the model's dtype)
 KV_SCORINGS = ("attention", "reconstruction", "attention+novelty")  # how a compressed cache ranks its tokens
+# How reconstruction scores are had: a replay pass over the prompt, or estimated in the prompt's own pass.
+KV_REPLAYS = ("forward", "prompt_queries")
 
 # Generation.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."

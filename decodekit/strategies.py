@@ -22,7 +22,7 @@ from decodekit.logits_processors import parse_stages
 from decodekit.logits_processors.repetition import check_stage_table
 from decodekit.plan import GenerationPlan, PlanContext
 
-CACHE_OPTIONS = ("kv_scoring", "kv_eviction_interval")  # options of eviction: they need one of those sizes
+CACHE_OPTIONS = ("kv_scoring", "kv_replay", "kv_eviction_interval")  # options of eviction: they need one of those sizes
 
 __all__ = ["BEAM_FIELDS", "SAMPLING_FIELDS", "Strategy"]
 
@@ -47,7 +47,7 @@ class Strategy:
       ``frequency_penalty``, ``presence_penalty``, ``dry_multiplier`` and its ``dry_*`` settings;
     - beam search: ``num_beams``, ``length_normalization``, ``length_alpha``, ``length_reward``,
       ``early_stopping``;
-    - cache: ``kv_budget``, ``kv_compression_ratio`` or ``kv_memory_fraction``, ``kv_scoring``,
+    - cache: ``kv_budget``, ``kv_compression_ratio`` or ``kv_memory_fraction``, ``kv_scoring`` and ``kv_replay``,
       ``kv_eviction_interval``, ``kv_residual_length``, and ``kv_bits`` (a ``CompressedCache``; ``kv_bits``
       alone quantizes every token).
 
@@ -111,6 +111,8 @@ class Strategy:
                 f"{options[0]} applies to a compressed cache: "
                 "set kv_budget, kv_compression_ratio or kv_memory_fraction too"
             )
+        if "kv_replay" in values and values.get("kv_scoring") != "reconstruction":
+            raise ValueError("kv_replay applies to kv_scoring=reconstruction: set kv_scoring to reconstruction")
         # A size in bytes with no width stores 8 or 4 bits (``byte_sized_widths``).
         bits = values.get("kv_bits")
         quantized = bits in (4, 8) or (bits is None and "kv_memory_fraction" in values)
@@ -241,7 +243,8 @@ class Strategy:
             cache = CompressedCache(
                 model, self.kv_budget, compression_ratio=self.kv_compression_ratio,
                 memory_fraction=self.kv_memory_fraction, kv_bits=self.kv_bits, scoring=self.kv_scoring or "attention",
-                eviction_interval=self.kv_eviction_interval, residual_length=self.kv_residual_length,
+                replay=self.kv_replay or "forward", eviction_interval=self.kv_eviction_interval,
+                residual_length=self.kv_residual_length,
             )  # fmt: skip
         plan = GenerationPlan(processors=processors, sampling=sampling, beam=self.beam,
                               decoder_kwargs=decoder_kwargs, cache=cache)  # fmt: skip

@@ -155,3 +155,30 @@ def test_bad_estimate_options_name_the_parameter(options, message):
     if options["replay"] == "prompt_queries":
         with pytest.raises(ValueError, match="needs scoring='reconstruction'"):
             CompressedCache(model, compression_ratio=0.5, replay="prompt_queries")
+
+
+def test_the_kv_replay_field_reaches_the_cache_and_the_command_line(tiny, tiny_model_dir, capsys):
+    """``Strategy(kv_replay=...)`` builds the cache with that replay, ``--kv-replay`` prints what the library gives,
+    and the field is refused where it cannot apply."""
+    from decodekit.cli import main
+    from decodekit.generation import generate_text
+    from decodekit.strategies import Strategy
+
+    model, tokenizer = tiny
+    strategy = Strategy(kv_memory_fraction=0.25, kv_scoring="reconstruction", kv_replay="prompt_queries")
+    assert strategy.plan(model).cache.policy.replay == "prompt_queries"
+    assert Strategy(kv_memory_fraction=0.25, kv_scoring="reconstruction").plan(model).cache.policy.replay == "forward"
+    prompt = "The class statement creates a new class object and binds it to a name. " * 4
+    expected = generate_text(model, tokenizer, [prompt], strategy, max_new_tokens=8)[0]
+    code = main(["generate", prompt, "--model", str(tiny_model_dir), "--max-new-tokens", "8", "--kv-memory", "0.25",
+                 "--kv-scoring", "reconstruction", "--kv-replay", "prompt_queries"])  # fmt: skip
+    assert code == 0 and capsys.readouterr().out.rstrip("\n") == expected.rstrip("\n")
+    with pytest.raises(ValueError, match="kv_replay applies to kv_scoring=reconstruction"):
+        Strategy(kv_budget=40, kv_scoring="attention", kv_replay="prompt_queries")
+    with pytest.raises(ValueError, match="kv_replay must be one of forward, prompt_queries"):
+        Strategy(kv_budget=40, kv_scoring="reconstruction", kv_replay="later")
+    for scoring in ([], ["--kv-scoring", "attention"]):
+        code = main(["generate", "Hi", "--model", str(tiny_model_dir), "--kv-budget", "40", *scoring,
+                     "--kv-replay", "forward"])  # fmt: skip
+        error = capsys.readouterr().err
+        assert code == 2 and "error: --kv-replay applies to --kv-scoring" in error and "Traceback" not in error

@@ -10,11 +10,10 @@ import torch
 from decodekit._validation import check_int, check_real
 from decodekit.cache.allocation import ALLOCATIONS
 from decodekit.cache.size import EntryBytes
-from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BITS, KV_SCORINGS
+from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BITS, KV_REPLAYS, KV_SCORINGS
 
 SCORING_BACKENDS = ("auto", "triton", "torch")
 REPLAY_SCOPES = ("prompt", "chunk")  # what a replay chunk's attention is spread over (scoring="reconstruction")
-REPLAYS = ("forward", "prompt_queries")  # how reconstruction scores are had: a replay pass, or estimated without one
 # A layer's share of the tokens, when it is chosen by the allocation: it keeps ``count`` tokens per KV head
 # when a uniform layer keeps ``base``, and ``count * target // base`` when a uniform layer keeps ``target``.
 Allocated = tuple[int, int]
@@ -181,8 +180,8 @@ class EvictionPolicy:
             raise ValueError(
                 f"replay_scope must be one of {', '.join(map(repr, REPLAY_SCOPES))}; got {self.replay_scope!r}"
             )
-        if self.replay not in REPLAYS:
-            raise ValueError(f"replay must be one of {', '.join(map(repr, REPLAYS))}; got {self.replay!r}")
+        if self.replay not in KV_REPLAYS:
+            raise ValueError(f"replay must be one of {', '.join(map(repr, KV_REPLAYS))}; got {self.replay!r}")
         if self.replay == "prompt_queries":
             self._check_replay_estimate()
         prefix = self.replay_prefix
