@@ -182,3 +182,66 @@ def test_the_kv_replay_field_reaches_the_cache_and_the_command_line(tiny, tiny_m
                      "--kv-replay", "forward"])  # fmt: skip
         error = capsys.readouterr().err
         assert code == 2 and "error: --kv-replay applies to --kv-scoring" in error and "Traceback" not in error
+
+
+@pytest.mark.parametrize(
+    "size",
+    [{"budget": 36}, {"budget": 37}, {"compression_ratio": 0.6, "eviction_interval": 1},
+     {"memory_fraction": 0.25}, {"memory_fraction": 0.1, "kv_bits": 8}],
+)  # fmt: skip
+def test_rows_of_a_batch_keep_and_decode_what_each_keeps_alone(tiny, size):
+    """Each row's estimate sees its own prompt only, down to the budget's floor (sinks and recent tokens) and under
+    byte sizes; a batch decodes what each prompt decodes alone, and keeps the same tokens per head."""
+    from tests.test_kv_allocation import TEXT, _ids
+    from tests.tiny import build_model
+
+    _, tokenizer = tiny
+    model = build_model(tokenizer, num_layers=4)
+    first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
+
+    def make():
+        return CompressedCache(model, scoring="reconstruction", replay="prompt_queries", reconstruction_chunk=16,
+                               **size)  # fmt: skip
+
+    caches = [make() for _ in range(3)]
+    alone = [model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=10)
+             for ids, cache in zip((first, second), caches, strict=False)]  # fmt: skip
+    together = model.generate(torch.cat([first, second]), past_key_values=caches[2], do_sample=False,
+                              max_new_tokens=10)  # fmt: skip
+    assert torch.equal(together, torch.cat(alone))
+    for row in range(2):
+        for unit, own in zip(caches[2].units, caches[row].units, strict=True):
+            kept, expected = unit.kept_positions()[row], own.kept_positions()[0]  # -1: a row keeping fewer
+            assert torch.equal(kept[kept >= 0], expected[expected >= 0])
+    assert all(unit.kept >= 36 for unit in caches[2].units)  # no head below the sinks and the recent window
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_estimates_follow_the_float32_one(tiny, dtype):
+    """In 16-bit models the estimate runs in float32 over the keys as attention reads them: its scores follow the
+    float32 model's within the rounding of 16-bit keys and queries, and no score is NaN."""
+    from tests.tiny import build_model
+
+    _, tokenizer = tiny
+    model = build_model(tokenizer, num_layers=2)
+    ids = torch.randint(3, 384, (1, 64), generator=torch.Generator().manual_seed(3))
+
+    def scores(model):
+        cache = CompressedCache(model, compression_ratio=0.0, scoring="reconstruction", allocation="global",
+                                reconstruction_chunk=32, replay="prompt_queries")  # fmt: skip
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        return torch.stack([layer.scores.float() for layer in cache.layers])
+
+    exact = scores(model)
+    half = scores(build_model(tokenizer, num_layers=2).to(dtype))
+    assert torch.isfinite(half).all()
+    torch.testing.assert_close(half, exact, atol=0.03, rtol=0.05)
+
+
+def test_a_one_token_prompt_and_a_later_pass_are_not_replayed():
+    """A one-token prompt has nothing to rank (its scores stay 0); passes after the first are scored as usual."""
+    model = build_family_model("llama")
+    cache = CompressedCache(model, budget=36, scoring="reconstruction", replay="prompt_queries")
+    output = model.generate(PROMPT[:, :1], past_key_values=cache, do_sample=False, max_new_tokens=50, pad_token_id=2)
+    assert output.shape[1] == 51 and all(unit.kept <= 37 for unit in cache.units)
