@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from decodekit.cache import CompressedCache
-from decodekit.cache.replay_estimate import rotation_by
+from decodekit.cache.replay_estimate import rotation_past
 from decodekit.cache.size import full_cache_bytes
 from tests.families import FAMILIES, build_family_model
 
@@ -95,10 +95,12 @@ def test_the_estimate_matches_a_naive_loop_in_every_layer(chunk, kv_bits):
         torch.testing.assert_close(layer, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_rotation_by_is_the_rotary_turn_at_that_position_without_its_scaling():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_turn_past_a_pass_is_the_rotary_turn_at_that_position_without_its_scaling(dtype):
     """Rotary types that scale cos and sin (YaRN) or stretch frequencies (Llama 3): the turn by ``length``
-    positions built from the float32 embedding of positions 0 and 1 is the float64 turn by the model's frequencies,
-    to about the float32 rounding of an angle that large (the model's own embedding there is no closer)."""
+    positions made from a pass's embedding of positions 0 to ``length - 1`` (float32, or bfloat16 as a bf16 model
+    hands it) is the float64 turn by the model's frequencies, to the rounding of that embedding at one position:
+    a turn by position 1 taken ``length`` times would be off by whole radians in bfloat16."""
     for rope in (
         {"rope_type": "default", "rope_theta": 10000.0},
         {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
@@ -107,14 +109,16 @@ def test_rotation_by_is_the_rotary_turn_at_that_position_without_its_scaling():
     ):  # fmt: skip
         config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, rope_parameters=rope)
         rotary = LlamaForCausalLM(config).model.rotary_emb
-        cos, sin = rotary(torch.zeros(1), torch.arange(2)[None])
-        assert rope["rope_type"] != "yarn" or cos[0, 0, 0] > 1.01  # a scaling to remove
-        for length in (1, 2, 37, 2048, 32768):
+        cos, sin = rotary(torch.zeros(1, dtype=dtype), torch.arange(32768)[None])
+        assert cos.dtype == dtype and (rope["rope_type"] != "yarn" or cos[0, 0, 0] > 1.01)  # a scaling to remove
+        for length in (2, 37, 2048, 32768):
             angles = (length * rotary.inv_freq.double()).repeat(2)[None]
-            turn_cos, turn_sin = rotation_by(length, cos, sin)
-            tolerance = 2e-6 + 1.2e-7 * length
+            turn_cos, turn_sin = rotation_past(cos[:, :length], sin[:, :length])
+            # float32 angles near 32768 radians are themselves rounded to about 4e-3
+            tolerance = 2e-6 + 1.2e-7 * length if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(turn_cos.double(), angles.cos(), atol=tolerance, rtol=0)
             torch.testing.assert_close(turn_sin.double(), angles.sin(), atol=tolerance, rtol=0)
+            torch.testing.assert_close(torch.hypot(turn_cos, turn_sin), torch.ones_like(turn_cos))
 
 
 def test_the_estimate_feeds_no_second_pass_and_evicts_to_a_byte_size():

@@ -27,31 +27,25 @@ from decodekit.cache.rotary import rotate
 CPU_LOGIT_ELEMENTS, GPU_LOGIT_ELEMENTS = 1 << 20, 1 << 25
 
 
-def rotation_by(length: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary turn by ``length`` positions, ``(cos, sin)`` ``[batch, rotary]``, from a pass's embedding ``cos``,
-    ``sin`` ``[batch, tokens >= 2, rotary]`` of positions 0, 1, ...: a plain rotation, without the attention
-    scaling some rotary types fold into both (read at position 0).
+def rotation_past(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary turn by as many positions as a pass's embedding ``cos``, ``sin`` ``[batch, tokens >= 2, rotary]``
+    covers (positions 0 to ``tokens - 1``), as float32 ``(cos, sin)`` ``[batch, rotary]``: the turn of the last
+    position composed with the turn of position 1, made a plain rotation (without the attention scaling some rotary
+    types fold into cos and sin). It is as exact as the embedding's own last position: 16-bit cos and sin stay
+    within their rounding, where turning by position 1 again and again would multiply its error.
 
     Example:
-        >>> angles = torch.arange(3.0)[None, :, None] * torch.tensor([0.5, 0.1])  # positions 0..2, two frequencies
-        >>> cos, sin = rotation_by(7, angles.cos(), angles.sin())
+        >>> angles = torch.arange(7.0)[None, :, None] * torch.tensor([0.5, 0.1])  # positions 0..6, two frequencies
+        >>> cos, sin = rotation_past(angles.cos(), angles.sin())
         >>> torch.allclose(cos, (7 * torch.tensor([[0.5, 0.1]])).cos(), atol=1e-6)
         True
     """
     cos64, sin64 = cos.double(), sin.double()
-    scale = cos64[:, 0]  # cos at position 0: the scaling alone
-    one_cos, one_sin = cos64[:, 1] / scale, sin64[:, 1] / scale
-    angle_cos, angle_sin = torch.ones_like(one_cos), torch.zeros_like(one_sin)
-    step_cos, step_sin, remaining = one_cos, one_sin, length
-    while remaining:  # turns by 1, 2, 4, ... positions, composed where ``length`` has a bit
-        if remaining & 1:
-            angle_cos, angle_sin = (
-                angle_cos * step_cos - angle_sin * step_sin,
-                angle_sin * step_cos + angle_cos * step_sin,
-            )
-        step_cos, step_sin = step_cos * step_cos - step_sin * step_sin, 2 * step_sin * step_cos
-        remaining >>= 1
-    return angle_cos.to(cos.dtype), angle_sin.to(sin.dtype)
+    last_cos, last_sin, one_cos, one_sin = cos64[:, -1], sin64[:, -1], cos64[:, 1], sin64[:, 1]
+    turn_cos = last_cos * one_cos - last_sin * one_sin
+    turn_sin = last_sin * one_cos + last_cos * one_sin
+    length = torch.hypot(turn_cos, turn_sin)  # the scaling squared, and rounding
+    return (turn_cos / length).float(), (turn_sin / length).float()
 
 
 def moved_back(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, turned: bool) -> torch.Tensor:
@@ -92,7 +86,7 @@ def replay_scores(
     group = queries.shape[1] // kv_heads
     grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, length, head_dim)
     keys = keys.float()
-    shift_cos, shift_sin = rotation_by(length, cos, sin)
+    shift_cos, shift_sin = rotation_past(cos, sin)
     earlier = moved_back(keys, shift_cos, shift_sin, turned).transpose(-1, -2)[:, :, None]
     own = keys.transpose(-1, -2)[:, :, None]
     received = grouped.new_zeros((batch, kv_heads, length))
