@@ -249,3 +249,23 @@ def test_a_one_token_prompt_and_a_later_pass_are_not_replayed():
     cache = CompressedCache(model, budget=36, scoring="reconstruction", replay="prompt_queries")
     output = model.generate(PROMPT[:, :1], past_key_values=cache, do_sample=False, max_new_tokens=50, pad_token_id=2)
     assert output.shape[1] == 51 and all(unit.kept <= 37 for unit in cache.units)
+
+
+def test_a_prompt_given_as_embeddings_needs_no_token_ids_to_be_estimated():
+    """Only a replay pass feeds token ids again: the estimate takes a prompt given as ``inputs_embeds``, and scores
+    it as it scores the same prompt given as ids; the replay pass asks for the ids."""
+    model = build_family_model("llama")
+    embeddings = model.get_input_embeddings()(PROMPT)
+
+    def kept(replay: str, **prompt) -> list[torch.Tensor]:
+        cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", sink_tokens=2,
+                                recent_tokens=4, replay=replay)  # fmt: skip
+        with torch.no_grad():
+            model(**prompt, past_key_values=cache)
+        return [unit.kept_positions() for unit in cache.units]
+
+    by_embeddings, by_ids = kept("prompt_queries", inputs_embeds=embeddings), kept("prompt_queries", input_ids=PROMPT)
+    assert all(torch.equal(a, b) for a, b in zip(by_embeddings, by_ids, strict=True))
+    assert sum(part.shape[-1] for part in by_ids) == len(by_ids) * PROMPT.shape[1] // 2
+    with pytest.raises(ValueError, match="needs the first forward pass to receive the whole prompt's input_ids"):
+        kept("forward", inputs_embeds=embeddings)

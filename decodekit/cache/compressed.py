@@ -333,7 +333,10 @@ class CompressedCache(Cache):
         reproduce the prompt (a unique fact in repetitive text) score high even when no later
         prompt token refers to them. A token is then ranked by the better of its two ranks: by the
         attention the prompt paid it (the default scoring) and by its replay score, so that what
-        either criterion values is kept. Called by the model's forward hook after the first forward pass.
+        either criterion values is kept (``allocation="uniform"``; the shared budgets rank by the replay alone).
+        Under ``replay="prompt_queries"`` the prompt's own pass estimated the replay's scores already
+        (``replay_estimate.py``), so nothing is fed again and ``input_ids`` is not needed. Called by the model's
+        forward hook after the first forward pass.
         """
         layers = self.units
         if layers[0].pad_range[1] > 0:
@@ -342,15 +345,17 @@ class CompressedCache(Cache):
                 "or batch prompts of equal length"
             )
         length = self.get_seq_length()
-        if input_ids is None or input_ids.shape[-1] != length:
+        estimated = self.policy.replay == "prompt_queries"
+        if not estimated and (input_ids is None or input_ids.shape[-1] != length):
             raise ValueError(
-                "scoring='reconstruction' needs the first forward pass to receive the whole prompt's input_ids"
+                "scoring='reconstruction' needs the first forward pass to receive the whole prompt's input_ids "
+                "(or replay='prompt_queries', which does not feed the prompt again)"
             )
         # What the prompt's own queries paid, which a uniform allocation ranks by besides (the others rank by the
         # replay alone, and left the prompt's pass unscored: ``CompressedLayer.awaits_replay_alone``).
         uniform = self.policy.allocation == "uniform"
         attention = [layer.priority_scores() for layer in layers] if uniform else []
-        if self.policy.replay == "prompt_queries":  # the prompt's pass scored it already (``replay_estimate.py``)
+        if estimated:
             for layer in layers:
                 layer.deferred = False
         else:
