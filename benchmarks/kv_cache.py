@@ -537,6 +537,7 @@ def gpu_eager(model, args, device: torch.device) -> None:
         "CompressedCache observation_window=64": lambda length: CompressedCache(
             model, budget=length // 4, observation_window=64
         ),
+        "CompressedCache bytes 0.25, estimated replay": lambda length: byte_sized_cache(model, replay="prompt_queries"),
     }
     scoring = "Triton kernels" if cuda and importlib.util.find_spec("triton") else "blocked PyTorch"
     print(f"{args.shape}-shaped random model on {device}, batch 1, 25% budget; median of {args.gpu_rounds} prefills"

@@ -127,3 +127,41 @@ def test_an_unknown_scoring_backend_is_named():
     model = build_family_model("llama")
     with pytest.raises(ValueError, match="scoring_backend must be one of 'auto', 'triton', 'torch'; got 'cuda'"):
         CompressedCache(model, budget=40, scoring_backend="cuda")
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "length", "head_dim", "chunk"),
+    [
+        (4, 2, 30, 16, 64),  # one chunk, fewer tokens than a tile
+        (4, 1, 150, 24, 48),  # chunks that end inside a tile; head_dim not a power of two
+        (2, 2, 200, 64, 100),  # several tiles each way
+    ],
+)
+def test_replay_estimate_kernels_equal_the_pytorch_estimate(heads, kv_heads, length, head_dim, chunk):
+    """The replay estimate's kernels (``_triton_replay.py``) against its blocked PyTorch path, which
+    ``test_kv_replay_estimate.py`` checks against a naive loop."""
+    from decodekit.cache.replay_estimate import replay_scores
+
+    generator = torch.Generator().manual_seed(length)
+    queries = torch.randn(2, heads, length, head_dim, generator=generator).to(DEVICE)
+    keys = torch.randn(2, kv_heads, length, head_dim, generator=generator).to(DEVICE)
+    angles = torch.arange(length, device=DEVICE)[None, :, None] * torch.logspace(0, -3, head_dim // 2, device=DEVICE)
+    cos, sin = angles.repeat(2, 1, 2).cos(), angles.repeat(2, 1, 2).sin()
+    expected = replay_scores(queries, keys, head_dim**-0.5, cos, sin, chunk=chunk)
+    received = replay_scores(queries, keys, head_dim**-0.5, cos, sin, chunk=chunk, kernels=True)
+    torch.testing.assert_close(received, expected, atol=1e-6, rtol=1e-4)
+    assert (expected > 0.05).any()  # the comparison is not of zeros
+
+
+def test_a_cache_on_the_kernels_estimates_its_replay_as_the_pytorch_path_does():
+    model = build_family_model("qwen2")
+    ids = torch.randint(3, 384, (1, 90), generator=torch.Generator().manual_seed(4))
+    scores = {}
+    for backend in ("torch", "triton"):
+        cache = CompressedCache(model.to(DEVICE), compression_ratio=0.5, scoring="reconstruction",
+                                replay="prompt_queries", reconstruction_chunk=40, scoring_backend=backend)  # fmt: skip
+        with torch.no_grad():
+            model(ids.to(DEVICE), past_key_values=cache)
+        scores[backend] = [unit.scores for unit in cache.units]
+    for with_kernels, expected in zip(scores["triton"], scores["torch"], strict=True):
+        torch.testing.assert_close(with_kernels, expected, atol=1e-6, rtol=1e-4)

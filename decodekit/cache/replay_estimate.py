@@ -69,12 +69,14 @@ def replay_scores(
     turned: bool = False,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    kernels: bool = False,
 ) -> torch.Tensor:
     """``[batch, kv_heads, slots]``: the most attention a replay of the prompt would pay each entry, estimated with
     the prompt pass's own rotated ``queries`` ``[batch, heads, tokens, head_dim]`` of every prompt token, over the
     prompt's ``keys`` ``[batch, kv_heads, tokens, head_dim]`` as attention reads them; ``cos``, ``sin``: the pass's
     rotary embedding ``[batch, tokens, rotary]``. ``chunk``: the prompt tokens a replay feeds per pass (a replayed
-    token sees its own chunk's earlier tokens).
+    token sees its own chunk's earlier tokens). ``kernels``: compute them with the Triton kernels of
+    ``_triton_replay.py`` (one tile of logits at a time; not under a sliding window or a logit cap).
 
     Example:
         >>> queries, keys = torch.randn(1, 2, 6, 4), torch.randn(1, 1, 6, 4)
@@ -87,7 +89,12 @@ def replay_scores(
     grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, length, head_dim)
     keys = keys.float()
     shift_cos, shift_sin = rotation_past(cos, sin)
-    earlier = moved_back(keys, shift_cos, shift_sin, turned).transpose(-1, -2)[:, :, None]
+    moved = moved_back(keys, shift_cos, shift_sin, turned)
+    if kernels and sliding_window is None and softcap is None:
+        from decodekit.cache._triton_replay import replay_scores as with_kernels
+
+        return with_kernels(queries, moved, keys, scaling, chunk)
+    earlier = moved.transpose(-1, -2)[:, :, None]
     own = keys.transpose(-1, -2)[:, :, None]
     received = grouped.new_zeros((batch, kv_heads, length))
     elements = CPU_LOGIT_ELEMENTS if keys.device.type == "cpu" else GPU_LOGIT_ELEMENTS

@@ -193,7 +193,7 @@ class EntryScoring:
         return replay_scores(
             queries, keys, stored.scaling, stored.cos, stored.sin, chunk=self.policy.reconstruction_chunk,
             turned=self.reads_turned_keys, sliding_window=self.sliding_window,
-            softcap=self.softcap,
+            softcap=self.softcap, kernels=self._on_triton(),
         )  # fmt: skip
 
     @torch.no_grad()
