@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from decodekit.cache._triton_scoring import COLUMN_TILING, LOG2_E, ROW_TILING
+from decodekit.cache._triton_scoring import COLUMN_TILING, LOG2_E, ROW_TILING, add_to_log_sum_exp, column_keys
 
 
 @triton.jit
@@ -55,9 +55,7 @@ def _replay_log_sum_exp(
         key = tl.load(tile, mask=(cols[:, None] < length) & in_dims, other=0.0)
         logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
         logits = tl.where(cols[None, :] < length, logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, 1))
-        total = total * tl.exp2(running_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), 1)
-        running_max = new_max
+        running_max, total = add_to_log_sum_exp(running_max, total, logits)
     chunk_start = (rows // chunk) * chunk  # per query: the first own key it sees
     first = (block * BLOCK_M // chunk) * chunk
     last = tl.minimum((block + 1) * BLOCK_M, length)
@@ -68,9 +66,7 @@ def _replay_log_sum_exp(
         logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
         seen = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= chunk_start[:, None])
         logits = tl.where(seen, logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, 1))
-        total = total * tl.exp2(running_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), 1)
-        running_max = new_max
+        running_max, total = add_to_log_sum_exp(running_max, total, logits)
     tl.store(lse + row_head * length + rows, running_max + tl.log2(total), mask=rows < length)
 
 
@@ -83,13 +79,9 @@ def _replay_column_max(
 ):  # fmt: skip
     """scores[b, kv_head, j] = the most probability any query of the group's heads pays moved-back key j."""
     block, row_head = tl.program_id(0), tl.program_id(1)
-    kv_heads = heads // group
-    batch, kv_head = row_head // kv_heads, row_head % kv_heads
-    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, DIM)
-    in_dims = dims[None, :] < HEAD_DIM
-    key_tile = earlier + batch * k_batch + kv_head * k_head + cols[:, None] * k_row + dims[None, :]
-    key = tl.load(key_tile, mask=(cols[:, None] < length) & in_dims, other=0.0)
+    batch, kv_head, cols, dims, in_dims, key = column_keys(
+        earlier, block, row_head, heads, group, length, k_batch, k_head, k_row, HEAD_DIM, DIM, BLOCK_N
+    )
     best = tl.zeros([BLOCK_N], tl.float32)
     for member in range(group):
         head = kv_head * group + member

@@ -50,6 +50,30 @@ COLUMN_TILING = Tiling(num_stages=3)  # _column_sums: one program per block of k
 
 
 @triton.jit
+def add_to_log_sum_exp(running_max, total, logits):
+    """One tile of logits ``[BLOCK_M, BLOCK_N]`` (log2 scale) added to each row's running maximum and its sum of
+    ``2 ** (logit - maximum)``, as flash attention does; returns both, updated."""
+    new_max = tl.maximum(running_max, tl.max(logits, 1))
+    total = total * tl.exp2(running_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), 1)
+    return new_max, total
+
+
+@triton.jit
+def column_keys(keys, block, row_head, heads, group, slots, k_batch, k_head, k_row,
+                HEAD_DIM: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """A column program's tile: its row and KV head, its key slots, the head dimensions, which of them are real,
+    and the ``[BLOCK_N, DIM]`` keys themselves (zeros past ``slots`` and ``HEAD_DIM``)."""
+    kv_heads = heads // group
+    batch, kv_head = row_head // kv_heads, row_head % kv_heads
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, DIM)
+    in_dims = dims[None, :] < HEAD_DIM
+    key_tile = keys + batch * k_batch + kv_head * k_head + cols[:, None] * k_row + dims[None, :]
+    key = tl.load(key_tile, mask=(cols[:, None] < slots) & in_dims, other=0.0)
+    return batch, kv_head, cols, dims, in_dims, key
+
+
+@triton.jit
 def _row_log_sum_exp(
     queries, keys, lse,
     q_batch, q_head, q_row, k_batch, k_head, k_row,
@@ -75,9 +99,7 @@ def _row_log_sum_exp(
         key = tl.load(key_base + cols[:, None] * k_row + dims[None, :], mask=in_cols & in_dims, other=0.0)
         logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
         logits = tl.where(cols[None, :] <= first_slot + rows[:, None], logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, 1))
-        total = total * tl.exp2(running_max - new_max) + tl.sum(tl.exp2(logits - new_max[:, None]), 1)
-        running_max = new_max
+        running_max, total = add_to_log_sum_exp(running_max, total, logits)
     tl.store(lse + row_head * window + rows, running_max + tl.log2(total), mask=rows < window)
 
 
@@ -90,13 +112,9 @@ def _column_sums(
 ):  # fmt: skip
     """received[b, kv_head, j] = sum over the group's heads and the queries that see key j of its probability."""
     block, row_head = tl.program_id(0), tl.program_id(1)
-    kv_heads = heads // group
-    batch, kv_head = row_head // kv_heads, row_head % kv_heads
-    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, DIM)
-    in_dims = dims[None, :] < HEAD_DIM
-    key_tile = keys + batch * k_batch + kv_head * k_head + cols[:, None] * k_row + dims[None, :]
-    key = tl.load(key_tile, mask=(cols[:, None] < slots) & in_dims, other=0.0)
+    batch, kv_head, cols, dims, in_dims, key = column_keys(
+        keys, block, row_head, heads, group, slots, k_batch, k_head, k_row, HEAD_DIM, DIM, BLOCK_N
+    )
     total = tl.zeros([BLOCK_N], tl.float32)
     # The first query that sees any key of this block sits at block * BLOCK_N - first_slot.
     begin = (tl.maximum(block * BLOCK_N - first_slot, 0) // BLOCK_M) * BLOCK_M
