@@ -26,7 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from decodekit.cache._triton_scoring import COLUMN_TILING, LOG2_E, ROW_TILING, add_to_log_sum_exp, column_keys
+from decodekit.cache._triton_scoring import (
+    COLUMN_TILING,
+    LOG2_E,
+    ROW_TILING,
+    add_to_log_sum_exp,
+    column_keys,
+    row_queries,
+)
 
 
 @triton.jit
@@ -39,13 +46,9 @@ def _replay_log_sum_exp(
     """lse[b, h, i] = log2 of the sum of 2 ** (logit * qk_scale) over every moved-back key and over the own keys
     of query i's chunk up to i."""
     block, row_head = tl.program_id(0), tl.program_id(1)
-    batch, head = row_head // heads, row_head % heads
-    kv_head = head // group
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, DIM)
-    in_rows, in_dims = rows[:, None] < length, dims[None, :] < HEAD_DIM
-    query_tile = queries + batch * q_batch + head * q_head + rows[:, None] * q_row + dims[None, :]
-    query = tl.load(query_tile, mask=in_rows & in_dims, other=0.0)
+    batch, kv_head, rows, dims, in_dims, query = row_queries(
+        queries, block, row_head, heads, group, length, q_batch, q_head, q_row, HEAD_DIM, DIM, BLOCK_M
+    )
     key_offset = batch * k_batch + kv_head * k_head
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)

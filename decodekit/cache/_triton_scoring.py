@@ -59,6 +59,20 @@ def add_to_log_sum_exp(running_max, total, logits):
 
 
 @triton.jit
+def row_queries(queries, block, row_head, heads, group, rows_in_all, q_batch, q_head, q_row,
+                HEAD_DIM: tl.constexpr, DIM: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """A row program's tile: its row, query head and KV head, its query rows, the head dimensions, which of them
+    are real, and the ``[BLOCK_M, DIM]`` queries themselves (zeros past ``rows_in_all`` and ``HEAD_DIM``)."""
+    batch, head = row_head // heads, row_head % heads
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, DIM)
+    in_dims = dims[None, :] < HEAD_DIM
+    query_tile = queries + batch * q_batch + head * q_head + rows[:, None] * q_row + dims[None, :]
+    query = tl.load(query_tile, mask=(rows[:, None] < rows_in_all) & in_dims, other=0.0)
+    return batch, head // group, rows, dims, in_dims, query
+
+
+@triton.jit
 def column_keys(keys, block, row_head, heads, group, slots, k_batch, k_head, k_row,
                 HEAD_DIM: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """A column program's tile: its row and KV head, its key slots, the head dimensions, which of them are real,
@@ -82,13 +96,9 @@ def _row_log_sum_exp(
 ):  # fmt: skip
     """lse[b, h, i] = log2 of the sum over the keys query i sees of 2 ** (logit * qk_scale)."""
     block, row_head = tl.program_id(0), tl.program_id(1)
-    batch, head = row_head // heads, row_head % heads
-    kv_head = head // group
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, DIM)
-    in_rows, in_dims = rows[:, None] < window, dims[None, :] < HEAD_DIM
-    query_tile = queries + batch * q_batch + head * q_head + rows[:, None] * q_row + dims[None, :]
-    query = tl.load(query_tile, mask=in_rows & in_dims, other=0.0)
+    batch, kv_head, rows, dims, in_dims, query = row_queries(
+        queries, block, row_head, heads, group, window, q_batch, q_head, q_row, HEAD_DIM, DIM, BLOCK_M
+    )
     key_base = keys + batch * k_batch + kv_head * k_head
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
