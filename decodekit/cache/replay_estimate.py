@@ -110,10 +110,11 @@ def replay_scores(
         query_position = torch.arange(start, stop, device=keys.device)[:, None]
         own_position = torch.arange(first_own, stop, device=keys.device)
         hidden = own_position > query_position
-        if sliding_window is not None:
+        if sliding_window is not None:  # a window follows the cache's count, in which each chunk follows the prompt
             hidden |= query_position - own_position >= sliding_window
             prompt_position = torch.arange(length, device=keys.device)
-            prompt.masked_fill_(length + query_position - prompt_position >= sliding_window, -math.inf)
+            counted = length + query_position - first_own
+            prompt.masked_fill_(counted - prompt_position >= sliding_window, -math.inf)
         replayed.masked_fill_(hidden, -math.inf)
         top = torch.maximum(prompt.amax(dim=-1, keepdim=True), replayed.amax(dim=-1, keepdim=True))
         prompt.sub_(top).exp_()
