@@ -33,6 +33,7 @@ from decodekit.cache._triton_scoring import (
     add_to_log_sum_exp,
     column_keys,
     row_queries,
+    tile_probabilities,
 )
 
 
@@ -92,12 +93,10 @@ def _replay_column_max(
         lse_base = lse + (batch * heads + head) * length
         for start in range(0, length, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            in_rows = rows < length
-            query = tl.load(query_base + rows[:, None] * q_row + dims[None, :], mask=in_rows[:, None] & in_dims,
-                            other=0.0)  # fmt: skip
-            row_lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
-            logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
-            probabilities = tl.where(in_rows[:, None], tl.exp2(logits - row_lse[:, None]), 0.0)
+            probabilities, in_rows = tile_probabilities(
+                query_base, lse_base, rows, length, q_row, dims, in_dims, key, qk_scale
+            )
+            probabilities = tl.where(in_rows[:, None], probabilities, 0.0)
             best = tl.maximum(best, tl.max(probabilities, 0))
     tl.store(scores + row_head * length + cols, best, mask=cols < length)
 

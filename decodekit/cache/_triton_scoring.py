@@ -88,6 +88,17 @@ def column_keys(keys, block, row_head, heads, group, slots, k_batch, k_head, k_r
 
 
 @triton.jit
+def tile_probabilities(query_base, lse_base, rows, row_count, q_row, dims, in_dims, key, qk_scale):
+    """Each of the query ``rows``' probability of each key of a column program's tile (their ``2 ** (logit -
+    lse)``), ``[BLOCK_M, BLOCK_N]``, and which rows are real (below ``row_count``; the others' probabilities are 0)."""
+    in_rows = rows < row_count
+    query = tl.load(query_base + rows[:, None] * q_row + dims[None, :], mask=in_rows[:, None] & in_dims, other=0.0)
+    row_lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
+    logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
+    return tl.exp2(logits - row_lse[:, None]), in_rows
+
+
+@triton.jit
 def _row_log_sum_exp(
     queries, keys, lse,
     q_batch, q_head, q_row, k_batch, k_head, k_row,
@@ -134,12 +145,9 @@ def _column_sums(
         lse_base = lse + (batch * heads + head) * window
         for start in range(begin, window, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            in_rows = rows < window
-            query_tile = query_base + rows[:, None] * q_row + dims[None, :]
-            query = tl.load(query_tile, mask=in_rows[:, None] & in_dims, other=0.0)
-            row_lse = tl.load(lse_base + rows, mask=in_rows, other=float("inf"))
-            logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
-            probabilities = tl.exp2(logits - row_lse[:, None])
+            probabilities, in_rows = tile_probabilities(
+                query_base, lse_base, rows, window, q_row, dims, in_dims, key, qk_scale
+            )
             seen = (cols[None, :] <= first_slot + rows[:, None]) & in_rows[:, None]
             total += tl.sum(tl.where(seen, probabilities, 0.0), 0)
     tl.store(received + row_head * slots + cols, total, mask=cols < slots)

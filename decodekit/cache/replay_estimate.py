@@ -49,11 +49,11 @@ def rotation_past(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def moved_back(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, turned: bool) -> torch.Tensor:
-    """``keys`` ``[batch, heads, slots, head_dim]`` (float32, rotary already applied) moved back by the turn
-    ``cos``, ``sin`` ``[batch, rotary]``; ``turned``: the keys are turned by the Hadamard matrix, as a layer that
-    reads its coded keys turned holds them (the matrix is its own inverse)."""
+    """``keys`` ``[batch, heads, slots, head_dim]`` (float32, rotary already applied) moved back by the float32
+    turn ``cos``, ``sin`` ``[batch, rotary]`` (``rotation_past``); ``turned``: the keys are turned by the Hadamard
+    matrix, as a layer that reads its coded keys turned holds them (the matrix is its own inverse)."""
     keys = turn(keys) if turned else keys
-    moved = rotate(keys, cos[:, None, None].float(), -sin[:, None, None].float())
+    moved = rotate(keys, cos[:, None, None], -sin[:, None, None])
     return turn(moved) if turned else moved
 
 
