@@ -104,6 +104,8 @@ def scored_prompt(model, context, scoring: str = "attention", **options):
     and the prefill's logits for the first continuation token."""
     # "global" ranks the reconstruction scores as they are.
     allocation = "global" if scoring == "reconstruction" else "uniform"
+    if scoring == "reconstruction":  # a replay pass, unless the options say otherwise (replay="auto" would estimate)
+        options = {"replay": "forward", **options}
     cache = CompressedCache(model, compression_ratio=0.0, scoring=scoring, allocation=allocation, **options)
     with torch.inference_mode():
         first_logits = model(context, past_key_values=cache).logits[:, -1:]
@@ -171,7 +173,9 @@ def main() -> None:
                     value = continuation_perplexity(model, context, continuation, ratio, how, args.floor, args.scoring)
                 else:
                     allocation = "global" if args.scoring == "reconstruction" else "uniform"  # as the masks rank
-                    cache = CompressedCache(model, compression_ratio=ratio, scoring=args.scoring, allocation=allocation)
+                    replay = {"replay": "forward"} if args.scoring == "reconstruction" else {}  # as the masks score
+                    cache = CompressedCache(model, compression_ratio=ratio, scoring=args.scoring, allocation=allocation,
+                                            **replay)  # fmt: skip
                     value = evicting_perplexity(model, cache, context, continuation)
                 increases.append(value / full[name] - 1)
             cells.append(f"{statistics.fmean(increases):+8.2%} ({max(increases):+7.2%})")

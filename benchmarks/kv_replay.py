@@ -55,7 +55,7 @@ def row_options(tokenizer) -> dict[str, dict]:
     """The replay options of each row."""
     prefix = tokenizer.encode(REPEAT, add_special_tokens=False) + chat_turn_end(tokenizer)
     return {
-        "plain": {},
+        "plain": {"replay": "forward"},
         "prompt": {"replay_prefix": prefix},
         "prompt + overlap": {"replay_prefix": prefix, "replay_overlap": OVERLAP},
         "chunk scope": {"replay_scope": "chunk"},

@@ -264,8 +264,9 @@ CORE_FIELDS = (
         "kv_replay",
         "choice",
         "cache",
-        "how kv_scoring=reconstruction scores the prompt: forward (the default: the prompt fed again) or "
-        "prompt_queries (estimated in the prompt's own pass: about half the prefill time)",
+        "how kv_scoring=reconstruction scores the prompt: auto (the default: prompt_queries where a head keeps half "
+        "the prompt or more, else forward), forward (the prompt fed again) or prompt_queries (estimated in the "
+        "prompt's own pass: about half the prefill time)",
         choices=KV_REPLAYS,
         requires="kv_scoring",
         widget=None,

@@ -42,8 +42,11 @@ DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
 KV_BITS = (16, 8, 4)  # a compressed cache's storage widths (None: the model's dtype)
 KV_SCORINGS = ("attention", "reconstruction", "attention+novelty")  # how a compressed cache ranks its tokens
-# How reconstruction scores are had: a replay pass over the prompt, or estimated in the prompt's own pass.
-KV_REPLAYS = ("forward", "prompt_queries")
+# How reconstruction scores are had: a replay pass over the prompt ("forward"), estimated in the prompt's own pass
+# ("prompt_queries"), or ("auto") the estimate where a head keeps on average at least ESTIMATE_FROM_SHARE of the
+# prompt's tokens and the replay pass below (where the estimate's allocation across layers loses).
+KV_REPLAYS = ("auto", "forward", "prompt_queries")
+ESTIMATE_FROM_SHARE = 0.5
 
 # Generation.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."

@@ -243,7 +243,7 @@ class Strategy:
             cache = CompressedCache(
                 model, self.kv_budget, compression_ratio=self.kv_compression_ratio,
                 memory_fraction=self.kv_memory_fraction, kv_bits=self.kv_bits, scoring=self.kv_scoring or "attention",
-                replay=self.kv_replay or "forward", eviction_interval=self.kv_eviction_interval,
+                replay=self.kv_replay or "auto", eviction_interval=self.kv_eviction_interval,
                 residual_length=self.kv_residual_length,
             )  # fmt: skip
         plan = GenerationPlan(processors=processors, sampling=sampling, beam=self.beam,

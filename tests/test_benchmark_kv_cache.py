@@ -31,7 +31,7 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     assert "most tokens held at any step" in out
     assert "CompressedCache kv_bits=4:" in out
     assert out.count("CompressedCache memory_fraction=0.25, scoring=reconstruction: ") == 2  # prefill; decoding
-    assert "CompressedCache memory_fraction=0.25, scoring=reconstruction, replay=prompt_queries: " in out
+    assert "CompressedCache memory_fraction=0.25, scoring=reconstruction, replay=forward: " in out
     assert "CompressedCache scoring='reconstruction' (layers share the budget" in out
     assert "CompressedCache scoring='reconstruction' (layers and KV heads share the budget" in out
     # Quality per byte: ours sized by bytes, held within them, beside the recorded press at the same share.

@@ -17,7 +17,7 @@ def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
     out = run_benchmark("kv_cache.py", *tiny)
     assert "CompressedCache observation_window=64" in out and "DynamicCache" in out
     assert "CompressedCache eviction_interval=8" in out and "compiled decoding" not in out  # none asked on a CPU
-    assert "CompressedCache bytes 0.25, estimated replay" in out
+    assert "CompressedCache bytes 0.25, replay pass" in out
 
 
 def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():

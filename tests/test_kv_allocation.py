@@ -72,7 +72,7 @@ def test_a_row_with_fewer_live_tokens_than_its_share_keeps_them_all():
 
 
 def _prefill(model, ids, **kwargs):
-    kwargs = {"allocation": "global", **kwargs}
+    kwargs = {"allocation": "global", "replay": "forward", **kwargs}  # the replay pass, whatever the size
     cache = CompressedCache(model, scoring="reconstruction", reconstruction_chunk=16, **kwargs)
     with torch.no_grad():
         model(ids, past_key_values=cache)

@@ -31,6 +31,7 @@ def four_layers(tiny):
 
 
 def _prefill(model, ids, **kwargs):
+    kwargs = {"replay": "forward", **kwargs}  # the replay pass, whatever the size (the oracles replay)
     cache = CompressedCache(model, scoring="reconstruction", allocation="heads", reconstruction_chunk=16, **kwargs)
     with torch.no_grad():
         model(ids, past_key_values=cache)
@@ -232,7 +233,7 @@ def test_the_prompt_pass_is_scored_only_where_its_attention_counts(four_layers, 
     def prefill(**kwargs):
         scored.clear()
         cache = CompressedCache(model, scoring="reconstruction", allocation=allocation, reconstruction_chunk=16,
-                                compression_ratio=0.5, **kwargs)  # fmt: skip
+                                compression_ratio=0.5, replay="forward", **kwargs)  # fmt: skip
         with torch.no_grad():
             model(ids, past_key_values=cache)
         return cache, list(scored)

@@ -54,7 +54,7 @@ def test_replay_scores_follow_prefix_overlap_and_scope(tiny, tiny_model_dir, chu
     cache = CompressedCache(
         eager, compression_ratio=0.0, scoring="reconstruction", allocation="global", sink_tokens=sinks,
         recent_tokens=1, reconstruction_chunk=chunk, replay_prefix=list(prefix), replay_overlap=overlap,
-        replay_scope=scope,
+        replay_scope=scope, replay="forward",
     )  # fmt: skip
     with torch.no_grad():
         eager(ids, past_key_values=cache)

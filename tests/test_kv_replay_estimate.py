@@ -140,7 +140,7 @@ def test_the_estimate_feeds_no_second_pass_and_evicts_to_a_byte_size():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"replay": "later"}, "replay must be one of 'forward', 'prompt_queries'"),
+        ({"replay": "later"}, "replay must be one of 'auto', 'forward', 'prompt_queries'"),
         ({"allocation": "uniform"}, "needs allocation 'heads' or 'global'"),
         ({"observation_window": 8}, "needs observation_window=None"),
         ({"replay_prefix": [5]}, "needs no replay_prefix"),
@@ -169,7 +169,7 @@ def test_the_kv_replay_field_reaches_the_cache_and_the_command_line(tiny, tiny_m
     model, tokenizer = tiny
     strategy = Strategy(kv_memory_fraction=0.25, kv_scoring="reconstruction", kv_replay="prompt_queries")
     assert strategy.plan(model).cache.policy.replay == "prompt_queries"
-    assert Strategy(kv_memory_fraction=0.25, kv_scoring="reconstruction").plan(model).cache.policy.replay == "forward"
+    assert Strategy(kv_memory_fraction=0.25, kv_scoring="reconstruction").plan(model).cache.policy.replay == "auto"
     prompt = "The class statement creates a new class object and binds it to a name. " * 4
     expected = generate_text(model, tokenizer, [prompt], strategy, max_new_tokens=8)[0]
     code = main(["generate", prompt, "--model", str(tiny_model_dir), "--max-new-tokens", "8", "--kv-memory", "0.25",
@@ -177,7 +177,7 @@ def test_the_kv_replay_field_reaches_the_cache_and_the_command_line(tiny, tiny_m
     assert code == 0 and capsys.readouterr().out.rstrip("\n") == expected.rstrip("\n")
     with pytest.raises(ValueError, match="kv_replay applies to kv_scoring=reconstruction"):
         Strategy(kv_budget=40, kv_scoring="attention", kv_replay="prompt_queries")
-    with pytest.raises(ValueError, match="kv_replay must be one of forward, prompt_queries"):
+    with pytest.raises(ValueError, match="kv_replay must be one of auto, forward, prompt_queries"):
         Strategy(kv_budget=40, kv_scoring="reconstruction", kv_replay="later")
     for scoring in ([], ["--kv-scoring", "attention"]):
         code = main(["generate", "Hi", "--model", str(tiny_model_dir), "--kv-budget", "40", *scoring,
@@ -267,3 +267,52 @@ def test_a_prompt_given_as_embeddings_needs_no_token_ids_to_be_estimated():
     assert sum(part.shape[-1] for part in by_ids) == len(by_ids) * PROMPT.shape[1] // 2
     with pytest.raises(ValueError, match="needs the first forward pass to receive the whole prompt's input_ids"):
         kept("forward", inputs_embeds=embeddings)
+
+
+@pytest.mark.parametrize(
+    ("size", "estimated"),
+    [({"compression_ratio": 0.5}, True), ({"compression_ratio": 0.51}, False), ({"budget": 60}, True),
+     ({"budget": 59}, False), ({"memory_fraction": 0.4}, True), ({"memory_fraction": 0.05}, False),
+     ({"compression_ratio": 0.5, "allocation": "uniform"}, False),
+     ({"compression_ratio": 0.5, "observation_window": 8}, False)],
+)  # fmt: skip
+def test_auto_estimates_where_a_head_keeps_half_the_prompt_and_replays_elsewhere(size, estimated):
+    """The default ``replay="auto"`` keeps what ``"prompt_queries"`` keeps where a head keeps on average at least half
+    of the 120-token prompt (60 tokens: the edge, and one token below it), and what the replay pass keeps at smaller
+    sizes or where the estimate does not apply (a uniform allocation, an observation window), with no error; the
+    model runs once, or once per replayed chunk more."""
+    model = build_family_model("llama")
+    calls = []
+    model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    ids = torch.randint(3, 384, (1, 120), generator=torch.Generator().manual_seed(1))
+    kept = {}
+    for replay in ("auto", "prompt_queries" if estimated else "forward"):
+        options = {"reconstruction_chunk": 48, "sink_tokens": 2, "recent_tokens": 4, **size}
+        if replay == "prompt_queries" and "allocation" in options:
+            continue  # the estimate refuses them (tested above)
+        calls.clear()
+        cache = CompressedCache(model, scoring="reconstruction", replay=replay, **options)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        assert len(calls) == (1 if estimated else 1 + 3)
+        kept[replay] = [unit.kept_positions() for unit in cache.units]
+    if len(kept) == 2:
+        (auto, named) = kept.values()
+        assert all(torch.equal(a, b) for a, b in zip(auto, named, strict=True))
+
+
+@torch.no_grad()
+def test_auto_takes_a_prompt_given_as_embeddings_only_where_it_estimates():
+    """Under ``replay="auto"`` a size that keeps half the prompt is estimated, so a prompt given as embeddings is
+    taken; a smaller size replays the prompt, which needs its token ids, and says so."""
+    model = build_family_model("llama")
+    embeddings = model.get_input_embeddings()(PROMPT)
+    for ratio in (0.5, 0.75):
+        cache = CompressedCache(model, compression_ratio=ratio, scoring="reconstruction", sink_tokens=2,
+                                recent_tokens=4)  # fmt: skip
+        if ratio == 0.5:
+            model(inputs_embeds=embeddings, past_key_values=cache)
+            assert sum(unit.kept for unit in cache.units) == len(cache.units) * PROMPT.shape[1] // 2
+        else:
+            with pytest.raises(ValueError, match="with a replay pass needs the first forward pass to receive"):
+                model(inputs_embeds=embeddings, past_key_values=cache)

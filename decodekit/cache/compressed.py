@@ -152,11 +152,13 @@ class CompressedCache(Cache):
         replay_output_norms: weigh each replay query's attention to an entry by the norm of what the entry
             writes into the residual stream (its value through the head's output projection) over the norm
             of the query token's hidden state, as KVzip+ does (False by default).
-        replay: how reconstruction scores are had: "forward" (the default: the prompt is fed again, as
-            above) or "prompt_queries": estimated in the prompt's own pass, with no replay pass, from each
-            prompt token's query placed where a replay would place it (``replay_estimate.py``; needs
-            allocation "heads" or "global", every query observed and the other replay settings at their
-            defaults).
+        replay: how reconstruction scores are had: "forward" (the prompt is fed again, as above),
+            "prompt_queries" (estimated in the prompt's own pass, with no replay pass, from each prompt token's
+            query placed where a replay would place it: ``replay_estimate.py``; needs allocation "heads" or
+            "global", every query observed and the other replay settings at their defaults; about half the
+            prefill time) or "auto" (the default): the estimate where it applies and a head keeps on average at
+            least half the prompt's tokens (``ESTIMATE_FROM_SHARE``; a ratio up to 0.5, a quarter of the bytes),
+            else the replay pass, which allocates small budgets better.
         scoring_backend: "auto" (the default: Triton kernels for a pass's scores when the cache is on
             CUDA and Triton is installed, else blocked PyTorch), "triton" or "torch". The kernels hold
             one tile of logits at a time (flash-attention style), so scoring a long prompt needs no
@@ -244,7 +246,7 @@ class CompressedCache(Cache):
         replay_overlap: int = 0,
         replay_scope: str = "prompt",
         replay_output_norms: bool = False,
-        replay: str = "forward",
+        replay: str = "auto",
         residual_length: int | None = None,
     ) -> None:
         sizes = (budget, compression_ratio, memory_fraction, max_bytes)
@@ -334,7 +336,8 @@ class CompressedCache(Cache):
         prompt token refers to them. A token is then ranked by the better of its two ranks: by the
         attention the prompt paid it (the default scoring) and by its replay score, so that what
         either criterion values is kept (``allocation="uniform"``; the shared budgets rank by the replay alone).
-        Under ``replay="prompt_queries"`` the prompt's own pass estimated the replay's scores already
+        Where the policy estimates the replay (``EvictionPolicy.estimates_replay``: ``replay="prompt_queries"``,
+        or ``"auto"`` at large budgets) the prompt's own pass estimated the replay's scores already
         (``replay_estimate.py``), so nothing is fed again and ``input_ids`` is not needed. Called by the model's
         forward hook after the first forward pass.
         """
@@ -345,11 +348,12 @@ class CompressedCache(Cache):
                 "or batch prompts of equal length"
             )
         length = self.get_seq_length()
-        estimated = self.policy.replay == "prompt_queries"
+        first = layers[0]
+        estimated = self.policy.estimates_replay(first.seen - first.pads, first.rows)
         if not estimated and (input_ids is None or input_ids.shape[-1] != length):
             raise ValueError(
-                "scoring='reconstruction' needs the first forward pass to receive the whole prompt's input_ids "
-                "(or replay='prompt_queries', which does not feed the prompt again)"
+                "scoring='reconstruction' with a replay pass needs the first forward pass to receive the whole "
+                "prompt's input_ids (or replay='prompt_queries', which does not feed the prompt again)"
             )
         # What the prompt's own queries paid, which a uniform allocation ranks by besides (the others rank by the
         # replay alone, and left the prompt's pass unscored: ``CompressedLayer.awaits_replay_alone``).

@@ -10,7 +10,14 @@ import torch
 from decodekit._validation import check_int, check_real
 from decodekit.cache.allocation import ALLOCATIONS
 from decodekit.cache.size import EntryBytes
-from decodekit.settings import DEFAULT_RECENT_TOKENS, DEFAULT_SINK_TOKENS, KV_BITS, KV_REPLAYS, KV_SCORINGS
+from decodekit.settings import (
+    DEFAULT_RECENT_TOKENS,
+    DEFAULT_SINK_TOKENS,
+    ESTIMATE_FROM_SHARE,
+    KV_BITS,
+    KV_REPLAYS,
+    KV_SCORINGS,
+)
 
 SCORING_BACKENDS = ("auto", "triton", "torch")
 REPLAY_SCOPES = ("prompt", "chunk")  # what a replay chunk's attention is spread over (scoring="reconstruction")
@@ -111,7 +118,7 @@ class EvictionPolicy:
     replay_overlap: int = 0
     replay_scope: str = "prompt"
     replay_output_norms: bool = False
-    replay: str = "forward"
+    replay: str = "auto"
     residual_length: int | None = None  # with kv_bits 8 or 4: the last tokens also held exact (None: recent_tokens)
 
     def __post_init__(self) -> None:
@@ -195,10 +202,11 @@ class EvictionPolicy:
             raise ValueError(f"replay_overlap must be smaller than reconstruction_chunk ({chunk}); got {overlap}")
         return {"replay_prefix": prefix, "replay_overlap": overlap}
 
-    def _check_replay_estimate(self) -> None:
-        """``replay="prompt_queries"`` scores with every query of the prompt's pass, as a plain replay would, and
-        replaces the layers' scores: no other replay setting, no observation window, no uniform allocation."""
-        others = {
+    def _estimate_needs(self) -> list[str]:
+        """What ``replay="prompt_queries"`` needs and this policy lacks: it scores with every query of the prompt's
+        pass, as a plain replay would, and replaces the layers' scores, so no other replay setting, no observation
+        window, no uniform allocation."""
+        needs = {
             "scoring='reconstruction'": self.scoring == "reconstruction",
             "allocation 'heads' or 'global'": self.allocation != "uniform",
             "observation_window=None": self.observation_window is None,
@@ -207,12 +215,36 @@ class EvictionPolicy:
             "replay_scope='prompt'": self.replay_scope == "prompt",
             "replay_output_norms=False": not self.replay_output_norms,
         }
-        missing = [name for name, holds in others.items() if not holds]
+        return [name for name, holds in needs.items() if not holds]
+
+    def _check_replay_estimate(self) -> None:
+        """Refuse ``replay="prompt_queries"`` where the estimate cannot stand for the replay, naming what it needs."""
+        missing = self._estimate_needs()
         if missing:
             raise ValueError(
                 f"replay='prompt_queries' (reconstruction scores without a replay pass) needs {', '.join(missing)}; "
                 "use replay='forward' for the others"
             )
+
+    def estimates_replay(self, real: torch.Tensor, rows: int = 1) -> bool:
+        """Whether a prompt of ``real`` tokens per row (``[rows]``, a tensor) is scored by the estimate instead of a
+        replay pass: always under ``replay="prompt_queries"``, never under ``"forward"``; under ``"auto"`` when the
+        estimate applies (``_estimate_needs``) and every row's heads keep on average at least
+        ``ESTIMATE_FROM_SHARE`` of its prompt (a budget, ratio or byte size that keeps half the tokens or more).
+        Read on the host, once per prompt.
+
+        Example:
+            >>> def policy(ratio):
+            ...     return EvictionPolicy(scoring="reconstruction", allocation="heads", compression_ratio=ratio)
+            >>> policy(0.5).estimates_replay(torch.tensor([100])), policy(0.6).estimates_replay(torch.tensor([100]))
+            (True, False)
+        """
+        if self.replay != "auto":
+            return self.replay == "prompt_queries"
+        if self._estimate_needs():
+            return False
+        kept = self.targets(real, rows)
+        return bool((kept >= ESTIMATE_FROM_SHARE * real).all())
 
     def _checked_byte_size(self) -> dict[str, float | int]:
         """Check a size given in bytes (``memory_fraction`` or ``max_bytes``, and nothing else)."""
