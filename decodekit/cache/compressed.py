@@ -348,8 +348,7 @@ class CompressedCache(Cache):
                 "or batch prompts of equal length"
             )
         length = self.get_seq_length()
-        first = layers[0]
-        estimated = self.policy.estimates_replay(first.seen - first.pads, first.rows)
+        estimated = self.policy.estimates_replay(length, layers[0].rows)
         if not estimated and (input_ids is None or input_ids.shape[-1] != length):
             raise ValueError(
                 "scoring='reconstruction' with a replay pass needs the first forward pass to receive the whole "

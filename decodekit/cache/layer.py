@@ -393,7 +393,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
             self._wait_for_scoring(stored.columns, stored.scaling, stored.cos, stored.sin)
             return
         if self.awaits_replay_alone:
-            if self.policy.estimates_replay(self.seen - self.pads, self.rows):  # the replay's scores, estimated now
+            if self.policy.estimates_replay(self.seen, self.rows):  # the replay's scores, estimated now
                 self.scores = self._replay_estimate(stored, keys)
             return  # the replay's scores replace anything this pass's queries would give
         queries = self._rotated_queries(stored.columns, stored.cos, stored.sin)

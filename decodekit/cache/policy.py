@@ -226,25 +226,24 @@ class EvictionPolicy:
                 "use replay='forward' for the others"
             )
 
-    def estimates_replay(self, real: torch.Tensor, rows: int = 1) -> bool:
-        """Whether a prompt of ``real`` tokens per row (``[rows]``, a tensor) is scored by the estimate instead of a
-        replay pass: always under ``replay="prompt_queries"``, never under ``"forward"``; under ``"auto"`` when the
-        estimate applies (``_estimate_needs``) and every row's heads keep on average at least
-        ``ESTIMATE_FROM_SHARE`` of its prompt (a budget, ratio or byte size that keeps half the tokens or more).
-        Read on the host, once per prompt.
+    def estimates_replay(self, length: int, rows: int = 1) -> bool:
+        """Whether a prompt of ``length`` tokens in each of ``rows`` rows (reconstruction prompts have no padding)
+        is scored by the estimate instead of a replay pass: always under ``replay="prompt_queries"``, never under
+        ``"forward"``; under ``"auto"`` when the estimate applies (``_estimate_needs``) and the heads keep on
+        average at least ``ESTIMATE_FROM_SHARE`` of the prompt (a budget, ratio or byte size that keeps half the
+        tokens or more). Host arithmetic only, as ``target``.
 
         Example:
             >>> def policy(ratio):
             ...     return EvictionPolicy(scoring="reconstruction", allocation="heads", compression_ratio=ratio)
-            >>> policy(0.5).estimates_replay(torch.tensor([100])), policy(0.6).estimates_replay(torch.tensor([100]))
+            >>> policy(0.5).estimates_replay(100), policy(0.6).estimates_replay(100)
             (True, False)
         """
         if self.replay != "auto":
             return self.replay == "prompt_queries"
         if self._estimate_needs():
             return False
-        kept = self.targets(real, rows)
-        return bool((kept >= ESTIMATE_FROM_SHARE * real).all())
+        return self.target(length, rows) >= ESTIMATE_FROM_SHARE * length
 
     def _checked_byte_size(self) -> dict[str, float | int]:
         """Check a size given in bytes (``memory_fraction`` or ``max_bytes``, and nothing else)."""
