@@ -32,6 +32,7 @@ from decodekit.cache._triton_scoring import (
     ROW_TILING,
     add_to_log_sum_exp,
     column_keys,
+    key_tile_logits,
     row_queries,
     tile_probabilities,
 )
@@ -55,9 +56,7 @@ def _replay_log_sum_exp(
     total = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, length, BLOCK_N):  # every prompt key, moved back: all visible
         cols = start + tl.arange(0, BLOCK_N)
-        tile = earlier + key_offset + cols[:, None] * k_row + dims[None, :]
-        key = tl.load(tile, mask=(cols[:, None] < length) & in_dims, other=0.0)
-        logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
+        logits = key_tile_logits(query, earlier + key_offset, cols, length, k_row, dims, in_dims, qk_scale)
         logits = tl.where(cols[None, :] < length, logits, float("-inf"))
         running_max, total = add_to_log_sum_exp(running_max, total, logits)
     chunk_start = (rows // chunk) * chunk  # per query: the first own key it sees
@@ -65,9 +64,7 @@ def _replay_log_sum_exp(
     last = tl.minimum((block + 1) * BLOCK_M, length)
     for start in range(first, last, BLOCK_N):  # the replayed tokens of each query's chunk, causally
         cols = start + tl.arange(0, BLOCK_N)
-        tile = own + key_offset + cols[:, None] * k_row + dims[None, :]
-        key = tl.load(tile, mask=(cols[:, None] < length) & in_dims, other=0.0)
-        logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
+        logits = key_tile_logits(query, own + key_offset, cols, length, k_row, dims, in_dims, qk_scale)
         seen = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= chunk_start[:, None])
         logits = tl.where(seen, logits, float("-inf"))
         running_max, total = add_to_log_sum_exp(running_max, total, logits)

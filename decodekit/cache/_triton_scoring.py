@@ -88,6 +88,15 @@ def column_keys(keys, block, row_head, heads, group, slots, k_batch, k_head, k_r
 
 
 @triton.jit
+def key_tile_logits(query, key_base, cols, limit, k_row, dims, in_dims, qk_scale):
+    """The ``[BLOCK_M, BLOCK_N]`` logits (times ``qk_scale``) of a row program's ``query`` tile against the keys of
+    slots ``cols`` read from ``key_base`` (zeros at and past ``limit``: the caller hides what its queries do not
+    see)."""
+    key = tl.load(key_base + cols[:, None] * k_row + dims[None, :], mask=(cols[:, None] < limit) & in_dims, other=0.0)
+    return tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
+
+
+@triton.jit
 def tile_probabilities(query_base, lse_base, rows, row_count, q_row, dims, in_dims, key, qk_scale):
     """Each of the query ``rows``' probability of each key of a column program's tile (their ``2 ** (logit -
     lse)``), ``[BLOCK_M, BLOCK_N]``, and which rows are real (below ``row_count``; the others' probabilities are 0)."""
@@ -116,9 +125,7 @@ def _row_log_sum_exp(
     visible = first_slot + tl.minimum((block + 1) * BLOCK_M, window)  # keys the block's last query sees
     for start in range(0, visible, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        in_cols = cols[:, None] < visible
-        key = tl.load(key_base + cols[:, None] * k_row + dims[None, :], mask=in_cols & in_dims, other=0.0)
-        logits = tl.dot(query, tl.trans(key), input_precision="ieee") * qk_scale
+        logits = key_tile_logits(query, key_base, cols, visible, k_row, dims, in_dims, qk_scale)
         logits = tl.where(cols[None, :] <= first_slot + rows[:, None], logits, float("-inf"))
         running_max, total = add_to_log_sum_exp(running_max, total, logits)
     tl.store(lse + row_head * window + rows, running_max + tl.log2(total), mask=rows < window)
