@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, LogitsProcessor
 
 from decodekit.cache import CompressedCache, unbind
-from decodekit.cache.storage import PER_ENTRY, storage_bytes
+from decodekit.cache.storage import storage_bytes
 from decodekit.decoders import beam_search
 from tests.tiny import build_model
 
@@ -196,7 +196,7 @@ def test_decoding_one_prompt_holds_budget_plus_one_slots_and_matches_the_padded_
         storage_bytes(  # each storage once: the layers' reserved room may be slices of shared tensors
             tensor
             for layer in alone_cache.layers
-            for tensor in (layer._spare.values() if layer._spare else [getattr(layer, name) for name in PER_ENTRY])
+            for tensor in (layer._spare.values() if layer._spare else [getattr(layer, name) for name in layer.entries])
         ).values()
     )
     assert entries <= config.num_hidden_layers * (budget + 1) * per_slot

@@ -29,6 +29,21 @@ RESIDUAL_WHEN_SIZED_IN_BYTES = {"heads": 0}  # absent: recent_tokens
 INTERVAL_WHEN_SIZED_IN_BYTES = {"heads": 1}  # absent: default_eviction_interval(None), 8
 
 
+# How many of the first layers refit their prompt's kept entries (``matched_layers``), per scoring, when told none.
+MATCHED_LAYERS = {"reconstruction": 0}
+
+
+def default_matched_layers(scoring: str) -> int:
+    """The ``matched_layers`` of a cache told none: ``MATCHED_LAYERS`` of its scoring, else 0 (refitting needs the
+    prompt's queries placed after it, which only reconstruction scoring places).
+
+    Example:
+        >>> default_matched_layers("attention")
+        0
+    """
+    return MATCHED_LAYERS.get(scoring, 0)
+
+
 def byte_sized_widths(memory_fraction: float | None, allocation: str = "uniform") -> tuple[int, int]:
     """``(kv_bits, key_bits)`` for a cache sized in bytes and told no widths: keys in 8 bits and values in 4
     while evicting costs more than coarser codes, else both in 4 (more tokens beat more bits once many
@@ -209,6 +224,13 @@ class CompressedCache(Cache):
             need: replay scores are probabilities, the same in every layer and head) and "uniform"
             otherwise. Under both a token ranks by its reconstruction score alone, as KVzip ranks it (no
             value norm, no attention rank).
+        matched_layers: how many of the model's first layers refit what they keep of the prompt when it is
+            evicted (attention matching, ``decodekit/cache/matching.py``): per row and KV head, each kept entry
+            gets a log-mass bias, added to its logit by every later pass, and a new value, solved so that
+            attention over the kept entries reproduces attention over all of the prompt's for the prompt's own
+            queries placed after it (in the first layer, exactly the queries a replay makes). Needs
+            ``scoring="reconstruction"``; >= 0; None (the default): ``default_matched_layers``. Costs a fit per
+            KV head at the prompt's eviction and a mask with the biases in those layers' later passes.
 
     Example (with ``model`` and ``batch`` from ``load_model``/``encode_prompts``)::
 
@@ -248,6 +270,7 @@ class CompressedCache(Cache):
         replay_output_norms: bool = False,
         replay: str = "auto",
         residual_length: int | None = None,
+        matched_layers: int | None = None,
     ) -> None:
         sizes = (budget, compression_ratio, memory_fraction, max_bytes)
         if all(size is None for size in sizes) and kv_bits is not None:
@@ -261,6 +284,8 @@ class CompressedCache(Cache):
             kv_bits, key_bits = byte_sized_widths(memory_fraction, allocation)
         if sized_in_bytes and residual_length is None:
             residual_length = byte_sized_residual(allocation, recent_tokens)
+        if matched_layers is None:
+            matched_layers = default_matched_layers(scoring)
         head_dim = _head_dim(model)
         if kv_group_size is None:
             kv_group_size = min(32, head_dim) if head_dim else 32
@@ -274,26 +299,28 @@ class CompressedCache(Cache):
                 residual_length=residual_length,  # set above: byte_sized_residual when not given
                 eviction_interval=eviction_interval,
                 value_norms=value_norm and allocation == "uniform",
+                matched_layers=matched_layers if isinstance(matched_layers, int) else 0,  # (checked by the policy)
             )  # fmt: skip  (value norms are kept where eviction ranks by them: EvictionPolicy.ranks_by_value_norm)
         self.policy = EvictionPolicy(
             budget, compression_ratio, sink_tokens, recent_tokens, observation_window, score_decay, pool_kernel,
             value_norm, scoring, reconstruction_chunk, scoring_backend, eviction_interval, kv_bits, kv_group_size,
             key_bits, memory_fraction, max_bytes, by_bytes, allocation, replay_prefix=replay_prefix,
             replay_overlap=replay_overlap, replay_scope=replay_scope, replay_output_norms=replay_output_norms,
-            replay=replay, residual_length=residual_length,
+            replay=replay, residual_length=residual_length, matched_layers=matched_layers,
         )  # fmt: skip
         modules = bind(model, replays=self.policy.scoring == "reconstruction")
         if head_dim and {kv_bits, key_bits} & {4, 8}:
             Quantizer(4, kv_group_size).groups(head_dim)  # a ValueError naming kv_group_size now, not mid-pass
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
+        matched = [index < self.policy.matched_layers for index in range(len(modules))]
         if allocation == "heads":
             kv_heads = model.config.get_text_config().num_key_value_heads
-            layers = [HeadsLayer(self.policy, kv_heads) for _ in modules]
+            layers = [HeadsLayer(self.policy, kv_heads, matched=refit) for refit in matched]
         elif self.policy.scoring == "attention" and not {kv_bits, key_bits} & {4, 8} and eviction_interval > 1:
             room = SharedRoom()  # the layers evict together while decoding (``joint.py``)
             layers = room.layers = [CompressedLayer(self.policy, room, index) for index in range(len(modules))]
         else:
-            layers = [CompressedLayer(self.policy) for _ in modules]
+            layers = [CompressedLayer(self.policy, matched=refit) for refit in matched]
         super().__init__(layers=layers)
         # Coded keys are read turned, as coded, where the module's queries can be turned alike (one product per
         # query instead of one per stored key at every pass).

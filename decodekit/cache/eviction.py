@@ -39,7 +39,10 @@ class Eviction:
         if new == 1 and self._quiet_steps > 0:
             self._quiet_steps -= 1
             return
-        self._evict(new)
+        if self._match_queries is not None:  # the prompt's eviction, whose kept entries are refit (``matching.py``)
+            self._evict_and_match(new)
+        else:
+            self._evict(new)
         self._quiet_steps = self._steps_without_eviction()
 
     def _steps_without_eviction(self) -> int:

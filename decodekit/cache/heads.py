@@ -32,10 +32,10 @@ class HeadsLayer(DynamicLayer):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, policy: EvictionPolicy, kv_heads: int) -> None:
+    def __init__(self, policy: EvictionPolicy, kv_heads: int, *, matched: bool = False) -> None:
         super().__init__()
         self.policy = policy
-        self.units = [CompressedLayer(policy) for _ in range(kv_heads)]
+        self.units = [CompressedLayer(policy, matched=matched) for _ in range(kv_heads)]
         self._lengths: list[int] = []  # each unit's keys in the coming pass (its ``get_mask_sizes``)
         # The coming pass's visibility, ``[batch, kv_heads, queries, longest]`` (None: everything stored), and its
         # observed query columns for every head: what scoring all heads at once needs.
@@ -95,6 +95,18 @@ class HeadsLayer(DynamicLayer):
         self._lengths = [unit.get_mask_sizes(query_length)[0] for unit in self.units]
         self._visible = None if first_pass else self._layer_mask(query_length, masks)
         return self._visible
+
+    @property
+    def biased(self) -> bool:
+        """Whether the heads' prompt entries were refit with biases (``CompressedLayer.biased``)."""
+        return self.units[0].biased
+
+    def biased_mask(self, query_length: int, visible: torch.Tensor | None) -> torch.Tensor:
+        """The heads' biased masks side by side (see ``CompressedLayer.biased_mask``)."""
+        if visible is None:
+            visible = self.pass_mask(query_length, plain=True)
+        rows = torch.cat([unit.bias_row(visible.shape[-1]) for unit in self.units], dim=1)
+        return torch.where(visible, rows, -math.inf)
 
     def pass_mask(self, query_length: int, *, plain: bool = False) -> torch.Tensor | None:
         """The layer's mask for the coming pass (see ``CompressedLayer.pass_mask``)."""
@@ -188,6 +200,8 @@ class HeadsLayer(DynamicLayer):
         batch, kv_heads, _, head_dim = keys.shape
         grouped = (queries.float() * stored.scaling).reshape(batch, kv_heads, -1, head_dim)
         logits = torch.matmul(grouped, keys.float().transpose(-1, -2))  # [batch, kv_heads, group, longest]
+        if self.biased:
+            logits += torch.cat([unit.bias_row(logits.shape[-1]) for unit in self.units], dim=1)
         if self._visible is not None:
             logits.masked_fill_(~self._visible, -math.inf)
         received = logits.softmax(dim=-1).mean(dim=2)

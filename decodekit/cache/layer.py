@@ -18,18 +18,21 @@ them, and their scoring waits for the next eviction (``_score_pending``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
 from decodekit.cache.eviction import Eviction
 from decodekit.cache.joint import SharedRoom
+from decodekit.cache.matching import EntryMatching
 from decodekit.cache.policy import Allocated, EvictionPolicy
 from decodekit.cache.quantize import Quantizer, hadamard, rotation_block
 from decodekit.cache.scoring import EntryScoring
-from decodekit.cache.storage import BOOKKEEPING, CODING, EXACT, EntryStorage, storage_bytes
+from decodekit.cache.storage import BIAS_DTYPE, BOOKKEEPING, CODING, EXACT, EntryStorage, storage_bytes
 
 
 class StoredPass(NamedTuple):
@@ -45,17 +48,19 @@ class StoredPass(NamedTuple):
     value_states: torch.Tensor
 
 
-class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
+class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, DynamicLayer):
     """A ``DynamicLayer`` that scores its entries by the attention they receive and evicts the least useful.
 
     Its jobs are split by file: ``storage.py`` (how entries are held), ``scoring.py`` (what they are
-    worth), ``eviction.py`` (which go); this file is the layer transformers talks to (``update``,
-    masks, beams, crop) and the state those share.
+    worth), ``eviction.py`` (which go), ``matching.py`` (what the prompt's kept entries become); this file is
+    the layer transformers talks to (``update``, masks, beams, crop) and the state those share.
     """
 
     is_croppable = True
 
-    def __init__(self, policy: EvictionPolicy, shared: SharedRoom | None = None, shared_index: int = 0) -> None:
+    def __init__(
+        self, policy: EvictionPolicy, shared: SharedRoom | None = None, shared_index: int = 0, *, matched: bool = False
+    ) -> None:
         super().__init__()
         # The room this layer shares with the cache's other layers, and its index there (see ``joint.py``).
         self.shared, self.shared_index = shared, shared_index
@@ -65,11 +70,18 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         self.policy = policy
         self.seen = 0  # tokens given to this layer, padding included: the logical length
         self.pads: torch.Tensor | None = None  # [batch]: each row's left padding (its first pads positions)
-        # Per entry, [batch, kv_heads, slots]: score, value norm, logical position, live.
+        # Per entry, [batch, kv_heads, slots]: score, value norm, logical position, live, log-mass bias.
         self._scores: torch.Tensor | None = None
         self._value_norms: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._live: torch.Tensor | None = None
+        self._biases: torch.Tensor | None = None
+        # Attention matching (``matching.py``): whether the prompt's kept entries are refit when it is evicted, the
+        # prompt pass's queries kept for that until then, and whether the refit gave the entries biases (which every
+        # later pass then adds to their logits: ``biased_mask``, and the scoring).
+        self.matched = matched
+        self._match_queries: tuple[torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None
+        self.biased = False
         # Quantized storage (``policy.kv_bits``, ``policy.key_bits``): ``keys`` or ``values`` or both hold codes,
         # with each entry's group scales and offsets beside them (``CODING``; keys coded turned by a Hadamard
         # rotation, see ``Quantizer``); per row, the last ``policy.exact_recent`` tokens' exact keys and values in a
@@ -84,8 +96,10 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         self.reads_turned_keys = False
         self.storage_dtype: torch.dtype | None = None  # what keys, values (or their scales) are stored in
         coding = tuple(name for name in CODING if self.quantizers[name.split("_")[0] + "s"] is not None)
-        # Value norms are kept only where eviction ranks by them (not under allocation "global" or "heads").
-        self.bookkeeping = tuple(name for name in BOOKKEEPING if name != "_value_norms" or policy.ranks_by_value_norm)
+        # Value norms are kept only where eviction ranks by them (not under allocation "global" or "heads"), biases
+        # only where the prompt's kept entries are refit.
+        kept_apart = {"_value_norms": policy.ranks_by_value_norm, "_biases": matched}
+        self.bookkeeping = tuple(name for name in BOOKKEEPING if kept_apart.get(name, True))
         self.entries = ("keys", "values", *self.bookkeeping, *coding)
         self.key_scales = self.key_offsets = self.value_scales = self.value_offsets = None
         self.recent_keys = self.recent_values = None
@@ -181,6 +195,16 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
     @live.setter
     def live(self, value: torch.Tensor | None) -> None:
         self._replace_bookkeeping("_live", value)
+
+    @property
+    def biases(self) -> torch.Tensor | None:
+        """Per entry, the log-mass bias added to its logit (0 but for the prompt's refit entries), float16."""
+        self._catch_up()
+        return self._biases
+
+    @biases.setter
+    def biases(self, value: torch.Tensor | None) -> None:
+        self._replace_bookkeeping("_biases", value)
 
     @property
     def rows(self) -> int:
@@ -293,6 +317,22 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         older = older.expand(batch, kv_heads, query_length, slots)
         return torch.cat([older, causal.expand(batch, kv_heads, -1, -1)], dim=-1)
 
+    def biased_mask(self, query_length: int, visible: torch.Tensor | None) -> torch.Tensor:
+        """The coming pass's mask as logit offsets, float32 ``[batch, kv_heads, query_length, columns]``: each
+        entry's bias (``biases``) where ``visible`` (the pass's mask, or None for ``pass_mask(plain=True)``), -inf
+        where not; for a layer whose prompt entries were refit (``biased``)."""
+        if visible is None:
+            visible = self.pass_mask(query_length, plain=True)
+        return torch.where(visible, self.bias_row(visible.shape[-1]), -math.inf)
+
+    def bias_row(self, columns: int) -> torch.Tensor:
+        """``[batch, kv_heads, 1, columns]`` float32: the stored entries' biases, 0 for the pass's own tokens (in
+        their free slot, or after the stored entries) and for the columns past them."""
+        biases = self.biases.float()
+        if self._free is not None:
+            biases = biases.scatter(2, self._free[..., None], 0.0)
+        return functional.pad(biases, (0, columns - biases.shape[-1]))[:, :, None, :]
+
     def _in_window(self, positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor | bool:
         """Whether entries at ``positions`` are inside the sliding window of queries at ``query_positions``."""
         if self.sliding_window is None:
@@ -351,6 +391,8 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
                 self.value_norms = empty.clone()
             self.positions = empty.to(torch.int32)
             self.live = empty.to(torch.bool)
+            if "_biases" in self.bookkeeping:
+                self.biases = empty.to(BIAS_DTYPE)
         if coded is None or first_pass:
             coded, read_keys = self._code(key_states, value_states)
         elif read_keys is None:
@@ -389,6 +431,8 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         """The second half of ``update``: score the stored pass on ``keys`` and ``values`` as attention reads them
         (or queue its queries for the next eviction)."""
         stored, self._stored_pass = self._stored_pass, None
+        if self.matched and self.deferred and not self.replaying and self._match_queries is None:
+            self._match_queries = (stored.columns, stored.scaling, stored.cos, stored.sin)  # refit at its eviction
         if stored.deferred:  # the step went into reserved room (kept or made anew by ``_append``)
             self._wait_for_scoring(stored.columns, stored.scaling, stored.cos, stored.sin)
             return
@@ -462,6 +506,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, DynamicLayer):
         super().reset()
         self._pending = []
         self._scores = self.value_norms = self.positions = self.live = self.pads = self.allocated = None
+        self._biases, self._match_queries, self.biased = None, None, False
         for name in (*CODING, *EXACT, "recent_positions"):
             setattr(self, name, None)
         self._queries = self._free = None

@@ -264,6 +264,8 @@ def _before_attention(module: nn.Module, cache, layer, hidden_states: torch.Tens
         visible = layer.begin_pass(length, pads, sliding_window=_sliding_window(module), softcap=softcap)
     else:
         visible = layer.begin_pass(length)
+    if layer.biased:  # refit entries add their biases to every pass's logits (``matching.py``)
+        return _attention_mask(module, layer.biased_mask(length, visible), hidden_states.dtype)
     if visible is None:
         model_mask = kwargs.get("attention_mask")
         if first_pass or not isinstance(model_mask, torch.Tensor):
@@ -302,7 +304,8 @@ def _with_turned_queries(module: nn.Module, projected: torch.Tensor, cos: torch.
 
 
 def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's ``[batch, kv_heads, queries, keys]`` visibility as the mask ``module``'s attention takes."""
+    """The layer's ``[batch, kv_heads, queries, keys]`` visibility (boolean, or float logit offsets with -inf where
+    hidden: ``biased_mask``) as the mask ``module``'s attention takes."""
     implementation = getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa"
     if implementation not in ("sdpa", "eager"):
         raise ValueError(
@@ -313,6 +316,8 @@ def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype
     batch, kv_heads, queries, keys = visible.shape
     group = module.config.num_attention_heads // kv_heads
     per_head = visible[:, :, None].expand(batch, kv_heads, group, queries, keys).reshape(batch, -1, queries, keys)
+    if visible.dtype != torch.bool:
+        return per_head.to(dtype)
     if implementation == "sdpa":
         return per_head
     return torch.zeros((), dtype=dtype, device=visible.device).masked_fill(~per_head, torch.finfo(dtype).min)

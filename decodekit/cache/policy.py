@@ -120,6 +120,7 @@ class EvictionPolicy:
     replay_output_norms: bool = False
     replay: str = "auto"
     residual_length: int | None = None  # with kv_bits 8 or 4: the last tokens also held exact (None: recent_tokens)
+    matched_layers: int = 0  # the first layers whose prompt entries are refit at its eviction (``matching.py``)
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATIONS:
@@ -158,6 +159,13 @@ class EvictionPolicy:
             "score_decay": check_real("score_decay", self.score_decay, 0, 1),
             "eviction_interval": check_int("eviction_interval", self.eviction_interval, 1),
         }
+        checked["matched_layers"] = check_int("matched_layers", self.matched_layers, 0)
+        if checked["matched_layers"] and self.scoring != "reconstruction":
+            raise ValueError(
+                f"matched_layers needs scoring='reconstruction' (its entries are refit for the prompt's queries placed "
+                f"after the prompt, once the prompt is scored); got scoring={self.scoring!r} with matched_layers="
+                f"{self.matched_layers}: use matched_layers=0"
+            )
         if self.residual_length is not None:
             checked["residual_length"] = check_int(
                 "residual_length", self.residual_length, 0, " or None (recent_tokens)"
@@ -301,7 +309,8 @@ class EvictionPolicy:
             target = fixed
         elif self.memory_fraction is not None:
             entry = self.entry_bytes  # the same float64 arithmetic as ``targets``
-            target = max(math.floor((self.memory_fraction * seen * entry.full - entry.fixed) / entry.kept), self.floor)
+            allowed = self.memory_fraction * seen * entry.full - seen * entry.biases_per_seen
+            target = max(math.floor((allowed - entry.fixed) / entry.kept), self.floor)
         else:
             target = max(math.ceil((1.0 - self.compression_ratio) * seen), self.floor)
         if allocated is None:
@@ -317,7 +326,8 @@ class EvictionPolicy:
             kept = torch.full_like(seen, fixed)
         elif self.memory_fraction is not None:
             entry = self.entry_bytes
-            allowed = self.memory_fraction * seen.to(torch.float64) * entry.full
+            counted = seen.to(torch.float64)
+            allowed = self.memory_fraction * counted * entry.full - counted * entry.biases_per_seen
             kept = torch.floor((allowed - entry.fixed) / entry.kept).to(seen.dtype)
         else:
             kept = torch.ceil((1.0 - self.compression_ratio) * seen.to(torch.float64)).to(seen.dtype)

@@ -63,13 +63,19 @@ def _step_tensors(steps: int, group: int, decay: float, device: torch.device) ->
 
 
 def waiting_attention(
-    queries: torch.Tensor, keys: torch.Tensor, first: int, scaling: float, decay: float
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    first: int,
+    scaling: float,
+    decay: float,
+    biases: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention that ``steps`` waiting decoding steps paid, as one step at a time would have added it:
     ``[..., kv_heads, first + steps]``, from their rotated queries ``[..., heads, steps, head_dim]`` and the
     stored keys ``[..., kv_heads, slots, head_dim]``, where step ``t``'s token is in slot ``first + t`` and saw
     the slots before its own and itself; step ``t``'s attention is decayed ``steps - 1 - t`` times and
     averaged over the query heads that share a KV head. Any leading dimensions (rows; layers) are kept.
+    ``biases``: each entry's log-mass bias, ``[..., kv_heads, slots]``, added to its logits (refit entries).
 
     Example:
         >>> queries, keys = torch.zeros(1, 2, 2, 4), torch.zeros(1, 1, 3, 4)  # 2 query heads, 1 KV head
@@ -82,6 +88,8 @@ def waiting_attention(
     grouped = queries.to(keys.dtype).reshape(*lead, kv_heads, group * steps, head_dim)
     logits = torch.matmul(grouped, keys[..., :visible, :].transpose(-1, -2)).float()
     logits = logits.mul_(scaling).view(*lead, kv_heads, group, steps, visible)
+    if biases is not None:
+        logits += biases[..., None, None, :visible].float()
     later, weights = _step_tensors(steps, group, decay, logits.device)
     logits[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
     return logits.softmax(dim=-1).mul_(weights).sum(dim=(-3, -2))
@@ -176,7 +184,8 @@ class EntryScoring:
         steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
         keys, values = self.dense()
         visible = first + steps
-        received = waiting_attention(queries, keys, first, self._pending_scaling, decay)
+        biases = self._biases if self.biased else None
+        received = waiting_attention(queries, keys, first, self._pending_scaling, decay, biases)
         self._scores[:, :, :visible].mul_(decay**steps).add_(received)
         if self._value_norms is not None:
             self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)
@@ -218,10 +227,13 @@ class EntryScoring:
             # One decoding step that sees every entry: logits in the cache's dtype, as eager attention
             # computes them, then a float32 softmax per query head, averaged over the group.
             grouped = queries.to(keys.dtype).reshape(batch, kv_heads, group, head_dim)
-            logits = torch.matmul(grouped, keys.transpose(-1, -2))  # [batch, kv_heads, group, slots]
-            return logits.float().mul_(scaling).softmax(dim=-1).mean(dim=2)
+            logits = torch.matmul(grouped, keys.transpose(-1, -2)).float().mul_(scaling)  # [batch, kv_heads, group, -]
+            if self.biased:
+                logits += self.biases[:, :, None, :].float()
+            return logits.softmax(dim=-1).mean(dim=2)
         causal_only = appended and unmasked
-        if causal_only and self.softcap is None and not self.replaying and self._on_triton():
+        biases = self.biases.float() if self.biased else None
+        if causal_only and self.softcap is None and not self.replaying and biases is None and self._on_triton():
             received = _triton_scoring().attention_received(queries.to(keys.dtype), keys, scaling)
             return self._per_query(received, window, group)
         grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, window, head_dim)
@@ -239,6 +251,8 @@ class EntryScoring:
             logits = torch.matmul(grouped[:, :, :, start:stop], keys_t[..., :visible])  # [b, h, g, w, t]
             if self.softcap is not None:
                 logits.div_(self.softcap).tanh_().mul_(self.softcap)
+            if biases is not None:
+                logits += biases[:, :, None, None, :visible]
             if causal_only:
                 diagonal = logits[..., first_slot + start : visible]
                 diagonal += torch.full(diagonal.shape[-2:], -math.inf, device=logits.device).triu_(1)

@@ -60,12 +60,20 @@ def reserved_room(eviction_interval: int, grows: bool) -> int:
     return max(eviction_interval, GROWTH_ROOM) if grows else eviction_interval
 
 
+# A refit entry's log-mass bias (``storage.BIAS_DTYPE``), held by the layers whose prompt entries are refit.
+BIAS_BYTES = 2
+
+
 @dataclass(frozen=True)
 class EntryBytes:
     """What one layer of a compressed cache holds per row and KV head, in bytes: per kept token (keys,
     values, their scales and the bookkeeping), whatever it holds however few tokens it keeps (the exact
     recent ring, waiting queries, reserved slots), and a full 16-bit cache's per token. ``units`` is how
     many (layer, KV head) pairs a row has.
+
+    The biases of refit layers (``matched_layers``) are bounded two ways, as each size needs: a refit head holds at
+    most one per token seen (``biases_per_seen``, per pair and token seen: a size that grows with the tokens), and
+    a row holds at most one per kept token (``biases_per_kept``: a fixed size).
 
     Example:
         >>> EntryBytes(kept=100, fixed=1000, full=256, units=2).tokens_within(10_000)
@@ -76,10 +84,12 @@ class EntryBytes:
     fixed: float
     full: float
     units: int
+    biases_per_seen: float = 0.0
+    biases_per_kept: float = 0.0
 
     def tokens_within(self, row_bytes: float) -> int:
         """How many tokens fit in ``row_bytes`` bytes of one row (all its layers and heads)."""
-        return math.floor((row_bytes / self.units - self.fixed) / self.kept)
+        return math.floor((row_bytes / self.units - self.fixed) / (self.kept + self.biases_per_kept))
 
 
 def entry_bytes(
@@ -91,11 +101,13 @@ def entry_bytes(
     residual_length: int,
     eviction_interval: int,
     value_norms: bool = True,
+    matched_layers: int = 0,
 ) -> EntryBytes:
     """The :class:`EntryBytes` of a compressed cache for ``model`` storing ``kv_bits`` per value (None: the
     model's dtype; keys in ``key_bits`` when given) in groups of ``group_size`` channels, holding the last
     ``residual_length`` tokens exact besides (quantized storage) and scoring the decoding steps every
-    ``eviction_interval``, with each entry's value norm when ``value_norms`` (eviction ranks by it)."""
+    ``eviction_interval``, with each entry's value norm when ``value_norms`` (eviction ranks by it) and a bias
+    per entry in the first ``matched_layers`` layers."""
     config = model.config.get_text_config()
     head_dim = attention_head_size(config)
     kv_heads, query_heads = config.num_key_value_heads, config.num_attention_heads
@@ -119,4 +131,8 @@ def entry_bytes(
     kept = sum(coded) + bookkeeping
     reserved = (reserved_room(eviction_interval, grows=True) + 1) * kept  # a size in bytes grows with the tokens
     padding = 32 / kv_heads  # the row's padding, a free-slot index and its allocated share (allocation="global")
-    return EntryBytes(kept, ring + waiting + reserved + padding, 2 * head_dim * 2, units)
+    biased = min(matched_layers, config.num_hidden_layers) * kv_heads  # the (layer, KV head) pairs that hold biases
+    return EntryBytes(
+        kept, ring + waiting + reserved + padding, 2 * head_dim * 2, units,
+        biases_per_seen=BIAS_BYTES * biased / units, biases_per_kept=BIAS_BYTES if biased else 0.0,
+    )  # fmt: skip

@@ -17,10 +17,11 @@ from decodekit.cache.quantize import rotate as turn
 from decodekit.cache.size import reserved_room
 
 # The per-entry tensors, [batch, kv_heads, slots, ...], as stored: the bookkeeping ones are behind the properties
-# ``scores``, ``value_norms``, ``positions`` and ``live``, which bring them up to date first. A layer keeps value
-# norms only where eviction ranks by them (``CompressedLayer.bookkeeping``).
-BOOKKEEPING = ("_scores", "_value_norms", "_positions", "_live")
-PER_ENTRY = ("keys", "values", *BOOKKEEPING)
+# ``scores``, ``value_norms``, ``positions``, ``live`` and ``biases``, which bring them up to date first. A layer keeps
+# value norms only where eviction ranks by them, and log-mass biases only where its prompt's kept entries are refit
+# (``CompressedLayer.bookkeeping``; ``matching.py``).
+BOOKKEEPING = ("_scores", "_value_norms", "_positions", "_live", "_biases")
+BIAS_DTYPE = torch.float16  # a refit entry's log-mass bias: 2 bytes (``size.BIAS_BYTES``)
 # With quantized storage, each entry's group scales and offsets (see ``Quantizer``).
 CODING = ("key_scales", "key_offsets", "value_scales", "value_offsets")
 PARTS = ("keys", "values")
@@ -91,6 +92,8 @@ def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_pos
     if "_live" in spare:  # (left out by a caller whose room is live already)
         spare["_live"].narrow(dim, filled, room).fill_(True)
     spare["_scores"].narrow(dim, filled, room).zero_()
+    if "_biases" in spare:  # the next tokens are new entries: no bias
+        spare["_biases"].narrow(dim, filled, room).zero_()
     positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=spare["keys"].device)
     spare["_positions"].narrow(dim, filled, room).copy_(positions)
 
@@ -294,7 +297,9 @@ class EntryStorage:
             self._fill(free, coded, value_norms, positions)
             return
         live = positions >= self.pads[:, None, None] if first_pass else True
-        entries = {**coded, "_scores": 0.0, "_value_norms": value_norms, "_positions": positions, "_live": live}
+        biases = 0.0 if "_biases" in self.bookkeeping else None
+        entries = {**coded, "_scores": 0.0, "_value_norms": value_norms, "_positions": positions, "_live": live,
+                   "_biases": biases}  # fmt: skip
         self._append({name: entry for name, entry in entries.items() if entry is not None}, first_pass)
 
     def _has_room_for_step(self, dtype: torch.dtype) -> bool:
@@ -370,6 +375,8 @@ class EntryStorage:
             self.value_norms.scatter_(2, slot, value_norms)
         self.positions.scatter_(2, slot, positions)
         self.live.scatter_(2, slot, True)
+        if self._biases is not None:
+            self.biases.scatter_(2, slot, 0.0)
 
     def _keep(self, index: torch.Tensor) -> None:
         """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order (at the front of the

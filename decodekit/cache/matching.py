@@ -1,0 +1,217 @@
+"""Attention matching: refit what a layer keeps of its prompt so that attention over the kept entries reproduces
+attention over all of them (the "Attention Matching" of Zweiger et al., 2026, "Fast KV Compaction via Attention
+Matching", on the entries a ranking chose).
+
+For one row and KV head, reference queries ``q`` (the prompt's own queries placed after the prompt, as a replay
+places them: in a model's first layer exactly the replay's, since a query there depends on its token alone), the
+``n`` entries the prompt left ``(k, v)`` and the ``t`` kept ones ``S``:
+
+- **mass**: a query's attention mass over the kept entries, ``sum_j exp(q.k_j + b_j)``, should be its mass over all
+  ``n``, so that the tokens that come later share attention with the prompt as they would have. With ``w_j =
+  exp(b_j)`` this is linear in ``w >= 0``: a nonnegative least-squares fit, and ``b_j`` is a log-mass bias added
+  to entry ``j``'s logit whenever attention reads it;
+- **outputs**: the attention output over the kept entries with those biases, ``softmax(q.k_S + b) C``, should be the
+  output over all entries, ``softmax(q.k) v``: a ridge regression for the kept values ``C``, pulled toward their
+  own values ``v_S``.
+
+The keys stay as they are, so the entries keep their positions and their codes' turn.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Reference queries held at once while the attention over every entry is computed (bounds memory to this many
+# rows of logits).
+QUERY_BLOCK = 1024
+# How strongly the fitted values are pulled toward the kept entries' own values: a multiple of the mean diagonal of
+# the regression's normal matrix. Chosen on the tuning texts (0.3 against 1 and 0.1).
+RIDGE = 0.3
+MASS_ITERATIONS = 200  # projected-gradient steps of the mass fit
+# How strongly the biases' weights are pulled toward the uniform weight: a multiple of the mean diagonal of the mass
+# fit's normal matrix.
+MASS_RIDGE = 0.01
+
+
+@torch.no_grad()
+def matched_entries(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    *,
+    ridge: float = RIDGE,
+    iterations: int = MASS_ITERATIONS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-mass biases ``[t]`` and values ``[t, head_dim]`` (float32) of the ``kept`` entries (``[t]`` indices
+    into ``keys``) such that attention over them matches attention over every entry for ``queries``.
+
+    Args:
+        queries: ``[m, head_dim]`` reference queries, already scaled (a logit is ``query . key``) and placed.
+        keys: ``[n, head_dim]`` every entry's key, as the queries read it.
+        values: ``[n, head_dim]`` every entry's value.
+        kept: ``[t]`` the indices of the entries that stay (any order; the results follow it).
+        ridge: how strongly each fitted value is pulled toward the entry's own (a multiple of the mean diagonal of
+            the regression's normal matrix), > 0.
+        iterations: projected-gradient steps of the nonnegative mass fit.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> queries, keys, values = torch.randn(64, 8), torch.randn(16, 8), torch.randn(16, 8)
+        >>> biases, fitted = matched_entries(queries, keys, values, torch.arange(16))  # nothing evicted: no change
+        >>> bool(biases.abs().max() < 1e-4), bool(torch.allclose(fitted, values, atol=1e-4))
+        (True, True)
+    """
+    kept = kept.to(device=keys.device, dtype=torch.long)
+    own = values[kept].float()
+    if queries.shape[0] == 0 or kept.numel() == 0:
+        return own.new_zeros(kept.numel()), own
+    shares, outputs = _kept_shares_and_outputs(queries.float(), keys.float(), values.float(), kept)
+    weights = _mass_weights(shares, iterations)
+    # The kept entries' attention with the biases: each query's shares reweighted and normalised.
+    attention = shares * weights
+    attention /= attention.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    normal = attention.T @ attention
+    pull = ridge * normal.diagonal().mean().clamp(min=torch.finfo(torch.float32).tiny)
+    normal.diagonal().add_(pull)
+    fitted = torch.linalg.solve(normal, attention.T @ outputs + pull * own)
+    return weights.log(), fitted
+
+
+def _kept_shares_and_outputs(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query, the kept entries' shares of its attention over every entry, ``[m, t]``, and its attention output
+    over every entry, ``[m, head_dim]``, a block of queries at a time."""
+    shares = queries.new_empty((queries.shape[0], kept.numel()))
+    outputs = queries.new_empty((queries.shape[0], values.shape[-1]))
+    for start in range(0, queries.shape[0], QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, queries.shape[0])
+        attention = torch.softmax(queries[start:stop] @ keys.T, dim=-1)
+        shares[start:stop] = attention[:, kept]
+        torch.matmul(attention, values, out=outputs[start:stop])
+    return shares, outputs
+
+
+def _mass_weights(shares: torch.Tensor, iterations: int, pull: float = MASS_RIDGE) -> torch.Tensor:
+    """Nonnegative ``w`` ``[t]`` minimising ``|shares @ w - 1|^2 + p |w - u|^2``: each query's mass over the kept
+    entries, each weighed by ``w_j``, equal to its mass over all entries (the shares are of that mass), pulled toward
+    the uniform weight ``u`` that is right on average (``p``: ``pull`` times the mean diagonal of ``shares^T
+    shares``), which keeps the fit well posed where queries attend alike.
+
+    The unconstrained solution (normal equations) clamped to the nonnegative weights, then ``iterations`` of
+    accelerated projected gradient (FISTA, step one over the largest eigenvalue); floored at a tiny positive weight
+    so that its log stays finite."""
+    tiny = 1e-12
+    gram = shares.T @ shares
+    uniform = 1.0 / shares.sum(dim=-1).mean().clamp(min=torch.finfo(torch.float32).tiny)
+    strength = pull * gram.diagonal().mean().clamp(min=torch.finfo(torch.float32).tiny)
+    gram.diagonal().add_(strength)
+    target = shares.sum(dim=0) + strength * uniform
+    weights = torch.linalg.solve(gram, target).clamp(min=tiny)
+    step = 1.0 / _largest_eigenvalue(gram)
+    previous, momentum, point = weights, 1.0, weights
+    for _ in range(iterations):
+        current = (point - step * (gram @ point - target)).clamp(min=tiny)
+        following = (1 + math.sqrt(1 + 4 * momentum * momentum)) / 2
+        point = current + ((momentum - 1) / following) * (current - previous)
+        previous, momentum = current, following
+    return previous
+
+
+def _largest_eigenvalue(matrix: torch.Tensor, iterations: int = 30) -> torch.Tensor:
+    """The largest eigenvalue of a symmetric positive semi-definite ``matrix``, from above: the power iteration's
+    estimate times 1.05 (a step over its inverse stays stable), from a positive start (the matrix is nonnegative)."""
+    vector = torch.ones(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+    for _ in range(iterations):
+        vector = matrix @ vector
+        vector /= vector.norm().clamp(min=torch.finfo(matrix.dtype).tiny)
+    return (vector @ matrix @ vector).clamp(min=torch.finfo(matrix.dtype).tiny) * 1.05
+
+
+# Reference queries per KV head at most: the prompt's queries of the heads sharing it, evenly spread over its tokens.
+MATCH_QUERIES = 8192
+
+
+def spread(rows: torch.Tensor, most: int) -> torch.Tensor:
+    """At most ``most`` of ``rows`` (``[n, ...]``), evenly spread, the first and last included.
+
+    Example:
+        >>> spread(torch.arange(10), 4).tolist(), spread(torch.arange(3), 4).tolist()
+        ([0, 3, 6, 9], [0, 1, 2])
+    """
+    if rows.shape[0] <= most:
+        return rows
+    return rows[torch.linspace(0, rows.shape[0] - 1, most, device=rows.device).round().long()]
+
+
+class EntryMatching:
+    """Refitting a ``CompressedLayer``'s kept prompt entries when the prompt is evicted (``matched`` layers).
+
+    The layer keeps its prompt pass's queries until the prompt's eviction (``finish_pass``); then
+    ``_evict_and_match`` evicts as any layer does and refits, per row and KV head, the kept entries' values and
+    biases (``matched_entries``) against what every entry held before. Attention and scoring add the biases from
+    then on (``biased_mask``, ``EntryScoring``). Layers with a sliding window or a logit cap, and rows that
+    evicted nothing, are left as they are.
+    """
+
+    def _evict_and_match(self, new: int) -> None:
+        """The prompt's eviction of a matched layer: ``_evict``, then the refit of what each row and head kept."""
+        match, self._match_queries = self._match_queries, None
+        if self.sliding_window is not None or self.softcap is not None or self.pad_range[1] > 0:
+            self._evict(new)
+            return
+        keys, values = (part.clone() for part in self.dense())  # every entry, as attention reads it
+        self._evict(new)
+        self._refit_kept(match, keys, values)
+
+    @torch.no_grad()
+    def _refit_kept(self, match: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Refit the live entries of each row and KV head against ``keys`` and ``values`` (``[batch, kv_heads,
+        length, head_dim]``: the prompt's entries before eviction, at their positions) for the prompt's queries
+        placed after the prompt (``match``: its pass's query columns, scaling and rotation)."""
+        from decodekit.cache.replay_estimate import moved_back, rotation_past  # (that module imports scoring's)
+
+        columns, scaling, cos, sin = match
+        batch, kv_heads, length, head_dim = keys.shape
+        if length < 2 or self.live_range[0] == length:  # nothing evicted
+            return
+        queries = self._rotated_queries(columns, cos, sin).float() * scaling  # [batch, heads, length, head_dim]
+        moved = moved_back(keys.float(), *rotation_past(cos, sin), self.reads_turned_keys)
+        group = queries.shape[1] // kv_heads
+        live, positions, biases = self.live, self.positions, self.biases
+        for row in range(batch):
+            for head in range(kv_heads):
+                slots = live[row, head].nonzero().squeeze(-1)
+                if slots.numel() == length:
+                    continue
+                index = positions[row, head, slots].long()
+                reference = spread(queries[row, head * group : (head + 1) * group].reshape(-1, head_dim), MATCH_QUERIES)
+                bias, fitted = matched_entries(reference, moved[row, head], values[row, head].float(), index)
+                biases[row, head, slots] = bias.to(biases.dtype)
+                self._write_values(row, head, slots, index, fitted)
+        self.biased = True
+
+    def _write_values(
+        self, row: int, head: int, slots: torch.Tensor, positions: torch.Tensor, fitted: torch.Tensor
+    ) -> None:
+        """Store ``fitted`` (float32 ``[n, head_dim]``) as the values of ``slots`` of one row and head: coded as
+        the layer stores values, into the exact ring where it still holds those positions, and their norms."""
+        quantizer = self.quantizers["values"]
+        if quantizer is None:
+            self.values[row, head, slots] = self._in_storage_dtype(fitted.to(self.dtype))
+        else:
+            coded = quantizer.encode(fitted, self.storage_dtype)
+            self.values[row, head, slots] = coded["codes"]
+            self.value_scales[row, head, slots] = coded["scales"]
+            self.value_offsets[row, head, slots] = coded["offsets"]
+        if self.recent_values is not None and self.recent_values.shape[2]:
+            ring = self.recent_values.shape[2]
+            ring_slots = (positions % ring).to(self.recent_positions.device)
+            held = self.recent_positions[ring_slots] == positions.to(self.recent_positions.dtype)
+            exact = fitted[held].to(self.recent_values.dtype)
+            self.recent_values[row, head, ring_slots[held]] = exact
+        if self._value_norms is not None:
+            self.value_norms[row, head, slots] = fitted.norm(dim=-1)
