@@ -174,8 +174,9 @@ def main() -> None:
                 else:
                     allocation = "global" if args.scoring == "reconstruction" else "uniform"  # as the masks rank
                     replay = {"replay": "forward"} if args.scoring == "reconstruction" else {}  # as the masks score
+                    refit = {"matched_layers": 0} if args.scoring == "reconstruction" else {}  # as the masks keep
                     cache = CompressedCache(model, compression_ratio=ratio, scoring=args.scoring, allocation=allocation,
-                                            **replay)  # fmt: skip
+                                            **replay, **refit)  # fmt: skip
                     value = evicting_perplexity(model, cache, context, continuation)
                 increases.append(value / full[name] - 1)
             cells.append(f"{statistics.fmean(increases):+8.2%} ({max(increases):+7.2%})")

@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--residual-length", type=int, help="last tokens also held exact (default: recent_tokens)")
     parser.add_argument("--group-size", type=int, help="channels per scale group at 8 and 4 bits (default: 32)")
     parser.add_argument("--eviction-interval", type=int, help="tokens evicted at once (default: the cache's)")
+    parser.add_argument("--matched-layers", type=int, help="first layers refit after eviction (default: the cache's)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model()
@@ -87,7 +88,8 @@ def main() -> None:
           f" scoring={args.scoring}{f', replay: {args.replay}' if args.replay else ''}"
           f"{f', residual_length={args.residual_length}' if args.residual_length is not None else ''}"
           f"{f', kv_group_size={args.group_size}' if args.group_size else ''}"
-          f"{f', eviction_interval={args.eviction_interval}' if args.eviction_interval else ''};"
+          f"{f', eviction_interval={args.eviction_interval}' if args.eviction_interval else ''}"
+          f"{f', matched_layers={args.matched_layers}' if args.matched_layers is not None else ''};"
           " perplexity rise over the full cache (%)")  # fmt: skip
     header = f"{'memory':>7} {'bits':>5} {'held':>6} {'kept':>5} " + " ".join(f"{name[:14]:>14}" for name in names)
     print(header + f" {'mean':>7} {'worst':>7}")
@@ -98,6 +100,8 @@ def main() -> None:
         options["kv_group_size"] = args.group_size
     if args.eviction_interval:
         options["eviction_interval"] = args.eviction_interval
+    if args.matched_layers is not None:
+        options["matched_layers"] = args.matched_layers
     if args.replay:
         try:
             options.update(chosen_rows(tokenizer, [args.replay])[args.replay])

@@ -17,7 +17,8 @@ what one ranking of every (layer, KV head, token) score keeps (the heads sharing
 Each row is measured with the per-head floor of ``allocation="heads"`` (each head keeps at least
 ``--floors`` of the even share) and with none (KVzip keeps no floor). The replay runs once per text and row; each
 ratio and floor then masks a copy of the scored cache; ``--with-cache`` adds, per row, the evicting
-``CompressedCache(allocation="heads")`` itself, which keeps what the masks at the 20% floor keep.
+``CompressedCache(allocation="heads", matched_layers=0)`` itself, which keeps what the masks at the 20% floor keep
+(the masks measure which tokens are kept, so the cache's first layer is not refit here).
 
     python benchmarks/kv_replay.py [--ratios 0.5,0.75,0.9] [--rows "plain;KVzip's replay"] [--floors 0.2,0]
 """
@@ -117,7 +118,7 @@ def main() -> None:
             for ratio in ratios if args.with_cache else ():
                 cache = CompressedCache(
                     model, compression_ratio=ratio, scoring="reconstruction", reconstruction_chunk=args.chunk,
-                    **options[row],
+                    matched_layers=0, **options[row],  # what the masks keep, not refit
                 )  # fmt: skip
                 evicting = continuation_perplexity(model, cache, context, continuation)
                 increases["cache", ratio].append(evicting / full - 1)

@@ -167,8 +167,14 @@ def main() -> None:
         "--memory-fractions", help="size the caches in bytes instead (memory_fraction, e.g. 0.5,0.25,0.1)"
     )
     parser.add_argument(
-        "--replay", choices=("forward", "prompt_queries"), default="forward",
-        help="how reconstruction scores are had (CompressedCache's replay): a replay pass, or estimated without one",
+        "--replay", choices=("forward", "prompt_queries", "auto"), default="forward",
+        help="how reconstruction scores are had (CompressedCache's replay): a replay pass, estimated without one, or "
+             "the cache's default choice",
+    )  # fmt: skip
+    parser.add_argument(
+        "--matched-layers", type=int,
+        help="reconstruction caches' matched_layers (the first layers whose kept entries are refit; default: the "
+             "cache's)",
     )  # fmt: skip
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -188,11 +194,15 @@ def main() -> None:
             cells = []
             for ratio in ratios:
                 options = {"replay": args.replay} if scoring == "reconstruction" else {}
+                if scoring == "reconstruction" and args.matched_layers is not None:
+                    options["matched_layers"] = args.matched_layers
                 make = partial(CompressedCache, model, scoring=scoring, **{size: ratio}, **options)
                 hits = answer_tasks(model, tokenizer, tasks, make)
                 kept = sum(h and f for h, f in zip(hits, full, strict=True)) / max(sum(full), 1)
                 cells.append(f"{sum(hits):3d} {kept:4.0%}")
             method = f"{scoring}, {args.replay}" if scoring == "reconstruction" else scoring
+            if scoring == "reconstruction" and args.matched_layers is not None:
+                method += f", matched {args.matched_layers}"
             print(f"  {kind:12s}{method:34s}{sum(full):8d}{''.join(f'{cell:>8s}' for cell in cells)}", flush=True)
         print(f"  ({kind}: {time.perf_counter() - started:.0f} s)")
 

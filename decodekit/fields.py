@@ -272,6 +272,16 @@ CORE_FIELDS = (
         widget=None,
     ),
     Field(
+        "kv_matched_layers",
+        "integer",
+        "cache",
+        "how many of the first layers refit what kv_scoring=reconstruction keeps of the prompt (attention "
+        "matching: a log-mass bias and a fitted value per kept entry; 1 by default, 0 for none)",
+        0,
+        requires="kv_scoring",
+        widget=None,
+    ),
+    Field(
         "kv_eviction_interval",
         "integer",
         "cache",

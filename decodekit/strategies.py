@@ -22,7 +22,7 @@ from decodekit.logits_processors import parse_stages
 from decodekit.logits_processors.repetition import check_stage_table
 from decodekit.plan import GenerationPlan, PlanContext
 
-CACHE_OPTIONS = ("kv_scoring", "kv_replay", "kv_eviction_interval")  # options of eviction: they need one of those sizes
+CACHE_OPTIONS = ("kv_scoring", "kv_replay", "kv_matched_layers", "kv_eviction_interval")  # options of eviction: they need one of those sizes
 
 __all__ = ["BEAM_FIELDS", "SAMPLING_FIELDS", "Strategy"]
 
@@ -47,9 +47,9 @@ class Strategy:
       ``frequency_penalty``, ``presence_penalty``, ``dry_multiplier`` and its ``dry_*`` settings;
     - beam search: ``num_beams``, ``length_normalization``, ``length_alpha``, ``length_reward``,
       ``early_stopping``;
-    - cache: ``kv_budget``, ``kv_compression_ratio`` or ``kv_memory_fraction``, ``kv_scoring`` and ``kv_replay``,
-      ``kv_eviction_interval``, ``kv_residual_length``, and ``kv_bits`` (a ``CompressedCache``; ``kv_bits``
-      alone quantizes every token).
+    - cache: ``kv_budget``, ``kv_compression_ratio`` or ``kv_memory_fraction``, ``kv_scoring``, ``kv_replay``,
+      ``kv_matched_layers``, ``kv_eviction_interval``, ``kv_residual_length``, and ``kv_bits`` (a
+      ``CompressedCache``; ``kv_bits`` alone quantizes every token).
 
     Values are checked on construction (a ValueError names the field, its range and the value)
     and stored as plain Python values; a Strategy is immutable and hashable.
@@ -111,8 +111,9 @@ class Strategy:
                 f"{options[0]} applies to a compressed cache: "
                 "set kv_budget, kv_compression_ratio or kv_memory_fraction too"
             )
-        if "kv_replay" in values and values.get("kv_scoring") != "reconstruction":
-            raise ValueError("kv_replay applies to kv_scoring=reconstruction: set kv_scoring to reconstruction")
+        for name in ("kv_replay", "kv_matched_layers"):
+            if name in values and values.get("kv_scoring") != "reconstruction":
+                raise ValueError(f"{name} applies to kv_scoring=reconstruction: set kv_scoring to reconstruction")
         # A size in bytes with no width stores 8 or 4 bits (``byte_sized_widths``).
         bits = values.get("kv_bits")
         quantized = bits in (4, 8) or (bits is None and "kv_memory_fraction" in values)
@@ -244,7 +245,7 @@ class Strategy:
                 model, self.kv_budget, compression_ratio=self.kv_compression_ratio,
                 memory_fraction=self.kv_memory_fraction, kv_bits=self.kv_bits, scoring=self.kv_scoring or "attention",
                 replay=self.kv_replay or "auto", eviction_interval=self.kv_eviction_interval,
-                residual_length=self.kv_residual_length,
+                residual_length=self.kv_residual_length, matched_layers=self.kv_matched_layers,
             )  # fmt: skip
         plan = GenerationPlan(processors=processors, sampling=sampling, beam=self.beam,
                               decoder_kwargs=decoder_kwargs, cache=cache)  # fmt: skip

@@ -94,10 +94,12 @@ def test_layers_keep_their_share_of_one_budget_and_store_nothing_more(four_layer
     assert cache.kept_tokens == max(kept)
     uniform = _prefill(model, ids, compression_ratio=0.5, allocation="uniform")
     assert {layer.kept for layer in uniform.layers} == {target}
-    # The same tokens in all, so the same memory, but for each layer's share (two int64 per row) and the value
-    # norms the uniform cache ranks by (a float32 per entry and KV head) and a shared budget does not keep.
+    # The same tokens in all, so the same memory, but for each layer's share (two int64 per row), the value
+    # norms the uniform cache ranks by (a float32 per entry and KV head) and a shared budget does not keep, and the
+    # first layer's refit biases (a float16 per entry and KV head), as many as that layer keeps.
     assert all(layer.value_norms is None for layer in cache.layers)
-    assert cache.memory_bytes() == uniform.memory_bytes() + 4 * 16 - 4 * target * 2 * 4
+    biases = 2 * 2 * (kept[0] - target)
+    assert cache.memory_bytes() == uniform.memory_bytes() + 4 * 16 - 4 * target * 2 * 4 + biases
 
 
 def test_each_layer_keeps_its_best_scored_tokens(four_layers):

@@ -86,7 +86,7 @@ def test_attention_over_heads_of_different_lengths_equals_a_masked_full_forward(
     ids = _ids(tokenizer)
     context, continuation = ids[:, :-6], ids[:, -6:]
     length = context.shape[1]
-    cache = _prefill(model, context, compression_ratio=0.6)
+    cache = _prefill(model, context, compression_ratio=0.6, matched_layers=0)  # the kept entries as they were
     kept = [unit.kept_positions()[0, 0].long() for unit in cache.units]
     assert len({part.numel() for part in kept}) == 2  # the two heads keep different numbers
     positions = torch.arange(length, length + 6)[None]
@@ -318,7 +318,9 @@ def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monke
 
     sizes = [
         {"memory_fraction": 0.25},
-        {"memory_fraction": 0.1, "residual_length": 4},  # with exact recent entries
+        # With exact recent entries. (At a tenth of this tiny model's bytes, the first layer's refit biases, counted
+        # for every token seen, leave each head at its floor: no heads of their own lengths.)
+        {"memory_fraction": 0.12, "residual_length": 4},
         {"budget": 40, "kv_bits": 16, "key_bits": 4},  # keys coded, values stored as they are
     ]
     for size in sizes:

@@ -429,3 +429,27 @@ def test_bad_matched_layers_are_refused(options, message):
     model = build_family_model("llama")
     with pytest.raises(ValueError, match=message):
         _cache(model, **options)
+
+
+def test_the_kv_matched_layers_field_reaches_the_cache_and_the_command_line(tiny, tiny_model_dir, capsys):
+    """``Strategy(kv_matched_layers=...)`` builds the cache with it, ``--kv-matched-layers`` prints what the library
+    gives, and the field is refused where it cannot apply, from the command line without a traceback."""
+    from decodekit.cli import main
+    from decodekit.generation import generate_text
+    from decodekit.strategies import Strategy
+
+    model, tokenizer = tiny
+    strategy = Strategy(kv_compression_ratio=0.5, kv_scoring="reconstruction", kv_matched_layers=2)
+    assert strategy.plan(model).cache.policy.matched_layers == 2
+    prompt = "The class statement creates a new class object and binds it to a name. " * 4
+    expected = generate_text(model, tokenizer, [prompt], strategy, max_new_tokens=8)[0]
+    code = main(["generate", prompt, "--model", str(tiny_model_dir), "--max-new-tokens", "8", "--kv-ratio", "0.5",
+                 "--kv-scoring", "reconstruction", "--kv-matched-layers", "2"])  # fmt: skip
+    assert code == 0 and capsys.readouterr().out.rstrip("\n") == expected.rstrip("\n")
+    with pytest.raises(ValueError, match="kv_matched_layers applies to kv_scoring=reconstruction"):
+        Strategy(kv_budget=40, kv_scoring="attention", kv_matched_layers=1)
+    with pytest.raises(ValueError, match="kv_matched_layers must be an integer >= 0"):
+        Strategy(kv_budget=40, kv_scoring="reconstruction", kv_matched_layers=-1)
+    code = main(["generate", "Hi", "--model", str(tiny_model_dir), "--kv-budget", "40", "--kv-matched-layers", "1"])
+    error = capsys.readouterr().err
+    assert code == 2 and "error: --kv-matched-layers applies to --kv-scoring" in error and "Traceback" not in error
