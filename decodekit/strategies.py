@@ -22,7 +22,8 @@ from decodekit.logits_processors import parse_stages
 from decodekit.logits_processors.repetition import check_stage_table
 from decodekit.plan import GenerationPlan, PlanContext
 
-CACHE_OPTIONS = ("kv_scoring", "kv_replay", "kv_matched_layers", "kv_eviction_interval")  # options of eviction: they need one of those sizes
+# Options of eviction: they need one of the cache sizes.
+CACHE_OPTIONS = ("kv_scoring", "kv_replay", "kv_matched_layers", "kv_eviction_interval")
 
 __all__ = ["BEAM_FIELDS", "SAMPLING_FIELDS", "Strategy"]
 
