@@ -27,8 +27,8 @@ from tests.families import build_family_model
 from tests.test_kv_allocation import TEXT, _ids
 from tests.tiny import build_model
 
-PROMPT = torch.randint(3, 384, (1, 40), generator=torch.Generator().manual_seed(7))
-OTHER = torch.randint(3, 384, (1, 40), generator=torch.Generator().manual_seed(8))
+PROMPT = torch.randint(3, 384, (1, 64), generator=torch.Generator().manual_seed(7))
+OTHER = torch.randint(3, 384, (1, 64), generator=torch.Generator().manual_seed(8))
 CONTINUATION = torch.randint(3, 384, (1, 6), generator=torch.Generator().manual_seed(9))
 
 
@@ -39,7 +39,9 @@ def four_layers(tiny):
 
 
 def _cache(model, **options) -> CompressedCache:
-    settings = {"compression_ratio": 0.5, "scoring": "reconstruction", "reconstruction_chunk": 16,
+    # A fifth of the tokens kept, with a short recent window: the first layer's heads keep at most a quarter of the
+    # prompt, which is where they are refit (``MATCH_KEPT_SHARE``).
+    settings = {"compression_ratio": 0.8, "recent_tokens": 4, "scoring": "reconstruction", "reconstruction_chunk": 16,
                 "replay": "forward", "matched_layers": 1, **options}  # fmt: skip
     return CompressedCache(model, **settings)
 
@@ -161,7 +163,7 @@ def test_the_first_layer_is_refit_for_the_replays_queries(replay):
         weighted /= weighted.sum(axis=1, keepdims=True)
         expected = _ridge_values(weighted, outputs, values[head, kept].double().numpy())
         np.testing.assert_allclose(unit.values[0, 0, live].double().numpy(), expected, atol=2e-3, rtol=2e-3)
-    assert cache.layers[0].biased and not cache.layers[1].biased
+    assert all(unit.biased for unit in _units(cache.layers[0])) and not cache.layers[1].biased
     assert all(not unit.matched and unit.biases is None for unit in _units(cache.layers[1]))
 
 
@@ -268,9 +270,9 @@ def test_biases_stay_with_their_entries_through_decoding_reorders_and_crop(inter
     assert cache.layers[0].kept < length  # it evicted while decoding
 
 
-@pytest.mark.parametrize("budget", [36, 40, 60])
+@pytest.mark.parametrize("budget", [8, 10, 30])
 def test_rows_of_a_batch_are_refit_as_each_alone(four_layers, budget):
-    """Each row keeps and refits what it would alone, down to the budget's floor (sinks and recent window)."""
+    """Each row keeps and refits what it would alone, down to the budget's floor (4 sinks and a recent window of 4)."""
     model, tokenizer = four_layers
     first, second = _ids(tokenizer), _ids(tokenizer, (TEXT[60:] + TEXT[:60]) * 3)
 
@@ -284,6 +286,7 @@ def test_rows_of_a_batch_are_refit_as_each_alone(four_layers, budget):
     assert torch.equal(together, torch.cat(alone))
     caches = [_prefill(model, ids, compression_ratio=None, budget=budget) for ids in (first, second)]
     both = _prefill(model, torch.cat([first, second]), compression_ratio=None, budget=budget)
+    assert both.layers[0].biased
     for row, single in enumerate(caches):
         for unit, alone_unit in zip(_units(both.layers[0]), _units(single.layers[0]), strict=True):
             live, alone_live = unit.live[row, 0], alone_unit.live[0, 0]
@@ -299,7 +302,7 @@ def test_a_memory_fraction_holds_with_the_biases(four_layers, kv_bits):
     model, tokenizer = four_layers
     ids = _ids(tokenizer, TEXT * 6)
     widths = {"kv_bits": kv_bits} if kv_bits else {}
-    for fraction in (0.5, 0.25):
+    for fraction in (0.1, 0.05):
         cache = _prefill(model, ids, compression_ratio=None, memory_fraction=fraction, **widths)
         assert cache.layers[0].biased
         biases = [unit._biases for unit in _units(cache.layers[0])]
@@ -336,7 +339,7 @@ def test_the_exact_ring_holds_the_refit_values(four_layers):
     """Coded entries whose exact copies the ring still holds are read exact: those copies are the refit values,
     which the codes hold to within half a coding step (and the entries' own values, unrefit, are farther)."""
     model, tokenizer = four_layers
-    settings = {"kv_bits": 4, "recent_tokens": 16, "compression_ratio": 0.6}
+    settings = {"kv_bits": 4, "recent_tokens": 16, "compression_ratio": 0.85}
     cache, unrefit = (_prefill(model, _ids(tokenizer), matched_layers=count, **settings) for count in (1, 0))
     farther = 0
     for unit, plain in zip(_units(cache.layers[0]), _units(unrefit.layers[0]), strict=True):
@@ -358,10 +361,11 @@ def test_the_exact_ring_holds_the_refit_values(four_layers):
 def test_scores_after_the_refit_count_the_biases():
     """A decoding step's attention, as the scores receive it, is the softmax of each logit plus its bias."""
     model = build_family_model("llama")
-    cache = _prefill(model, PROMPT, eviction_interval=1, compression_ratio=0.1)
+    cache = _prefill(model, PROMPT, eviction_interval=1)
     unit = _units(cache.layers[0])[0]
+    assert unit.biased
     before = dict(zip(unit.positions[0, 0].tolist(), unit.scores[0, 0].tolist(), strict=True))
-    stored = _stored_entries(cache)[0][0]
+    keys, _, biases = _stored_entries(cache)[0][0]
     captured = {}
     projection = model.model.layers[0].self_attn.q_proj
     hook = projection.register_forward_hook(lambda module, args, output: captured.setdefault("q", output))
@@ -375,16 +379,16 @@ def test_scores_after_the_refit_count_the_biases():
     queries = captured["q"].view(config.num_attention_heads, head_dim)[:2]  # the two query heads of KV head 0
     half = head_dim // 2
     queries = queries * cos[0, 0] + torch.cat([-queries[:, half:], queries[:, :half]], dim=-1) * sin[0, 0]
-    keys, _, biases = stored
     new_key = unit.dense()[0][0, 0, unit.positions[0, 0] == length].float()
     logits = torch.cat([queries @ keys.T, queries @ new_key.T], dim=-1) / math.sqrt(head_dim)
-    logits = logits + torch.cat([biases, torch.zeros(1)])
-    paid = logits.softmax(dim=-1).mean(dim=0)
-    assert unit.kept == len(before) + 1  # nothing evicted by the step
-    after = dict(zip(unit.positions[0, 0].tolist(), unit.scores[0, 0].tolist(), strict=True))
+    paid = (logits + torch.cat([biases, torch.zeros(1)])).softmax(dim=-1).mean(dim=0)
+    live = unit.live[0, 0]
+    after = dict(zip(unit.positions[0, 0, live].tolist(), unit.scores[0, 0, live].tolist(), strict=True))
+    assert len(after) >= len(before)  # the step evicted at most one entry
     for index, position in enumerate(sorted(before)):  # the stored entries, in slot (position) order
-        expected = before[position] * cache.policy.score_decay + paid[index].item()
-        assert after[position] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+        if position in after:
+            expected = before[position] * cache.policy.score_decay + paid[index].item()
+            assert after[position] == pytest.approx(expected, rel=1e-4, abs=1e-6)
     assert after[length] == pytest.approx(paid[-1].item(), rel=1e-4)
 
 
@@ -410,7 +414,8 @@ def test_sliding_window_layers_are_left_as_they_are():
     model = build_family_model("gemma3")  # layer 0 slides, layer 1 attends to everything
     cache = _prefill(model, PROMPT, matched_layers=2, recent_tokens=8)
     assert not cache.layers[0].biased and cache.layers[1].biased
-    positions = torch.arange(40, 40 + CONTINUATION.shape[1])[None]
+    length = PROMPT.shape[1]
+    positions = torch.arange(length, length + CONTINUATION.shape[1])[None]
     with torch.no_grad():
         logits = model(CONTINUATION, past_key_values=cache, position_ids=positions).logits
     assert torch.isfinite(logits).all()

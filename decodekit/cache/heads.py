@@ -98,8 +98,8 @@ class HeadsLayer(DynamicLayer):
 
     @property
     def biased(self) -> bool:
-        """Whether the heads' prompt entries were refit with biases (``CompressedLayer.biased``)."""
-        return self.units[0].biased
+        """Whether any head's prompt entries were refit with biases (``CompressedLayer.biased``)."""
+        return any(unit.biased for unit in self.units)
 
     def biased_mask(self, query_length: int, visible: torch.Tensor | None) -> torch.Tensor:
         """The heads' biased masks side by side (see ``CompressedLayer.biased_mask``)."""
