@@ -536,8 +536,18 @@ def gpu_eager(model, args, device: torch.device) -> None:
         "CompressedCache observation_window=64": lambda length: CompressedCache(
             model, budget=length // 4, observation_window=64
         ),
+        "CompressedCache bytes 0.25 (estimate)": lambda length: byte_sized_cache(model),
         "CompressedCache bytes 0.25, replay pass": lambda length: byte_sized_cache(model, replay="forward"),
+        "CompressedCache bytes 0.1, replay+refit": lambda length: CompressedCache(
+            model, memory_fraction=0.1, scoring="reconstruction"
+        ),
     }
+    if args.gpu_caches:
+        chosen = {name.strip() for name in args.gpu_caches.split(",")}
+        unknown = chosen - set(candidates)
+        if unknown:
+            raise SystemExit(f"--gpu-caches: unknown {sorted(unknown)}; choose from {sorted(candidates)}")
+        candidates = {name: make for name, make in candidates.items() if name in chosen or name == "DynamicCache"}
     scoring = "Triton kernels" if cuda and importlib.util.find_spec("triton") else "blocked PyTorch"
     print(f"{args.shape}-shaped random model on {device}, batch 1, 25% budget; median of {args.gpu_rounds} prefills"
           f" after a warm-up; decode: {args.gpu_tokens} greedy tokens; default scoring: {scoring}")  # fmt: skip
@@ -590,6 +600,8 @@ def gpu_eager(model, args, device: torch.device) -> None:
             print(f"   {length:7d} {name:40s}{prefill:10.3f}{prefill / full[0]:7.2f}x{peak:10.0f}{peak_ratio:7.2f}x"
                   f"{cold:8.1f}{warm:8.1f}{warm / full[3]:7.2f}x{wide:8.1f}{wide / full[4]:7.2f}x"
                   f"{size:10.1f}")  # fmt: skip
+        if "CompressedCache" not in results:
+            continue
         (prefill, peak, _, warm, _, _), (full_prefill, full_peak, _, full_warm, _, _) = results["CompressedCache"], full
         memory = f"{peak / full_peak:.2f}x ({verdict(peak <= full_peak)} <= 1.0x)" if cuda else "not measured"
         print(f"   {length:7d} targets: prefill {prefill / full_prefill:.2f}x ({verdict(prefill <= 1.3 * full_prefill)}"
@@ -647,6 +659,10 @@ def main() -> None:
     parser.add_argument(
         "--gpu-eager", action=argparse.BooleanOptionalAction, default=True,
         help="GPU mode: the eager table (prefill, memory, decoding through generate)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-caches", default=None,
+        help="GPU mode: the eager table's rows to measure, comma-separated names (default: all; DynamicCache always)",
     )  # fmt: skip
     parser.add_argument("--host-bound", action="store_true", help="the host-bound CPU mode only")
     parser.add_argument("--host-prompt", type=int, default=512, help="host-bound mode: prompt tokens")
