@@ -164,6 +164,10 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--scorings", default="attention,reconstruction,attention+novelty")
     parser.add_argument(
+        "--seed", type=int, default=0, help="which set of tasks (0: the reported set; others: for choosing settings)"
+    )
+    parser.add_argument("--kinds", default=",".join(KINDS), help="which kinds of task, comma-separated")
+    parser.add_argument(
         "--memory-fractions", help="size the caches in bytes instead (memory_fraction, e.g. 0.5,0.25,0.1)"
     )
     parser.add_argument(
@@ -177,6 +181,9 @@ def main() -> None:
              "cache's)",
     )  # fmt: skip
     args = parser.parse_args()
+    kinds = [kind.strip() for kind in args.kinds.split(",")]
+    if unknown := [kind for kind in kinds if kind not in KINDS]:
+        parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS)}")
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     size = "memory_fraction" if args.memory_fractions else "compression_ratio"
@@ -186,8 +193,8 @@ def main() -> None:
     header = "".join(f"{f'{ratio:.0%}':>8s}" for ratio in ratios)
     print(f"  columns: {'memory held, of a full 16-bit cache' if args.memory_fractions else 'share evicted'}")
     print(f"  {'kind':12s}{'method':34s}{'full':>8s}{header}   (fraction of the full cache's hits kept)")
-    for kind in KINDS:
-        tasks = retrieval_tasks(tokenizer, kind, args.count, context_tokens=args.context_tokens)
+    for kind in kinds:
+        tasks = retrieval_tasks(tokenizer, kind, args.count, seed=args.seed, context_tokens=args.context_tokens)
         started = time.perf_counter()
         full = answer_tasks(model, tokenizer, tasks, lambda: None)
         for scoring in args.scorings.split(","):

@@ -33,6 +33,9 @@ MASS_ITERATIONS = 200  # projected-gradient steps of the mass fit
 # How strongly the biases' weights are pulled toward the uniform weight: a multiple of the mean diagonal of the mass
 # fit's normal matrix.
 MASS_RIDGE = 0.01
+# The least weight a kept entry's bias may give it, as a share of the uniform weight: the unconstrained mass fit
+# silences about half of the entries it is given (weights at zero), which then act as evicted, facts included.
+MASS_FLOOR = 0.0
 
 
 @torch.no_grad()
@@ -69,7 +72,7 @@ def matched_entries(
     if queries.shape[0] == 0 or kept.numel() == 0:
         return own.new_zeros(kept.numel()), own
     shares, outputs = _kept_shares_and_outputs(queries.float(), keys.float(), values.float(), kept)
-    weights = _mass_weights(shares, iterations)
+    weights = _mass_weights(shares, iterations, floor=MASS_FLOOR)
     # The kept entries' attention with the biases: each query's shares reweighted and normalised.
     attention = shares * weights
     attention /= attention.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
@@ -95,7 +98,7 @@ def _kept_shares_and_outputs(
     return shares, outputs
 
 
-def _mass_weights(shares: torch.Tensor, iterations: int, pull: float = MASS_RIDGE) -> torch.Tensor:
+def _mass_weights(shares: torch.Tensor, iterations: int, pull: float = MASS_RIDGE, floor: float = 0.0) -> torch.Tensor:
     """Nonnegative ``w`` ``[t]`` minimising ``|shares @ w - 1|^2 + p |w - u|^2``: each query's mass over the kept
     entries, each weighed by ``w_j``, equal to its mass over all entries (the shares are of that mass), pulled toward
     the uniform weight ``u`` that is right on average (``p``: ``pull`` times the mean diagonal of ``shares^T
@@ -104,9 +107,9 @@ def _mass_weights(shares: torch.Tensor, iterations: int, pull: float = MASS_RIDG
     The unconstrained solution (normal equations) clamped to the nonnegative weights, then ``iterations`` of
     accelerated projected gradient (FISTA, step one over the largest eigenvalue); floored at a tiny positive weight
     so that its log stays finite."""
-    tiny = 1e-12
     gram = shares.T @ shares
     uniform = 1.0 / shares.sum(dim=-1).mean().clamp(min=torch.finfo(torch.float32).tiny)
+    tiny = (floor * uniform).clamp(min=1e-12)
     strength = pull * gram.diagonal().mean().clamp(min=torch.finfo(torch.float32).tiny)
     gram.diagonal().add_(strength)
     target = shares.sum(dim=0) + strength * uniform
