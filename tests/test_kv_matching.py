@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy.optimize import nnls
+from scipy.optimize import lsq_linear, nnls
 from transformers import AttentionInterface
 
 from decodekit.cache import CompressedCache
@@ -66,14 +66,20 @@ def _ridge_values(attention: np.ndarray, outputs: np.ndarray, own: np.ndarray) -
     return np.linalg.lstsq(system, target, rcond=None)[0]
 
 
-def _mass_optimum(shares: np.ndarray) -> tuple[np.ndarray, float]:
-    """SciPy's nonnegative least squares of the mass fit as one stacked system (the shares over ``sqrt(pull) * I``,
-    toward the uniform weight), and the optimum's objective."""
+def _mass_system(shares: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """The mass fit as one stacked least-squares system (the shares over ``sqrt(pull) * I``, toward the uniform
+    weight), and the uniform weight."""
     pull = MASS_RIDGE * np.mean(np.sum(shares**2, axis=0))
     uniform = 1.0 / shares.sum(axis=1).mean()
     count = shares.shape[1]
     system = np.vstack([shares, math.sqrt(pull) * np.eye(count)])
     target = np.concatenate([np.ones(shares.shape[0]), math.sqrt(pull) * uniform * np.ones(count)])
+    return system, target, uniform
+
+
+def _mass_optimum(shares: np.ndarray) -> tuple[np.ndarray, float]:
+    """SciPy's nonnegative least squares of the mass fit, and the optimum's objective."""
+    system, target, _ = _mass_system(shares)
     best, residual = nnls(system, target)
     return best, residual
 
@@ -105,6 +111,27 @@ def test_the_fit_reaches_the_least_squares_optima():
     matched = torch.softmax(queries @ keys[kept].T + biases, dim=-1) @ fitted
     truth = torch.from_numpy(outputs).float()
     assert (matched - truth).norm() < 0.7 * (plain - truth).norm()
+
+
+@pytest.mark.parametrize("floor", [0.05, 0.5])
+def test_a_floor_keeps_every_kept_entry_visible(floor):
+    """With a floor, the mass fit reaches SciPy's bounded least-squares optimum with every weight at least
+    ``floor`` times the uniform weight (none silenced), where the unbounded fit silences some."""
+    generator = torch.Generator().manual_seed(5)
+    queries = torch.randn(300, 16, generator=generator) * 0.8
+    keys, values = torch.randn(80, 16, generator=generator), torch.randn(80, 16, generator=generator)
+    kept = torch.randperm(80, generator=generator)[:60]
+    attention = torch.softmax(queries @ keys.T, dim=-1).double().numpy()
+    shares = attention[:, kept.numpy()]
+    system, target, uniform = _mass_system(shares)
+    bounded = lsq_linear(system, target, bounds=(floor * uniform, np.inf), tol=1e-12)
+    optimum = math.sqrt(2 * bounded.cost)
+    biases, _ = matched_entries(queries, keys, values, kept, floor=floor)
+    weights = np.exp(biases.double().numpy())
+    assert weights.min() >= floor * uniform * (1 - 1e-5)
+    assert _mass_objective(shares, weights) <= optimum * (1 + 1e-4) + 1e-7
+    unbounded, _ = matched_entries(queries, keys, values, kept, floor=0.0)
+    assert np.exp(unbounded.double().numpy()).min() < 0.01 * uniform  # what the floor is for
 
 
 def test_spread_takes_evenly_spaced_rows():

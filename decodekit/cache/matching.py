@@ -47,6 +47,7 @@ def matched_entries(
     *,
     ridge: float = RIDGE,
     iterations: int = MASS_ITERATIONS,
+    floor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-mass biases ``[t]`` and values ``[t, head_dim]`` (float32) of the ``kept`` entries (``[t]`` indices
     into ``keys``) such that attention over them matches attention over every entry for ``queries``.
@@ -59,6 +60,8 @@ def matched_entries(
         ridge: how strongly each fitted value is pulled toward the entry's own (a multiple of the mean diagonal of
             the regression's normal matrix), > 0.
         iterations: projected-gradient steps of the nonnegative mass fit.
+        floor: the least weight ``exp(bias)`` an entry may get, as a share of the uniform weight (>= 0; None:
+            ``MASS_FLOOR``).
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -72,7 +75,7 @@ def matched_entries(
     if queries.shape[0] == 0 or kept.numel() == 0:
         return own.new_zeros(kept.numel()), own
     shares, outputs = _kept_shares_and_outputs(queries.float(), keys.float(), values.float(), kept)
-    weights = _mass_weights(shares, iterations, floor=MASS_FLOOR)
+    weights = _mass_weights(shares, iterations, floor=MASS_FLOOR if floor is None else floor)
     # The kept entries' attention with the biases: each query's shares reweighted and normalised.
     attention = shares * weights
     attention /= attention.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
@@ -99,14 +102,14 @@ def _kept_shares_and_outputs(
 
 
 def _mass_weights(shares: torch.Tensor, iterations: int, pull: float = MASS_RIDGE, floor: float = 0.0) -> torch.Tensor:
-    """Nonnegative ``w`` ``[t]`` minimising ``|shares @ w - 1|^2 + p |w - u|^2``: each query's mass over the kept
-    entries, each weighed by ``w_j``, equal to its mass over all entries (the shares are of that mass), pulled toward
-    the uniform weight ``u`` that is right on average (``p``: ``pull`` times the mean diagonal of ``shares^T
-    shares``), which keeps the fit well posed where queries attend alike.
+    """``w`` ``[t]``, each at least ``floor * u``, minimising ``|shares @ w - 1|^2 + p |w - u|^2``: each query's mass
+    over the kept entries, each weighed by ``w_j``, equal to its mass over all entries (the shares are of that mass),
+    pulled toward the uniform weight ``u`` that is right on average (``p``: ``pull`` times the mean diagonal of
+    ``shares^T shares``), which keeps the fit well posed where queries attend alike.
 
     The unconstrained solution (normal equations) clamped to the nonnegative weights, then ``iterations`` of
-    accelerated projected gradient (FISTA, step one over the largest eigenvalue); floored at a tiny positive weight
-    so that its log stays finite."""
+    accelerated projected gradient (FISTA, step one over the largest eigenvalue); with ``floor`` 0, floored at a tiny
+    positive weight so that its log stays finite."""
     gram = shares.T @ shares
     uniform = 1.0 / shares.sum(dim=-1).mean().clamp(min=torch.finfo(torch.float32).tiny)
     tiny = (floor * uniform).clamp(min=1e-12)
