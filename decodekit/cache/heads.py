@@ -105,8 +105,11 @@ class HeadsLayer(DynamicLayer):
         """The heads' biased masks side by side (see ``CompressedLayer.biased_mask``)."""
         if visible is None:
             visible = self.pass_mask(query_length, plain=True)
-        rows = torch.cat([unit.bias_row(visible.shape[-1]) for unit in self.units], dim=1)
-        return torch.where(visible, rows, -math.inf)
+        return torch.where(visible, self._bias_rows(visible.shape[-1]), -math.inf)
+
+    def _bias_rows(self, columns: int) -> torch.Tensor:
+        """The heads' ``bias_row`` side by side: ``[batch, kv_heads, 1, columns]``."""
+        return torch.cat([unit.bias_row(columns) for unit in self.units], dim=1)
 
     def pass_mask(self, query_length: int, *, plain: bool = False) -> torch.Tensor | None:
         """The layer's mask for the coming pass (see ``CompressedLayer.pass_mask``)."""
@@ -201,7 +204,7 @@ class HeadsLayer(DynamicLayer):
         grouped = (queries.float() * stored.scaling).reshape(batch, kv_heads, -1, head_dim)
         logits = torch.matmul(grouped, keys.float().transpose(-1, -2))  # [batch, kv_heads, group, longest]
         if self.biased:
-            logits += torch.cat([unit.bias_row(logits.shape[-1]) for unit in self.units], dim=1)
+            logits += self._bias_rows(logits.shape[-1])
         if self._visible is not None:
             logits.masked_fill_(~self._visible, -math.inf)
         received = logits.softmax(dim=-1).mean(dim=2)

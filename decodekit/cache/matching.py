@@ -33,8 +33,9 @@ MASS_ITERATIONS = 200  # projected-gradient steps of the mass fit
 # How strongly the biases' weights are pulled toward the uniform weight: a multiple of the mean diagonal of the mass
 # fit's normal matrix.
 MASS_RIDGE = 0.01
-# The least weight a kept entry's bias may give it, as a share of the uniform weight: the unconstrained mass fit
-# silences about half of the entries it is given (weights at zero), which then act as evicted, facts included.
+# The least weight a kept entry's bias may give it, as a share of the uniform weight. The unconstrained mass fit
+# leaves about half of a first-layer head's kept entries at zero weight; floors of 0.1 and 0.3 kept them all
+# visible but changed neither perplexity nor retrieval on the tuning texts and the choosing task set, so none.
 MASS_FLOOR = 0.0
 
 
