@@ -288,10 +288,17 @@ def test_a_layer_codes_its_heads_entries_at_once_as_each_head_would(four_layers,
 
 def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monkeypatch):
     """After the prompt, a quantized layer decodes every head's entries at once, into the side-by-side layout that
-    attention reads, and scores a step's token for every head at once where none waits; the oracle is each head
-    updated, decoded and scored apart, then padded side by side (the cache before): the same tokens, the same
-    entries kept and the same scores."""
+    attention reads, makes a step's mask and writes its exact entries for every head at once, and scores a step's
+    token for every head at once where none waits; the oracle is each head masked, updated, decoded and scored
+    apart, then padded side by side (the cache before): the same tokens, the same entries kept and the same
+    scores."""
     from decodekit.cache.heads import HeadsLayer
+
+    def begin_step_apart(self):  # each head's own mask, padded side by side
+        masks = [unit.begin_pass(1) for unit in self.units]
+        self._lengths = [unit.get_mask_sizes(1)[0] for unit in self.units]
+        self._visible = self._layer_mask(1, masks)
+        return self._visible
 
     model, tokenizer = four_layers
     ids = _ids(tokenizer)
@@ -334,6 +341,7 @@ def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monke
             assert scored_together.count(True) >= 11 * model.config.num_hidden_layers
         assert any(len({unit.slots for unit in layer.units}) > 1 for layer in cache.layers)  # heads of own lengths
         monkeypatch.setattr(HeadsLayer, "update", HeadsLayer._update_apart)
+        monkeypatch.setattr(HeadsLayer, "_begin_step", begin_step_apart)
         reference, expected = decode(size)
         monkeypatch.undo()
         assert torch.equal(tokens, expected)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.policy import EvictionPolicy
-from decodekit.cache.storage import PARTS, decoded_part, storage_bytes
+from decodekit.cache.storage import CODING, PARTS, decoded_part, storage_bytes
 
 
 class HeadsLayer(DynamicLayer):
@@ -41,6 +40,9 @@ class HeadsLayer(DynamicLayer):
         # observed query columns for every head: what scoring all heads at once needs.
         self._visible: torch.Tensor | None = None
         self._columns: torch.Tensor | None = None
+        # In a decoding step made for all heads at once (``_begin_step``): the slot each row and head's new token
+        # takes, ``[batch, kv_heads]`` (a free slot, or the column after its stored entries).
+        self._step_slots: torch.Tensor | None = None
 
     # -- what the units share ------------------------------------------------------------------------
 
@@ -87,13 +89,33 @@ class HeadsLayer(DynamicLayer):
         """Prepare every head for a pass of ``query_length`` tokens; return the layer's attention mask
         ``[batch, kv_heads, query_length, keys]`` (None when the model's own mask is right)."""
         first_pass = not self.is_initialized
+        self._step_slots = None
         if first_pass:
             masks = [unit.begin_pass(query_length, pads, sliding_window=sliding_window, softcap=softcap)
                      for unit in self.units]  # fmt: skip
+        elif query_length == 1 and self.units[0].sliding_window is None:
+            return self._begin_step()
         else:
             masks = [unit.begin_pass(query_length) for unit in self.units]
         self._lengths = [unit.get_mask_sizes(query_length)[0] for unit in self.units]
         self._visible = None if first_pass else self._layer_mask(query_length, masks)
+        return self._visible
+
+    def _begin_step(self) -> torch.Tensor | None:
+        """``begin_pass`` for a decoding step of a layer without a sliding window, with the mask made for all heads at
+        once: each head sees its live entries and its new token's slot (``CompressedLayer.pass_mask``)."""
+        for unit in self.units:
+            unit.begin_pass(1, mask=False)
+        self._lengths = [unit.get_mask_sizes(1)[0] for unit in self.units]
+        batch = self.units[0].live.shape[0]
+        slots = [unit.live.new_full((batch, 1), unit.slots, dtype=torch.long) if unit._free is None else unit._free
+                 for unit in self.units]  # fmt: skip
+        self._step_slots = torch.cat(slots, dim=1)
+        if len(set(self._lengths)) == 1 and not any(unit.needs_mask(1) for unit in self.units):
+            self._visible = None
+        else:
+            visible = side_by_side([unit.live for unit in self.units], max(self._lengths), fill=False)
+            self._visible = visible.scatter_(2, self._step_slots[..., None], True)[:, :, None, :]
         return self._visible
 
     @property
@@ -166,10 +188,11 @@ class HeadsLayer(DynamicLayer):
         if not (self.is_initialized and self.units[0].quantized):
             return self._update_apart(key_states, value_states)
         coded, read_keys = self.units[0]._code(key_states, value_states)
-        for index, unit in enumerate(self.units):
-            head = slice(index, index + 1)
-            own = {name: entry[:, head] for name, entry in coded.items()}
-            done = unit.store(key_states[:, head], value_states[:, head], coded=own, read_keys=read_keys[:, head])
+        heads = {name: entry.split(1, dim=1) for name, entry in coded.items()}  # each head's own views
+        states = zip(*(part.split(1, dim=1) for part in (key_states, value_states, read_keys)), strict=True)
+        for index, (unit, (own_keys, own_values, own_read_keys)) in enumerate(zip(self.units, states, strict=True)):
+            own = {name: pieces[index] for name, pieces in heads.items()}
+            done = unit.store(own_keys, own_values, coded=own, read_keys=own_read_keys)
             assert not done, "a quantized unit never reads its stored tensors as they are"
         keys, values = self._decoded_side_by_side(key_states.shape[-1])
         own_parts = [
@@ -178,11 +201,17 @@ class HeadsLayer(DynamicLayer):
         ]
         for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
             unit.write_ring(unit_keys, unit_values)
-            unit.write_pass_exact(unit_keys, unit_values)
+        if self._step_slots is not None:  # the step's own keys and values, exact, for every head at once
+            slot = self._step_slots[..., None, None].expand(-1, -1, 1, keys.shape[-1])
+            keys.scatter_(2, slot, read_keys.to(keys.dtype))
+            values.scatter_(2, slot, value_states.to(values.dtype))
+        else:
+            for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
+                unit.write_pass_exact(unit_keys, unit_values)
         if not self._score_step_together(keys):
             for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
                 unit.finish_pass(unit_keys, unit_values)
-        self._columns = self._visible = None
+        self._columns = self._visible = self._step_slots = None
         return keys, values
 
     def _score_step_together(self, keys: torch.Tensor) -> bool:
@@ -234,21 +263,18 @@ class HeadsLayer(DynamicLayer):
         return keys, values
 
     def _decoded_side_by_side(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every unit's stored keys and values decoded to the cache's dtype, each straight into its head's place in
-        ``[batch, kv_heads, longest, head_dim]``; past a unit's own entries, zeros, which the mask hides."""
+        """Every unit's stored keys and values decoded to the cache's dtype, side by side in ``[batch, kv_heads,
+        longest, head_dim]``: the heads' codes, scales and offsets are put side by side (past a unit's own entries,
+        zeros, which decode to zeros that the mask hides) and decoded at once."""
         first = self.units[0]
-        lengths = [unit.slots for unit in self.units]
-        longest = max(lengths)
-        shape = (first.keys.shape[0], len(self.units), longest, head_dim)
-        keys, values = (first.keys.new_empty(shape, dtype=first.dtype) for _ in PARTS)
-        for part, side_by_side in zip(PARTS, (keys, values), strict=True):
+        longest = max(unit.slots for unit in self.units)
+        decoded = []
+        for part in PARTS:
             quantizer, turned = first.quantizers[part], part == "keys" and first.reads_turned_keys
-            for index, (unit, length) in enumerate(zip(self.units, lengths, strict=True)):
-                head = side_by_side[:, index : index + 1]
-                stored = partial(getattr, unit)
-                decoded_part(part, quantizer, stored, first.dtype, turned=turned, out=head[:, :, :length])
-                if length < longest:
-                    head[:, :, length:].zero_()
+            names = (part,) if quantizer is None else (part, *(name for name in CODING if name.startswith(part[:-1])))
+            stored = {name: side_by_side([getattr(unit, name) for unit in self.units], longest) for name in names}
+            decoded.append(decoded_part(part, quantizer, stored.__getitem__, first.dtype, turned=turned))
+        keys, values = decoded
         return keys, values
 
     def compress(self, new: int) -> None:
@@ -278,7 +304,7 @@ class HeadsLayer(DynamicLayer):
             unit.reset()
         self.is_initialized = False
         self._lengths = []
-        self._columns = self._visible = None
+        self._columns = self._visible = self._step_slots = None
 
     def kept_positions(self) -> torch.Tensor:
         """The logical positions of the live tokens, ``[batch, kv_heads, kept]``, increasing; a head that
@@ -294,3 +320,23 @@ class HeadsLayer(DynamicLayer):
 
     def memory_bytes(self) -> int:
         return sum(storage_bytes(self.held_tensors()).values())
+
+
+def side_by_side(tensors: list[torch.Tensor], longest: int, fill: float | bool = 0) -> torch.Tensor:
+    """One-head tensors ``[batch, 1, length_i, *trailing]`` side by side as ``[batch, heads, longest, *trailing]``,
+    each extended with ``fill`` to ``longest`` entries, in one ``cat``.
+
+    Example:
+        >>> side_by_side([torch.tensor([[[1, 2]]]), torch.tensor([[[3]]])], 3).tolist()
+        [[[1, 2, 0], [3, 0, 0]]]
+    """
+    first = tensors[0]
+    batch, trailing = first.shape[0], first.shape[3:]
+    shortest = min(tensor.shape[2] for tensor in tensors)
+    filler = first.new_full((batch, 1, longest - shortest, *trailing), fill) if shortest < longest else None
+    pieces = []
+    for tensor in tensors:
+        pieces.append(tensor)
+        if tensor.shape[2] < longest:
+            pieces.append(filler.narrow(2, 0, longest - tensor.shape[2]))
+    return torch.cat(pieces, dim=2).view(batch, len(tensors), longest, *trailing)

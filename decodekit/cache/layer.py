@@ -241,8 +241,10 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        mask: bool = True,
     ) -> torch.Tensor | None:
-        """Prepare a forward pass of ``query_length`` tokens; return its attention mask (see ``pass_mask``).
+        """Prepare a forward pass of ``query_length`` tokens; return its attention mask (see ``pass_mask``), or None
+        without ``mask`` (a caller that makes the mask itself, as ``HeadsLayer`` does for its heads at once).
 
         ``pads``, ``sliding_window`` and ``softcap`` are read on the first pass only: each row's left
         padding, and the attention module's shape (a local-attention layer, capped logits).
@@ -266,7 +268,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         else:
             self._forget_freed()
         self._free = free
-        return self.pass_mask(query_length)
+        return self.pass_mask(query_length) if mask else None
 
     def observe(
         self,
@@ -297,13 +299,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         Queries after the first pass are real tokens; they see every live entry and the new tokens
         up to themselves.
         """
-        if not self.is_initialized:
+        if not self.is_initialized or not (plain or self.needs_mask(query_length)):
             return None
         free = self._free
-        least_live = self.live_range[0] + query_length
-        stored = self.slots + (0 if free is not None else query_length)
-        if self.pad_range[1] == 0 and least_live >= stored and self.sliding_window is None and not plain:
-            return None
         device = self.live.device
         query_positions = torch.arange(self.seen, self.seen + query_length, device=device)[:, None]
         if free is not None:
@@ -316,6 +314,13 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         causal = (new_positions <= query_positions) & self._in_window(new_positions, query_positions)
         older = older.expand(batch, kv_heads, query_length, slots)
         return torch.cat([older, causal.expand(batch, kv_heads, -1, -1)], dim=-1)
+
+    def needs_mask(self, query_length: int) -> bool:
+        """Whether the coming pass needs a mask of its own (``pass_mask``): some row has a dead slot, was padded, or
+        the layer has a sliding window."""
+        least_live = self.live_range[0] + query_length
+        stored = self.slots + (0 if self._free is not None else query_length)
+        return self.pad_range[1] != 0 or least_live < stored or self.sliding_window is not None
 
     def biased_mask(self, query_length: int, visible: torch.Tensor | None) -> torch.Tensor:
         """The coming pass's mask as logit offsets, float32 ``[batch, kv_heads, query_length, columns]``: each
