@@ -10,6 +10,7 @@ def test_kv_cache_benchmark_host_bound_mode_runs():
     out = run_benchmark("kv_cache.py", "--host-bound", "--host-prompt", "64", "--host-tokens", "4",
                         "--host-rounds", "1", "--no-host-compile")  # fmt: skip
     assert "CompressedCache / DynamicCache tokens/s, host-bound" in out and "kv_bits=4" in out
+    assert "memory_fraction=0.25, reconstruction" in out
 
 
 def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():

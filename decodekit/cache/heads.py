@@ -195,12 +195,12 @@ class HeadsLayer(DynamicLayer):
             done = unit.store(own_keys, own_values, coded=own, read_keys=own_read_keys)
             assert not done, "a quantized unit never reads its stored tensors as they are"
         keys, values = self._decoded_side_by_side(key_states.shape[-1])
-        own_parts = [
-            (keys[:, index : index + 1, : unit.slots], values[:, index : index + 1, : unit.slots])
-            for index, unit in enumerate(self.units)
-        ]
-        for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
-            unit.write_ring(unit_keys, unit_values)
+        own_parts = None  # each head's entries in the side-by-side copy, made only where some unit needs its own
+        if self.units[0].recent_keys.shape[2] or self._step_slots is None:
+            own_parts = self._own_parts(keys, values)
+        if self.units[0].recent_keys.shape[2]:  # (no ring: residual_length=0)
+            for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
+                unit.write_ring(unit_keys, unit_values)
         if self._step_slots is not None:  # the step's own keys and values, exact, for every head at once
             slot = self._step_slots[..., None, None].expand(-1, -1, 1, keys.shape[-1])
             keys.scatter_(2, slot, read_keys.to(keys.dtype))
@@ -209,10 +209,19 @@ class HeadsLayer(DynamicLayer):
             for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
                 unit.write_pass_exact(unit_keys, unit_values)
         if not self._score_step_together(keys):
-            for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
+            for unit, (unit_keys, unit_values) in zip(
+                self.units, own_parts or self._own_parts(keys, values), strict=True
+            ):
                 unit.finish_pass(unit_keys, unit_values)
         self._columns = self._visible = self._step_slots = None
         return keys, values
+
+    def _own_parts(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each unit's own entries in the side-by-side ``keys`` and ``values``: views of its head and stored slots."""
+        return [
+            (keys[:, index : index + 1, : unit.slots], values[:, index : index + 1, : unit.slots])
+            for index, unit in enumerate(self.units)
+        ]
 
     def _score_step_together(self, keys: torch.Tensor) -> bool:
         """Score a decoding step's one token for every head at once, as each unit's ``finish_pass`` would: the mean,

@@ -368,8 +368,12 @@ class EntryStorage:
 
     def _fill(self, free, coded, value_norms, positions) -> None:
         slot = free[..., None]
+        by_width = {}  # the slot index expanded to each entry width, made once per width
         for name, entry in coded.items():
-            getattr(self, name).scatter_(2, slot[..., None].expand(-1, -1, -1, entry.shape[-1]), entry)
+            width = entry.shape[-1]
+            if width not in by_width:
+                by_width[width] = slot[..., None].expand(-1, -1, -1, width)
+            getattr(self, name).scatter_(2, by_width[width], entry)
         self.scores.scatter_(2, slot, 0.0)
         if value_norms is not None:
             self.value_norms.scatter_(2, slot, value_norms)
