@@ -30,3 +30,22 @@ def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
         ("CompressedCache(budget=64,", "default"),
     ]  # fmt: skip
     assert "failed" not in out
+
+
+def test_kv_step_profile_runs_and_counts_each_steps_operators():
+    out = run_benchmark("kv_step_profile.py", "--shape", "tiny", "--lengths", "64", "--tokens", "2", "--rounds", "1")
+    assert "memory_fraction=0.25" in out and "CompressedCache never evicting" in out
+    assert out.count(" operators ") == 2  # DynamicCache and the default, profiled
+
+
+def test_kv_step_profile_names_an_unknown_cache():
+    import subprocess
+    import sys
+
+    from tests.benchmark_runs import BENCHMARKS
+
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "kv_step_profile.py"), "--caches", "StaticCache"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0 and "--caches: unknown ['StaticCache']" in result.stderr
