@@ -6,6 +6,8 @@ copies; the continuation is then scored over them in one pass. The schemes:
 
 - ``rotated`` (what ``CompressedCache`` stores): each entry turned by a Hadamard matrix, then per-token
   groups of ``--group`` channels (``Quantizer(rotated=True)``);
+- ``rotated, first token exact`` / ``first 4 exact``: the same, with the attention sink's keys left exact;
+- ``rotated, groups of 16``: twice the scales and offsets;
 - ``rotated in blocks of N``: the same, turned by a block-diagonal Hadamard matrix of N-channel blocks instead
   of the whole entry (a turn that costs N / head_dim of the whole one's products when decoding);
 - ``plain``: per-token groups of channels as they are (``Quantizer()``);
@@ -54,6 +56,17 @@ def _channel_magnitude(group: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return code
 
 
+def _first_exact(code: Callable[[torch.Tensor], torch.Tensor], tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``code``, with the context's first ``tokens`` tokens (the attention sink) left exact."""
+
+    def coded(states: torch.Tensor) -> torch.Tensor:
+        out = code(states)
+        out[:, :, :tokens] = states[:, :, :tokens]
+        return out
+
+    return coded
+
+
 def _per_channel(tokens: int) -> Callable[[torch.Tensor], torch.Tensor]:
     def code(states: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(states)
@@ -71,6 +84,9 @@ def schemes(group: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor] | No
     return {
         "exact": None,
         f"rotated, groups of {group}": _coded(Quantizer(4, group, rotated=True)),
+        f"rotated, groups of {group}, first token exact": _first_exact(_coded(Quantizer(4, group, rotated=True)), 1),
+        f"rotated, groups of {group}, first 4 exact": _first_exact(_coded(Quantizer(4, group, rotated=True)), 4),
+        "rotated, groups of 16": _coded(Quantizer(4, 16, rotated=True)),
         f"rotated in blocks of 32, groups of {group}": _rotated_in_blocks(group, 32),
         f"rotated in blocks of 16, groups of {group}": _rotated_in_blocks(group, 16),
         f"plain, groups of {group}": _coded(Quantizer(4, group)),
@@ -118,10 +134,10 @@ def main() -> None:
         f"{args.texts} texts, {args.context_tokens}-token contexts, {args.continuation_tokens}-token continuations; "
         f"the context's {args.part} in 4 bits, nothing evicted; perplexity rise over the full cache (%)"
     )
-    print(f"{'scheme':38s}" + "".join(f"{name[:14]:>15s}" for name in tasks) + "    mean   worst")
+    print(f"{'scheme':44s}" + "".join(f"{name[:14]:>15s}" for name in tasks) + "    mean   worst")
     for name, values in rises.items():
         cells = "".join(f"{value:+15.2%}" for value in values)
-        print(f"{name:38s}{cells} {statistics.fmean(values):+7.2%} {max(values):+7.2%}")
+        print(f"{name:44s}{cells} {statistics.fmean(values):+7.2%} {max(values):+7.2%}")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ def test_kv_bytes_benchmark_runs_and_prints_its_rows():
 
 def test_kv_key_coding_benchmark_prints_a_row_per_scheme():
     out = run_benchmark("kv_key_coding.py", "--context-tokens", "128", "--continuation-tokens", "16")
-    rows = {line[:38].strip() for line in out.splitlines() if line.rstrip().endswith("%")}
+    rows = {line[:44].strip() for line in out.splitlines() if line.rstrip().endswith("%")}
     assert {"rotated, groups of 32", "plain, groups of 32", "channel magnitude, groups of 32"} <= rows
     assert {"rotated in blocks of 32, groups of 32", "rotated in blocks of 16, groups of 32"} <= rows
-    assert len(rows) == 7
+    assert {"rotated, groups of 32, first token exact", "rotated, groups of 32, first 4 exact"} <= rows
+    assert len(rows) == 10
 
 
 def test_the_retrieval_benchmark_runs_and_prints_its_table():
