@@ -253,7 +253,7 @@ class HeadsLayer(DynamicLayer):
 
     def _update_apart(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """``update`` one unit at a time (the first pass, and entries stored as they are)."""
-        self._columns = self._visible = None  # each unit scores its own pass
+        self._columns = self._visible = self._step_slots = None  # each unit scores its own pass
         parts = [
             unit.update(key_states[:, index : index + 1], value_states[:, index : index + 1])
             for index, unit in enumerate(self.units)

@@ -165,9 +165,9 @@ class EntryScoring:
             and self.live_range[0] == self.keys.shape[-2] and len(self._pending) < self.policy.eviction_interval
         )  # fmt: skip
 
-    @torch.no_grad()  # bookkeeping: read at any time, never part of a graph (a query norm's weight is)
     def _score_pending(self) -> None:
-        """Add the attention of the waiting decoding steps to the scores, as one step at a time would.
+        """Add the attention of the waiting decoding steps to the scores, as one step at a time would (read before
+        every use of the scores: with no step waiting, it only brings the bookkeeping views up to date).
 
         Step ``t`` of ``m`` (its token in slot ``first + t``) saw the slots before its own and itself;
         a step decays every score by ``score_decay`` before adding its attention, so older scores are
@@ -175,10 +175,13 @@ class EntryScoring:
         steps start from 0.
         """
         self._catch_up()
-        pending = self._pending
-        if not pending:
-            return
-        self._pending = []
+        if self._pending:
+            self._score_waiting()
+
+    @torch.no_grad()  # bookkeeping: read at any time, never part of a graph (a query norm's weight is)
+    def _score_waiting(self) -> None:
+        """``_score_pending``'s work, when steps wait."""
+        pending, self._pending = self._pending, []
         columns, cos, sin = (torch.cat(parts, dim=1).to(self.dtype) for parts in zip(*pending, strict=True))
         queries = self._rotated_queries(columns, cos, sin)  # [batch, heads, steps, head_dim]
         steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
