@@ -201,16 +201,18 @@ def test_bookkeeping_read_between_evictions_covers_every_entry(fresh):
     torch.testing.assert_close(layer.value_norms[:, :, -1], newest)
 
 
-def _compiled_decoding(model, forward, cache, prompt: torch.Tensor, steps: int) -> tuple[list[int], int, int]:
+def _compiled_decoding(
+    model, forward, cache, prompt: torch.Tensor, steps: int, warmup: int = 3
+) -> tuple[list[int], int, int]:
     """Greedy decoding of ``steps`` tokens through ``forward``; returns the tokens and the number of graphs
-    dynamo had made after the third step and at the end."""
+    dynamo had made after ``warmup`` steps and at the end."""
     from torch._dynamo.utils import counters
 
     with torch.no_grad():
         token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
         tokens, graphs_after_warmup = [], 0
         for step in range(steps):
-            if step == 3:
+            if step == warmup:
                 graphs_after_warmup = counters["stats"]["unique_graphs"]
             position = torch.tensor([[prompt.shape[1] + step]])
             logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits
@@ -235,6 +237,29 @@ def test_compiled_decoding_has_one_graph_and_matches_eager(fresh, backend):
     compiled, after_warmup, at_end = _compiled_decoding(model, forward, cache, prompt, steps=200)
     assert cache.kept_tokens == 48 and cache.get_seq_length() == prompt.shape[1] + 200  # every step evicted
     assert after_warmup == at_end <= 2
+    assert compiled == eager
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_decoding_at_the_default_interval_stops_compiling_after_one_interval(fresh, backend):
+    """With the default eviction interval (8 at this budget), each count of waiting steps is a graph of its own and
+    the eviction another, so dynamo's recompile limit (8 by default) must allow ``interval + 2`` graphs: after the
+    first interval dynamo makes no new graph over 200 steps, and the tokens are eager decoding's. (The layers evict
+    one by one in the compiled step: comparing data pointers, which the joint eviction checks its shared room
+    with, cannot be traced.)"""
+    model, tokenizer = fresh
+    prompt = _prompt(tokenizer)["input_ids"]
+    interval = CompressedCache(model, budget=48).policy.eviction_interval
+    assert interval == 8
+    eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, budget=48), prompt, steps=200)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cache = CompressedCache(model, budget=48)
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    with torch._dynamo.config.patch(recompile_limit=interval + 2):
+        compiled, after_warmup, at_end = _compiled_decoding(model, forward, cache, prompt, 200, warmup=interval + 4)
+    assert cache.get_seq_length() == prompt.shape[1] + 200 and cache.kept_tokens <= 48
+    assert after_warmup == at_end <= interval + 2
     assert compiled == eager
 
 

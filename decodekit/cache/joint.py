@@ -39,7 +39,10 @@ class SharedRoom:
     def room(self, index: int, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """Layer ``index``'s new room for entry kind ``name``, ``shape``, with ``like``'s dtype and device: its
         slice of the shared tensor, a new one when it already took its slice of that one; a tensor of its own
-        when its shape differs from the other layers'."""
+        when its shape differs from the other layers', or under ``torch.compile`` (whose graphs take layers' slices of
+        one tensor as aliased inputs, which inductor refuses to mutate)."""
+        if torch.compiler.is_compiling():
+            return like.new_empty(shape)
         base = self._bases[name]() if name in self._bases else None
         fits = base is not None and base.shape[1:] == shape and base.dtype == like.dtype and base.device == like.device
         if base is not None and not fits and index not in self._handed[name]:
@@ -51,7 +54,11 @@ class SharedRoom:
         return base[index]
 
     def base_of(self, name: str, index: int, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The shared tensor behind ``tensor`` when it is layer ``index``'s slice of it, else None."""
+        """The shared tensor behind ``tensor`` when it is layer ``index``'s slice of it, else None (always under
+        ``torch.compile``, which cannot trace the comparison of data pointers: the layers then evict one by one, in
+        the compiled step)."""
+        if torch.compiler.is_compiling():
+            return None
         base = self._bases[name]() if name in self._bases else None
         if base is None or tensor.data_ptr() != _slice_address(base, index):
             return None
@@ -163,7 +170,7 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
         layer._pending = []
         layer._forget_freed()
         for name in PARTS:  # the bookkeeping views follow when read (``_catch_up``)
-            setattr(layer, name, layer._spare[name].narrow(2, 0, keep))
+            layer._place(name, layer._spare[name].narrow(2, 0, keep))
         layer._lagging = True
         # The next steps append to the room with their scoring waiting, as after any step that did (all live, none
         # waiting, room after the kept entries): they need not check again.

@@ -145,6 +145,8 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         # While decoding with eviction_interval > 1: per-entry tensors with room for the next tokens,
         # of which the attributes above are views of the first ``slots`` entries (see ``_append``).
         self._spare: dict[str, torch.Tensor] | None = None
+        # The keys and values the layer placed itself (``_place``): anything else was put there from outside.
+        self._placed: dict[str, torch.Tensor | None] = {}
         # Decoding steps in the spare room whose attention is not yet in the scores: their queries with
         # their rotation (cos, sin), and the slot of the first one's token (see ``_score_pending``).
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -404,7 +406,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
             read_keys = self._as_read(key_states)
         if first_pass:
             for name, entry in coded.items():
-                setattr(self, name, entry[:, :, :0])
+                self._place(name, entry[:, :, :0])
         deferred = self._defers_scoring(new, free)
         if deferred and self._spare_room() >= 1:
             self._append_to_prepared_room(coded)
@@ -466,12 +468,12 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
             slots = self.slots
             for name in self.entries:
                 self._spare[name] = operation(self._spare[name])
-                setattr(self, name, self._spare[name].narrow(2, 0, slots))
+                self._place(name, self._spare[name].narrow(2, 0, slots))
             names = names[len(self.entries) :]
         for name in names:
             tensor = getattr(self, name)
             if tensor is not None:
-                setattr(self, name, operation(tensor))
+                self._place(name, operation(tensor))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder rows for beam search (beams move within their request, so the padding ranges hold)."""
@@ -516,6 +518,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
             setattr(self, name, None)
         self._queries = self._free = None
         self._spare = None
+        self._placed = {}
         self._lagging = False
         self._forget_freed()
         self.sliding_window = self.softcap = None

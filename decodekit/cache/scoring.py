@@ -90,7 +90,9 @@ def waiting_attention(
     logits = logits.mul_(scaling).view(*lead, kv_heads, group, steps, visible)
     if biases is not None:
         logits += biases[..., None, None, :visible].float()
-    later, weights = _step_tensors(steps, group, decay, logits.device)
+    # (a compiled step makes them in its graph: dynamo traces through the cache, and warns that it does)
+    step_tensors = _step_tensors.__wrapped__ if torch.compiler.is_compiling() else _step_tensors
+    later, weights = step_tensors(steps, group, decay, logits.device)
     logits[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
     return logits.softmax(dim=-1).mul_(weights).sum(dim=(-3, -2))
 

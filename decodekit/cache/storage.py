@@ -48,7 +48,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]
 def _views_from_start(tensor: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether ``tensor`` starts where ``base`` does: a view of it from its start (a tensor that replaced the view
     is another allocation, which cannot start inside ``base`` while ``base`` lives). Unlike ``_base``, this holds
-    in a deep copy of the cache, whose views share the copied storages."""
+    in a deep copy of the cache, whose views share the copied storages. (Eager only: ``torch.compile`` cannot trace
+    a comparison of data pointers.)"""
     return tensor.data_ptr() == base.data_ptr()
 
 
@@ -267,12 +268,13 @@ class EntryStorage:
     def _has_spare(self) -> bool:
         """Whether the per-entry tensors are views of larger ones (spare room, possibly all used).
 
-        Keys and values are checked here (something outside may replace them, as an offload does); the
-        bookkeeping tensors are replaced only through their setters, which give up the room then
+        Keys and values are checked here (something outside may replace them, as an offload does): they must be the
+        very tensors the layer placed (``_place``), an identity that ``torch.compile`` traces and a deep copy keeps;
+        the bookkeeping tensors are replaced only through their setters, which give up the room then
         (``_replace_bookkeeping``)."""
         spare = self._spare
         if spare is not None and not (
-            _views_from_start(self.keys, spare["keys"]) and _views_from_start(self.values, spare["values"])
+            self.keys is self._placed.get("keys") and self.values is self._placed.get("values")
         ):
             self._catch_up()  # the bookkeeping views first cover the steps appended to the room
             self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
@@ -285,6 +287,12 @@ class EntryStorage:
         spare = self._spare
         if spare is not None and name in spare and (value is None or not _views_from_start(value, spare[name])):
             self._spare = None
+
+    def _place(self, name: str, tensor: torch.Tensor | None) -> None:
+        """Set the per-entry tensor ``name``; keys and values are remembered as placed by the layer (``_has_spare``)."""
+        setattr(self, name, tensor)
+        if name in PARTS:
+            self._placed[name] = tensor
 
     def _store(self, coded: dict[str, torch.Tensor], value_states: torch.Tensor, free, first_pass: bool) -> None:
         """Store a pass's entries (``coded``: keys and values as stored, see ``_code``): one token into each
@@ -325,7 +333,7 @@ class EntryStorage:
             for name, entry in entries.items():
                 base = self._spare[name]
                 _write(base.narrow(2, stored, new), entry)
-                setattr(self, name, base.narrow(2, 0, stored + new))
+                self._place(name, base.narrow(2, 0, stored + new))
             return
         self._spare = None
         fixed = self._fixed_target()
@@ -348,7 +356,7 @@ class EntryStorage:
                 base.narrow(2, 0, stored).copy_(old)
             _write(base.narrow(2, stored, new), entry)
             spare[name] = base
-            setattr(self, name, base.narrow(2, 0, stored + new))
+            self._place(name, base.narrow(2, 0, stored + new))
         if reserve:  # kept even when full: the next eviction moves the kept entries to its front
             self._spare = spare
             self._prepare_room(stored + new, self.seen + new)
@@ -363,7 +371,7 @@ class EntryStorage:
         for name, entry in coded.items():
             base = spare[name]
             base.narrow(2, stored, 1).copy_(entry)
-            setattr(self, name, base.narrow(2, 0, stored + 1))
+            self._place(name, base.narrow(2, 0, stored + 1))
         self._lagging = True
 
     def _fill(self, free, coded, value_norms, positions) -> None:
@@ -397,7 +405,7 @@ class EntryStorage:
                 kept = room.narrow(2, 0, count).copy_(take_slots(room, index, rows))
             else:
                 kept = take_slots(getattr(self, name), index, rows)
-            setattr(self, name, kept)
+            self._place(name, kept)
         if in_place:
             self._prepare_room(index.shape[2], self.seen)
 
