@@ -7,8 +7,8 @@ CUDA how much of a step the GPU is busy.
 For each prompt length: tokens/s of greedy steps by hand (``kv_cache.loop_decode``; median of --rounds interleaved
 rounds, each cache once per round) against DynamicCache, for the default CompressedCache (a 25% budget), the same
 with a budget that never evicts (what its steps cost without eviction) and the byte-sized reconstruction cache
-(``memory_fraction=0.25``). Then, on the first length, ``torch.profiler`` over --tokens steps of DynamicCache
-and the default: operators per step, wall time per step and, on CUDA, the time kernels ran per step. Where the
+(``memory_fraction=0.25``). Then, on the first length, ``torch.profiler`` over --tokens steps of each of those but
+the one that never evicts: operators per step, wall time per step and, on CUDA, the time kernels ran per step. Where the
 kernels run for a small share of the wall time, the host bounds the step (the operators launched and the Python
 around them), and a cache that reads fewer entries cannot decode faster by reading less: only by launching less.
 """
@@ -116,7 +116,7 @@ def main() -> None:
     length = lengths[0]
     prompt = torch.randint(0, vocab, (1, length), device=device)
     print(f"   per step at {length} tokens (torch.profiler): top-level operators, wall ms, kernel ms (CUDA)")
-    for name in ("DynamicCache", "CompressedCache"):
+    for name in [name for name in CACHES if name in chosen and name != "CompressedCache never evicting"]:
         operators, wall, kernels = profiled_step(model, prompt, make_cache(name, model, length, args.tokens),
                                                  args.tokens)  # fmt: skip
         busy = f", the GPU busy {kernels / wall:.0%} of it" if kernels == kernels else ""

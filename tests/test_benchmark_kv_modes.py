@@ -37,7 +37,7 @@ def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
 def test_kv_step_profile_runs_and_counts_each_steps_operators():
     out = run_benchmark("kv_step_profile.py", "--shape", "tiny", "--lengths", "64", "--tokens", "2", "--rounds", "1")
     assert "memory_fraction=0.25" in out and "CompressedCache never evicting" in out
-    assert out.count(" operators ") == 2  # DynamicCache and the default, profiled
+    assert out.count(" operators ") == 3  # DynamicCache, the default and the byte-sized cache, profiled
 
 
 def test_kv_step_profile_names_an_unknown_cache():
