@@ -305,9 +305,9 @@ def test_a_layer_decodes_its_heads_at_once_as_each_head_would(four_layers, monke
     decoded_together = []
     together = HeadsLayer._decoded_side_by_side
 
-    def counted(self, head_dim):
+    def counted(self):
         decoded_together.append(self)
-        return together(self, head_dim)
+        return together(self)
 
     scored_together = []
     score_together = HeadsLayer._score_step_together

@@ -194,7 +194,7 @@ class HeadsLayer(DynamicLayer):
             own = {name: pieces[index] for name, pieces in heads.items()}
             done = unit.store(own_keys, own_values, coded=own, read_keys=own_read_keys)
             assert not done, "a quantized unit never reads its stored tensors as they are"
-        keys, values = self._decoded_side_by_side(key_states.shape[-1])
+        keys, values = self._decoded_side_by_side()
         own_parts = None  # each head's entries in the side-by-side copy, made only where some unit needs its own
         if self.units[0].recent_keys.shape[2] or self._step_slots is None:
             own_parts = self._own_parts(keys, values)
@@ -271,7 +271,7 @@ class HeadsLayer(DynamicLayer):
             values[:, index, : unit_values.shape[2]] = unit_values[:, 0]
         return keys, values
 
-    def _decoded_side_by_side(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decoded_side_by_side(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every unit's stored keys and values decoded to the cache's dtype, side by side in ``[batch, kv_heads,
         longest, head_dim]``: the heads' codes, scales and offsets are put side by side (past a unit's own entries,
         zeros, which decode to zeros that the mask hides) and decoded at once."""
