@@ -299,6 +299,25 @@ def _decode_with_interruptions(model, cache, batch, steps: int) -> torch.Tensor:
     return tokens
 
 
+def test_keys_replaced_from_outside_are_not_kept_alive_by_the_layer(fresh):
+    """A layer remembers the keys and values it placed (to tell them from ones put there from outside) without
+    holding them: keys replaced from outside, as an offload does, are freed."""
+    import gc
+    import weakref
+
+    model, tokenizer = fresh
+    cache = CompressedCache(model, budget=64, eviction_interval=1)  # no reserved room: nothing else holds the keys
+    batch = _prompt(tokenizer)
+    with torch.no_grad():
+        model(**batch, past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer._spare is None and layer._was_placed("keys", layer.keys)
+    replaced = weakref.ref(layer.keys)
+    layer.keys = layer.keys.clone()
+    gc.collect()
+    assert replaced() is None and not layer._was_placed("keys", layer.keys)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_plain_steps_change_nothing(fresh, monkeypatch, case):
     """Decoding where a step between evictions skips the checks the step before it made equals decoding where

@@ -19,6 +19,7 @@ them, and their scoring waits for the next eviction (``_score_pending``).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -145,8 +146,8 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         # While decoding with eviction_interval > 1: per-entry tensors with room for the next tokens,
         # of which the attributes above are views of the first ``slots`` entries (see ``_append``).
         self._spare: dict[str, torch.Tensor] | None = None
-        # The keys and values the layer placed itself (``_place``): anything else was put there from outside.
-        self._placed: dict[str, torch.Tensor | None] = {}
+        # The keys and values the layer placed itself, weakly (``_place``): anything else was put there from outside.
+        self._placed: dict[str, weakref.ref | None] = {}
         # Decoding steps in the spare room whose attention is not yet in the scores: their queries with
         # their rotation (cos, sin), and the slot of the first one's token (see ``_score_pending``).
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

@@ -8,6 +8,7 @@ attributes it works on are set up in ``CompressedLayer.__init__``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -273,9 +274,7 @@ class EntryStorage:
         the bookkeeping tensors are replaced only through their setters, which give up the room then
         (``_replace_bookkeeping``)."""
         spare = self._spare
-        if spare is not None and not (
-            self.keys is self._placed.get("keys") and self.values is self._placed.get("values")
-        ):
+        if spare is not None and not (self._was_placed("keys", self.keys) and self._was_placed("values", self.values)):
             self._catch_up()  # the bookkeeping views first cover the steps appended to the room
             self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
         return spare is not None
@@ -289,10 +288,16 @@ class EntryStorage:
             self._spare = None
 
     def _place(self, name: str, tensor: torch.Tensor | None) -> None:
-        """Set the per-entry tensor ``name``; keys and values are remembered as placed by the layer (``_has_spare``)."""
+        """Set the per-entry tensor ``name``; keys and values are remembered as placed by the layer (``_has_spare``),
+        weakly, so that a tensor replaced from outside (as an offload does) is not kept alive by the memory of it."""
         setattr(self, name, tensor)
         if name in PARTS:
-            self._placed[name] = tensor
+            self._placed[name] = None if tensor is None else weakref.ref(tensor)
+
+    def _was_placed(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the very tensor the layer last placed as ``name`` (``_place``)."""
+        placed = self._placed.get(name)
+        return placed is not None and placed() is tensor
 
     def _store(self, coded: dict[str, torch.Tensor], value_states: torch.Tensor, free, first_pass: bool) -> None:
         """Store a pass's entries (``coded``: keys and values as stored, see ``_code``): one token into each
