@@ -195,10 +195,11 @@ class HeadsLayer(DynamicLayer):
             done = unit.store(own_keys, own_values, coded=own, read_keys=own_read_keys)
             assert not done, "a quantized unit never reads its stored tensors as they are"
         keys, values = self._decoded_side_by_side()
+        ring = self.units[0].recent_keys.shape[2]  # exact recent entries (none with residual_length=0)
         own_parts = None  # each head's entries in the side-by-side copy, made only where some unit needs its own
-        if self.units[0].recent_keys.shape[2] or self._step_slots is None:
+        if ring or self._step_slots is None:
             own_parts = self._own_parts(keys, values)
-        if self.units[0].recent_keys.shape[2]:  # (no ring: residual_length=0)
+        if ring:
             for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
                 unit.write_ring(unit_keys, unit_values)
         if self._step_slots is not None:  # the step's own keys and values, exact, for every head at once
@@ -259,16 +260,8 @@ class HeadsLayer(DynamicLayer):
             for index, unit in enumerate(self.units)
         ]
         self.is_initialized = True
-        lengths = {keys.shape[2] for keys, _ in parts}
-        if len(lengths) == 1:
-            return torch.cat([keys for keys, _ in parts], dim=1), torch.cat([values for _, values in parts], dim=1)
-        longest = max(lengths)
-        batch, kv_heads, _, head_dim = key_states.shape
-        keys = parts[0][0].new_zeros((batch, kv_heads, longest, head_dim))
-        values = torch.zeros_like(keys)
-        for index, (unit_keys, unit_values) in enumerate(parts):
-            keys[:, index, : unit_keys.shape[2]] = unit_keys[:, 0]
-            values[:, index, : unit_values.shape[2]] = unit_values[:, 0]
+        longest = max(keys.shape[2] for keys, _ in parts)
+        keys, values = (side_by_side(list(part), longest) for part in zip(*parts, strict=True))
         return keys, values
 
     def _decoded_side_by_side(self) -> tuple[torch.Tensor, torch.Tensor]:
