@@ -241,12 +241,13 @@ def test_compiled_decoding_has_one_graph_and_matches_eager(fresh, backend):
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_compiled_decoding_at_the_default_interval_stops_compiling_after_one_interval(fresh, backend):
-    """With the default eviction interval (8 at this budget), each count of waiting steps is a graph of its own and
-    the eviction another, so dynamo's recompile limit (8 by default) must allow ``interval + 2`` graphs: after the
-    first interval dynamo makes no new graph over 200 steps, and the tokens are eager decoding's. (The layers evict
-    one by one in the compiled step: comparing data pointers, which the joint eviction checks its shared room
-    with, cannot be traced.)"""
+def test_compiled_decoding_at_the_default_interval_compiles_three_graphs(fresh, backend):
+    """With the default eviction interval (8 at this budget), the steps between evictions write their queries at the
+    count of steps waiting, which turns symbolic, so that every count runs one graph: after the first interval dynamo
+    makes no new graph over 200 steps, makes at most four in all (a step between evictions, the eviction, the step
+    after it, and the first step while the keys' length was still fixed) within dynamo's default recompile limit, and
+    the tokens are eager decoding's. (The layers evict one by one in the compiled step: comparing data pointers,
+    which the joint eviction checks its shared room with, cannot be traced.)"""
     model, tokenizer = fresh
     prompt = _prompt(tokenizer)["input_ids"]
     interval = CompressedCache(model, budget=48).policy.eviction_interval
@@ -256,11 +257,38 @@ def test_compiled_decoding_at_the_default_interval_stops_compiling_after_one_int
     torch._dynamo.utils.counters.clear()
     cache = CompressedCache(model, budget=48)
     forward = torch.compile(model.forward, backend=backend, fullgraph=True)
-    with torch._dynamo.config.patch(recompile_limit=interval + 2):
-        compiled, after_warmup, at_end = _compiled_decoding(model, forward, cache, prompt, 200, warmup=interval + 4)
+    compiled, after_warmup, at_end = _compiled_decoding(model, forward, cache, prompt, 200, warmup=interval + 4)
     assert cache.get_seq_length() == prompt.shape[1] + 200 and cache.kept_tokens <= 48
-    assert after_warmup == at_end <= interval + 2
+    assert after_warmup == at_end <= 4
     assert compiled == eager
+
+
+def test_decoding_switching_between_compiled_and_eager_steps_between_evictions_matches_eager(fresh):
+    """Steps waiting for their scoring are kept as they come eagerly and in tensors inside a compiled step: a decoding
+    that switches between the two within an interval (and one that compiles only some intervals) scores the steps
+    in their order, as eager decoding does (same tokens, same scores). The eager steps give the layers slices of one
+    shared room, which the first compiled step (through AOTAutograd, which regenerates aliased inputs) replaces."""
+    model, tokenizer = fresh
+    prompt = _prompt(tokenizer)["input_ids"]
+    reference = CompressedCache(model, budget=48)
+    eager, _, _ = _compiled_decoding(model, model.forward, reference, prompt, steps=60)
+    torch._dynamo.reset()
+    compiled_forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    switches = iter([3, 4, 5, 11, 12, 19, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 50])  # steps that run compiled
+    chosen = set(switches)
+    step = 0
+
+    def forward(*args, **kwargs):
+        nonlocal step
+        step += 1
+        return (compiled_forward if step - 1 in chosen else model.forward)(*args, **kwargs)
+
+    cache = CompressedCache(model, budget=48)
+    mixed, _, _ = _compiled_decoding(model, forward, cache, prompt, steps=60)
+    assert mixed == eager
+    for layer, expected in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(layer.scores, expected.scores)
+        torch.testing.assert_close(layer.positions, expected.positions)
 
 
 def _decode_with_interruptions(model, cache, batch, steps: int) -> torch.Tensor:

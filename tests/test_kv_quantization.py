@@ -418,7 +418,7 @@ def test_waiting_steps_queries_are_held_in_the_storage_width(fresh, bits, held):
             position = torch.tensor([[ids.shape[1] + step]])
             model(token, past_key_values=cache, position_ids=position)
     layer = cache.layers[0]
-    waiting = [part for step in layer._pending for part in step]
+    waiting = [part for step in layer._pending.steps for part in step]
     assert len(layer._pending) >= 1  # steps since the last eviction
     assert {part.dtype for part in waiting} == {held}
     config = model.config

@@ -114,6 +114,10 @@ class Eviction:
         if self.live_range[0] < self.slots:  # a row holds dead slots
             priority = torch.where(self.live, priority, -math.inf)
         self._keep(best_in_slot_order(priority, keep))
+        if self._has_room_for_step(self.dtype) and self._may_defer_scoring():
+            # The next steps append to the room with their scoring waiting, as after any step that did: they need
+            # not check again (and a compiled step after an eviction runs the graph of every other step).
+            self._plain_steps, self._plain_view = self._plain_steps_left(), self.keys
 
     def _add_live(self, new: int) -> None:
         """Count ``new`` more live entries in every row (a pass appended or filled a slot in each)."""

@@ -101,14 +101,14 @@ class SharedRoom:
             bases[name] = base
         # Where each layer's slice of each shared tensor starts: the first slice's address, a slice's size apart.
         starts = [(name, base.data_ptr(), base.stride(0) * base.element_size()) for name, base in bases.items()]
-        rotations = [(cos, sin) for _, cos, sin in first._pending]
+        rotations = [(cos, sin) for _, cos, sin in first._pending.steps]
         for layer in layers:
             alike = (
                 layer.slots == first.slots and layer.seen == first.seen and layer.entries == first.entries
                 and not layer.quantized and layer.storage_dtype == layer.dtype == first.dtype
                 and layer.pad_range[1] == 0 and layer.sliding_window is None and layer.softcap is None
-                and not layer.replaying and len(layer._pending) == len(rotations)
-                and layer._pending_first == first._pending_first and layer._pending_scaling == first._pending_scaling
+                and not layer.replaying and len(layer._pending.steps) == len(rotations) and not layer._pending.count
+                and layer._pending.scaling == first._pending.scaling
                 and layer._has_spare()
             )  # fmt: skip
             if not alike:
@@ -116,7 +116,7 @@ class SharedRoom:
             index, spare = layer.shared_index, layer._spare
             if any(spare[name].data_ptr() != start + index * step for name, start, step in starts):
                 return None
-            for (_, cos, sin), (shared_cos, shared_sin) in zip(layer._pending, rotations, strict=True):
+            for (_, cos, sin), (shared_cos, shared_sin) in zip(layer._pending.steps, rotations, strict=True):
                 if cos is not shared_cos or sin is not shared_sin:
                     return None
         return bases
@@ -135,17 +135,19 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
     front in slot order and prepare the room after them, as each layer's ``keep_best`` would."""
     first = layers[0]
     policy, slots, seen = first.policy, first.slots, first.seen
-    steps, start, decay = len(first._pending), first._pending_first, policy.score_decay
-    columns = torch.stack([step[0] for layer in layers for step in layer._pending])  # [layers * steps, batch, 1, -]
+    steps, decay = len(first._pending), policy.score_decay
+    start = slots - steps  # the waiting steps' tokens: the last slots
+    # [layers * steps, batch, 1, -]
+    columns = torch.stack([step[0] for layer in layers for step in layer._pending.steps])
     columns = columns.view(len(layers), steps, *columns.shape[1:]).squeeze(3).transpose(1, 2)
     make = first._to_queries
     if all(layer._to_queries is make for layer in layers):  # the same for every layer: made at once
         queries = make(columns.flatten(0, 1)).unflatten(0, columns.shape[:2])
     else:
         queries = torch.stack([layer._to_queries(part) for layer, part in zip(layers, columns, strict=True)])
-    cos, sin = (torch.cat(parts, dim=1) for parts in zip(*(step[1:] for step in first._pending), strict=True))
+    cos, sin = (torch.cat(parts, dim=1) for parts in zip(*(step[1:] for step in first._pending.steps), strict=True))
     queries = rotate(queries, cos.unsqueeze(1), sin.unsqueeze(1))  # [layers, batch, heads, steps, head_dim]
-    received = waiting_attention(queries, bases["keys"], start, first._pending_scaling, decay)
+    received = waiting_attention(queries, bases["keys"], start, first._pending.scaling, decay)
     visible = start + steps
     scores = bases["_scores"].narrow(3, 0, slots)
     torch.add(received, scores[..., :visible], alpha=decay**steps, out=scores[..., :visible])  # decayed, then added
@@ -167,7 +169,7 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
         base.narrow(3, 0, keep).copy_(take_slots(base, index, rows))
     prepare_room(moved, 3, keep, seen)
     for layer in layers:
-        layer._pending = []
+        layer._pending.clear()
         layer._forget_freed()
         for name in PARTS:  # the bookkeeping views follow when read (``_catch_up``)
             layer._place(name, layer._spare[name].narrow(2, 0, keep))

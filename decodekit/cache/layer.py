@@ -34,6 +34,7 @@ from decodekit.cache.policy import Allocated, EvictionPolicy
 from decodekit.cache.quantize import Quantizer, hadamard, rotation_block
 from decodekit.cache.scoring import EntryScoring
 from decodekit.cache.storage import BIAS_DTYPE, BOOKKEEPING, CODING, EXACT, EntryStorage, storage_bytes
+from decodekit.cache.waiting import WaitingSteps
 
 
 class StoredPass(NamedTuple):
@@ -146,13 +147,12 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         # While decoding with eviction_interval > 1: per-entry tensors with room for the next tokens,
         # of which the attributes above are views of the first ``slots`` entries (see ``_append``).
         self._spare: dict[str, torch.Tensor] | None = None
+        self._room_shared = False  # whether that room is this layer's slice of the room shared by the layers
         # The keys and values the layer placed itself, weakly (``_place``): anything else was put there from outside.
         self._placed: dict[str, weakref.ref | None] = {}
         # Decoding steps in the spare room whose attention is not yet in the scores: their queries with
         # their rotation (cos, sin), and the slot of the first one's token (see ``_score_pending``).
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._pending_first = 0
-        self._pending_scaling = 1.0
+        self._pending = WaitingSteps()
         # The coming pass's observed tokens: the query columns of their projection, the function that makes
         # queries of them (``observer.queries_from_projection``), the scaling and their rotation (cos, sin).
         self._queries: tuple[torch.Tensor, Callable, float, torch.Tensor, torch.Tensor] | None = None
@@ -372,6 +372,10 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
             )
         (columns, self._to_queries, scaling, cos, sin), free = self._queries, self._free
         self._queries = self._free = None
+        if self._room_shared and torch.compiler.is_compiling():
+            # Steps decoded eagerly gave the layers slices of one room (``joint.py``), which a compiled graph takes as
+            # aliased inputs that it cannot regenerate: the first compiled step gives this layer a room of its own.
+            self._apply_to_rows(torch.clone)
         batch, kv_heads, new, _ = key_states.shape
         plain = new == 1 and free is None and self._plain_steps and self.keys is self._plain_view
         if plain or (
@@ -465,6 +469,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         self._forget_freed()
         self._quiet_steps = 0  # a new batch of rows may share max_bytes differently
         names = self._per_row()
+        self._room_shared = False  # the operation makes tensors of this layer's own
         if self._has_spare():
             slots = self.slots
             for name in self.entries:
@@ -512,13 +517,13 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
 
     def reset(self) -> None:
         super().reset()
-        self._pending = []
+        self._pending = WaitingSteps()
         self._scores = self.value_norms = self.positions = self.live = self.pads = self.allocated = None
         self._biases, self._match_queries, self.biased = None, None, False
         for name in (*CODING, *EXACT, "recent_positions"):
             setattr(self, name, None)
         self._queries = self._free = None
-        self._spare = None
+        self._spare, self._room_shared = None, False
         self._placed = {}
         self._lagging = False
         self._forget_freed()
@@ -536,7 +541,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
             held.append(hadamard(rotation_block(self.recent_keys.shape[-1]), self.recent_keys.device))
         if self._spare is not None:
             held.extend(self._spare.values())
-        held.extend(part for step in self._pending for part in step)
+        held.extend(self._pending.held_tensors())
         if self._queries is not None:
             held.extend(part for part in self._queries if isinstance(part, torch.Tensor))
         return [tensor for tensor in held if isinstance(tensor, torch.Tensor)]

@@ -143,9 +143,7 @@ class EntryScoring:
         held = self.storage_dtype
         if held is not None and held.itemsize < columns.dtype.itemsize:
             columns, cos, sin = columns.to(held), cos.to(held), sin.to(held)
-        if not self._pending:
-            self._pending_first, self._pending_scaling = self.slots - 1, scaling
-        self._pending.append((columns, cos, sin))
+        self._pending.add((columns, cos, sin), scaling=scaling, room=self.policy.eviction_interval)
 
     def _defers_scoring(self, new: int, free: torch.Tensor | None) -> bool:
         """Whether this pass's scoring waits for the next eviction: one decoding step appended to the spare room
@@ -183,14 +181,14 @@ class EntryScoring:
     @torch.no_grad()  # bookkeeping: read at any time, never part of a graph (a query norm's weight is)
     def _score_waiting(self) -> None:
         """``_score_pending``'s work, when steps wait."""
-        pending, self._pending = self._pending, []
-        columns, cos, sin = (torch.cat(parts, dim=1).to(self.dtype) for parts in zip(*pending, strict=True))
+        first, scaling = self.slots - len(self._pending), self._pending.scaling  # the waiting tokens: the last slots
+        columns, cos, sin = (part.to(self.dtype) for part in self._pending.take())
         queries = self._rotated_queries(columns, cos, sin)  # [batch, heads, steps, head_dim]
-        steps, first, decay = queries.shape[2], self._pending_first, self.policy.score_decay
+        steps, decay = queries.shape[2], self.policy.score_decay
         keys, values = self.dense()
         visible = first + steps
         biases = self._biases if self.biased else None
-        received = waiting_attention(queries, keys, first, self._pending_scaling, decay, biases)
+        received = waiting_attention(queries, keys, first, scaling, decay, biases)
         self._scores[:, :, :visible].mul_(decay**steps).add_(received)
         if self._value_norms is not None:
             self._value_norms[:, :, first:visible] = values[:, :, first:visible].float().norm(dim=-1)

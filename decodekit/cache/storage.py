@@ -364,6 +364,7 @@ class EntryStorage:
             self._place(name, base.narrow(2, 0, stored + new))
         if reserve:  # kept even when full: the next eviction moves the kept entries to its front
             self._spare = spare
+            self._room_shared = shared and not torch.compiler.is_compiling() and base._base is not None
             self._prepare_room(stored + new, self.seen + new)
 
     def _prepare_room(self, filled: int, next_position: int) -> None:
