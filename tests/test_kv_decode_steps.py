@@ -202,22 +202,29 @@ def test_bookkeeping_read_between_evictions_covers_every_entry(fresh):
 
 
 def _compiled_decoding(
-    model, forward, cache, prompt: torch.Tensor, steps: int, warmup: int = 3
+    model, forward, cache, prompt: torch.Tensor, steps: int, warmup: int = 3, regions: set | None = None
 ) -> tuple[list[int], int, int]:
     """Greedy decoding of ``steps`` tokens through ``forward``; returns the tokens and the number of graphs
-    dynamo had made after ``warmup`` steps and at the end."""
+    dynamo had made after ``warmup`` steps and at the end. ``regions``, when given, receives the names of the
+    compiled regions (graphs) the steps after ``warmup`` ran, as the profiler records them."""
     from torch._dynamo.utils import counters
 
     with torch.no_grad():
         token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
-        tokens, graphs_after_warmup = [], 0
+        tokens, graphs_after_warmup, profiler = [], 0, None
         for step in range(steps):
             if step == warmup:
                 graphs_after_warmup = counters["stats"]["unique_graphs"]
+                if regions is not None:
+                    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                    profiler.__enter__()
             position = torch.tensor([[prompt.shape[1] + step]])
             logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits
             token = logits[:, -1:].argmax(dim=-1)
             tokens.append(int(token))
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            regions.update(event.name for event in profiler.events() if event.name.startswith("Torch-Compiled Region"))
     return tokens, graphs_after_warmup, counters["stats"]["unique_graphs"]
 
 
@@ -241,12 +248,12 @@ def test_compiled_decoding_has_one_graph_and_matches_eager(fresh, backend):
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_compiled_decoding_at_the_default_interval_compiles_three_graphs(fresh, backend):
+def test_compiled_decoding_at_the_default_interval_runs_two_graphs(fresh, backend):
     """With the default eviction interval (8 at this budget), the steps between evictions write their queries at the
-    count of steps waiting, which turns symbolic, so that every count runs one graph: after the first interval dynamo
-    makes no new graph over 200 steps, makes at most four in all (a step between evictions, the eviction, the step
-    after it, and the first step while the keys' length was still fixed) within dynamo's default recompile limit, and
-    the tokens are eager decoding's. (The layers evict one by one in the compiled step: comparing data pointers,
+    index held in a tensor, so that every count runs one graph: after the first interval dynamo makes no new graph over
+    200 steps, at most four in all, within dynamo's default recompile limit (two made while the keys' length and the
+    count of waiting steps were still specialized), the last intervals run two of them, and the tokens are eager
+    decoding's. (The layers evict one by one in the compiled step: comparing data pointers,
     which the joint eviction checks its shared room with, cannot be traced.)"""
     model, tokenizer = fresh
     prompt = _prompt(tokenizer)["input_ids"]
@@ -257,10 +264,16 @@ def test_compiled_decoding_at_the_default_interval_compiles_three_graphs(fresh, 
     torch._dynamo.utils.counters.clear()
     cache = CompressedCache(model, budget=48)
     forward = torch.compile(model.forward, backend=backend, fullgraph=True)
-    compiled, after_warmup, at_end = _compiled_decoding(model, forward, cache, prompt, 200, warmup=interval + 4)
+    regions = set()
+    compiled, after_warmup, at_end = _compiled_decoding(
+        model, forward, cache, prompt, 200, warmup=200 - 3 * interval, regions=regions
+    )
     assert cache.get_seq_length() == prompt.shape[1] + 200 and cache.kept_tokens <= 48
     assert after_warmup == at_end <= 4
     assert compiled == eager
+    # Past the first intervals two graphs run: the steps between evictions (the one after an eviction included) and
+    # the eviction; the graphs made while values were still specialized are not run again.
+    assert len(regions) == 2, regions
 
 
 def test_decoding_switching_between_compiled_and_eager_steps_between_evictions_matches_eager(fresh):

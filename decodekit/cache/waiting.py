@@ -4,9 +4,10 @@ Between evictions a layer appends each decoding step's token to its reserved roo
 scoring for the next eviction, which scores all the waiting steps at once (``EntryScoring._score_waiting``).
 
 Eagerly, a step is kept as it comes (a list: no operator per step). Inside a compiled step it is written into
-tensors with room for a whole eviction interval, at the index of the count of steps waiting: a list's length
-would be a guard of its own in every compiled graph, one graph per count, while the count itself turns symbolic
-after the first steps (as the logical length does), so that every step between evictions runs the same graph.
+tensors with room for a whole eviction interval, at an index held in a tensor beside them: a list's length would
+be a guard of its own in every compiled graph, one graph per count, and so would a count read on the host where
+it is 0 (dynamo compiles a size or index of 0 or 1 apart), so the steps between evictions read no count and run
+one graph.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class WaitingSteps:
     def __init__(self) -> None:
         self.steps: list[Step] = []  # kept eagerly
         self.held: Step | None = None  # the compiled steps' tensors, [batch, room, -] each
-        self.count = 0  # how many of ``held``'s first steps wait
+        self.slot: torch.Tensor | None = None  # [1]: where the next compiled step goes in them
+        self.count = 0  # how many of ``held``'s first steps wait (written, not read, by a compiled step)
         self.scaling = 1.0  # the queries' scaling
 
     def __len__(self) -> int:
@@ -53,15 +55,18 @@ class WaitingSteps:
             for held, part in zip(self.held, step, strict=True)
         ):  # fmt: skip
             self.held = tuple(part.new_empty((part.shape[0], room, *part.shape[2:])) for part in step)
+            self.slot = torch.full((1,), self.count, dtype=torch.long, device=step[0].device)
         if self.steps:  # steps taken eagerly before this compiled one: they go first
-            self._write(self.take())
+            for earlier in self.steps:
+                self._write(earlier)
+            self.steps = []
         self._write(step)
 
-    def _write(self, parts: Step) -> None:
-        count = parts[0].shape[1]
-        for held, part in zip(self.held, parts, strict=True):
-            held.narrow(1, self.count, count).copy_(part)
-        self.count += count
+    def _write(self, step: Step) -> None:
+        for held, part in zip(self.held, step, strict=True):
+            held.index_copy_(1, self.slot, part)
+        self.slot += 1
+        self.count += 1
 
     def take(self) -> Step:
         """The waiting steps, each part ``[batch, steps, -]`` in their order, and forget them."""
@@ -79,4 +84,6 @@ class WaitingSteps:
         return [*(self.held or ()), *(part for step in self.steps for part in step)]
 
     def clear(self) -> None:
+        if self.count:
+            self.slot.zero_()
         self.count, self.steps = 0, []
