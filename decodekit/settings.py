@@ -40,7 +40,8 @@ EARLY_STOPPING = (True, False, "never")
 # The compressed cache always keeps its first (sink) tokens and a recent window.
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
-KV_BITS = (16, 8, 4)  # a compressed cache's storage widths (None: the model's dtype)
+KV_BITS = (16, 8, 5, 4)  # a compressed cache's storage widths (None: the model's dtype)
+CODED_BITS = (8, 5, 4)  # the widths stored as integer codes with group scales (16: the entries themselves)
 KV_SCORINGS = ("attention", "reconstruction", "attention+novelty")  # how a compressed cache ranks its tokens
 # How reconstruction scores are had: a replay pass over the prompt ("forward"), estimated in the prompt's own pass
 # ("prompt_queries"), or ("auto") the estimate where a head keeps on average at least ESTIMATE_FROM_SHARE of the

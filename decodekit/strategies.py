@@ -21,6 +21,7 @@ from decodekit.fields import BEAM_FIELDS, BY_NAME, CACHE_SIZES, COMPONENTS, FIEL
 from decodekit.logits_processors import parse_stages
 from decodekit.logits_processors.repetition import check_stage_table
 from decodekit.plan import GenerationPlan, PlanContext
+from decodekit.settings import CODED_BITS
 
 # Options of eviction: they need one of the cache sizes.
 CACHE_OPTIONS = ("kv_scoring", "kv_replay", "kv_matched_layers", "kv_eviction_interval")
@@ -117,10 +118,10 @@ class Strategy:
                 raise ValueError(f"{name} applies to kv_scoring=reconstruction: set kv_scoring to reconstruction")
         # A size in bytes with no width stores 8 or 4 bits (``byte_sized_widths``).
         bits = values.get("kv_bits")
-        quantized = bits in (4, 8) or (bits is None and "kv_memory_fraction" in values)
+        quantized = bits in CODED_BITS or (bits is None and "kv_memory_fraction" in values)
         if "kv_residual_length" in values and not quantized:
             raise ValueError(
-                "kv_residual_length applies to keys and values stored in 8 or 4 bits: set kv_bits to 8 or 4, "
+                "kv_residual_length applies to keys and values stored in 8, 5 or 4 bits: set kv_bits to 8, 5 or 4, "
                 "or size the cache with kv_memory_fraction"
             )
         if self._do_sample is False and self._sampling_fields():

@@ -50,7 +50,23 @@ def test_four_bit_codes_are_packed_two_per_byte_low_first():
     ]
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+
+def test_five_bit_codes_are_nibbles_then_fifth_bits_eight_per_byte():
+    """Values 0..31 in one 32-channel group are their own codes (offset 0, scale 1): bytes 0-15 hold the low 4
+    bits two per byte (low half first), bytes 16-19 the fifth bits, channel 8i + j in bit j of byte 16 + i."""
+    values = torch.arange(32.0)
+    coded = Quantizer(bits=5, group_size=32).encode(values)
+    assert coded["codes"].dtype == torch.uint8 and coded["codes"].shape == (20,)
+    assert coded["offsets"].tolist() == [0.0] and coded["scales"].tolist() == [1.0]
+    nibbles = [(low % 16) + 16 * (high % 16) for low, high in zip(range(0, 32, 2), range(1, 32, 2), strict=True)]
+    fifth = [0, 0, 255, 255]  # channels 0-15 are below 16, channels 16-31 are not
+    assert coded["codes"].tolist() == nibbles + fifth
+    odd = Quantizer(bits=5, group_size=8).encode(torch.tensor([16.0, 0, 0, 16, 0, 0, 0, 31]))
+    assert odd["codes"][-1].item() == 0b10001001  # channels 0, 3 and 7 have their fifth bit set
+    assert Quantizer(bits=5, group_size=8).decode(odd, torch.float32).tolist() == [16.0, 0, 0, 16, 0, 0, 0, 31]
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_decoding_errs_by_at_most_half_a_step(bits, dtype):
     generator = torch.Generator().manual_seed(bits)
@@ -66,7 +82,7 @@ def test_decoding_errs_by_at_most_half_a_step(bits, dtype):
     assert torch.isfinite(decoded).all()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("little_endian", [True, False])
 def test_every_decoding_path_gives_offset_plus_code_times_scale(monkeypatch, bits, dtype, little_endian):
@@ -78,8 +94,13 @@ def test_every_decoding_path_gives_offset_plus_code_times_scale(monkeypatch, bit
     quantizer = Quantizer(bits=bits, group_size=16)
     coded = quantizer.encode(values)
     codes = coded["codes"].long()
-    if bits == 4:  # channel 2i in the low half of byte i, 2i + 1 in the high half
-        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+    if bits in (4, 5):  # channel 2i in the low half of byte i, 2i + 1 in the high half
+        nibbles = codes[..., :32]
+        low = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).flatten(-2)
+        if bits == 5:  # then channel 8i + j's fifth bit in bit j of byte 32 + i
+            fifth = torch.stack([(codes[..., 32:] >> j) & 1 for j in range(8)], dim=-1).flatten(-2)
+            low = low + 16 * fifth
+        codes = low
     expected = coded["offsets"].repeat_interleave(16, -1) + codes * coded["scales"].repeat_interleave(16, -1)
     expected = expected.to(dtype)
     wider = torch.full((2, 5, 24, 64), float("nan"), dtype=dtype)
@@ -138,7 +159,7 @@ def test_rotation_shrinks_the_error_of_keys_with_outlier_channels():
 
 def test_bad_quantization_settings_are_refused_by_name(fresh):
     model, _ = fresh
-    with pytest.raises(ValueError, match="kv_bits must be one of 16, 8, 4 or None"):
+    with pytest.raises(ValueError, match="kv_bits must be one of 16, 8, 5, 4 or None"):
         CompressedCache(model, budget=40, kv_bits=2)
     with pytest.raises(ValueError, match="kv_bits must be one of"):
         CompressedCache(model, budget=40, kv_bits=True)
@@ -209,7 +230,7 @@ def _decode_checking_each_pass(model, tokenizer, cache, steps: int, seed: int, c
             check(cache.layers[0], exact_keys, exact_values)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("interval", [1, 8])
 def test_stored_entries_read_within_a_step_of_the_exact_ones_while_decoding(fresh, bits, interval):
     model, tokenizer = fresh
@@ -252,7 +273,7 @@ def test_rows_reordered_by_beam_search_keep_their_codes_and_rings(fresh):
         assert torch.equal(after_keys, keys.flip(0)) and torch.equal(after_values, values.flip(0))
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("bits", [16, 8, 5, 4])
 def test_generation_over_a_quantized_cache_stays_close_to_the_full_cache(fresh, bits):
     """Logits of a greedy continuation with every token kept: 16 bits match closely, 8 and 4 bits less so,
     and each width errs more than the wider one."""
@@ -269,7 +290,7 @@ def test_generation_over_a_quantized_cache_stays_close_to_the_full_cache(fresh, 
     full, full_tokens = logits(None)
     quantized, tokens = logits(bits)
     error = (quantized - full).abs().max().item()
-    assert error <= {16: 1e-3, 8: 3e-2, 4: 0.3}[bits]
+    assert error <= {16: 1e-3, 8: 3e-2, 5: 0.1, 4: 0.3}[bits], error
     if bits == 16:
         assert torch.equal(tokens, full_tokens)
 
@@ -293,7 +314,7 @@ class _Bytes(LogitsProcessor):
 LONG = " ".join([PROMPT] * 6)
 
 
-@pytest.mark.parametrize("bits", [None, 16, 8, 4])
+@pytest.mark.parametrize("bits", [None, 16, 8, 5, 4])
 @pytest.mark.parametrize("interval", [1, 8])
 @pytest.mark.parametrize("fraction", [0.5, 0.2])
 def test_memory_fraction_is_never_exceeded_after_a_pass(fresh, bits, interval, fraction):
@@ -313,12 +334,12 @@ def test_fewer_bits_keep_more_tokens_in_the_same_bytes(fresh):
     model, tokenizer = fresh
     ids = tokenizer([LONG], return_tensors="pt")["input_ids"]
     kept = {}
-    for bits in (16, 8, 4):
+    for bits in (16, 8, 5, 4):
         cache = CompressedCache(model, memory_fraction=0.5, kv_bits=bits)
         with torch.no_grad():
             model(ids, past_key_values=cache)
         kept[bits] = cache.kept_tokens
-    assert kept[16] < kept[8] < kept[4]
+    assert kept[16] < kept[8] < kept[5] < kept[4]
 
 
 @pytest.mark.parametrize("bits", [None, 4])
@@ -357,15 +378,15 @@ def test_keys_may_keep_more_bits_than_values(fresh):
     assert layer.keys.dtype == layer.values.dtype == torch.uint8
     assert layer.keys.shape[-1] == head_dim and layer.values.shape[-1] == head_dim // 2
     kept = {}
-    for bits, key_bits in ((8, None), (4, 8), (4, None)):
+    for bits, key_bits in ((8, None), (4, 8), (4, 5), (4, None)):
         sized = CompressedCache(model, memory_fraction=0.5, kv_bits=bits, key_bits=key_bits)
         with torch.no_grad():
             model(ids, past_key_values=sized)
         kept[(bits, key_bits)] = sized.kept_tokens
-    assert kept[(8, None)] < kept[(4, 8)] < kept[(4, None)]
+    assert kept[(8, None)] < kept[(4, 8)] < kept[(4, 5)] < kept[(4, None)]
     with pytest.raises(ValueError, match=r"key_bits .* needs kv_bits"):
         CompressedCache(model, budget=40, key_bits=8)
-    with pytest.raises(ValueError, match="key_bits must be one of 16, 8, 4"):
+    with pytest.raises(ValueError, match="key_bits must be one of 16, 8, 5, 4"):
         CompressedCache(model, budget=40, kv_bits=4, key_bits=2)
 
 

@@ -20,6 +20,7 @@ from decodekit.cache.quantize import Quantizer
 from decodekit.cache.scoring import rank_fractions
 from decodekit.cache.size import attention_head_size, entry_bytes
 from decodekit.cache.storage import storage_bytes
+from decodekit.settings import CODED_BITS
 
 # The least memory fraction at which a byte-sized cache stores keys in 8 bits and values in 4 (else both in 4),
 # per allocation, and the exact residual it holds: chosen on the tuning texts with ``benchmarks/kv_bytes.py``
@@ -189,9 +190,9 @@ class CompressedCache(Cache):
             (the waiting steps' queries are held beside it). None (the default): a 32nd of ``budget``,
             from 8 to 64, or 8 under a ratio (``default_eviction_interval``); in a cache sized in bytes, 1
             under ``allocation="heads"`` and else 8 (``byte_sized_interval``).
-        kv_bits: store the kept keys and values in 16, 8 or 4 bits instead of the model's dtype (None, the
+        kv_bits: store the kept keys and values in 16, 8, 5 or 4 bits instead of the model's dtype (None, the
             default). 16 bits: the model's dtype if it has 16 bits, else float16 (llama.cpp's f16 cache for a
-            32-bit model). 8 and 4 bits: each entry is coded on its own in groups of ``kv_group_size`` channels, with a
+            32-bit model). 8, 5 and 4 bits: each entry is coded on its own in groups of ``kv_group_size`` channels, with a
             scale and offset per group in 16 bits; keys are first turned by a Hadamard rotation, which spreads
             their outlier channels over all channels (and back when read); the last ``residual_length``
             tokens are also held exactly and attention reads them exact. Attention reads every layer's
@@ -207,12 +208,12 @@ class CompressedCache(Cache):
             ``sink_tokens + recent_tokens`` tokens fit in it.
         max_bytes: instead of a budget or ratio, hold at most this many bytes, all rows together, after
             each forward pass (the same accounting and the same floor; 4 bits unless ``kv_bits`` says).
-        key_bits: the keys' width when it differs from ``kv_bits`` (16, 8 or 4; ``kv_bits`` then sets the
+        key_bits: the keys' width when it differs from ``kv_bits`` (16, 8, 5 or 4; ``kv_bits`` then sets the
             values'): keys suffer more from coarse codes than values do, so ``kv_bits=4, key_bits=8``
             holds nearly what 8 bits holds in about four fifths of the bytes.
         kv_group_size: channels per scale group with ``kv_bits``, a divisor of the model's head size
             (default: 32, or the head size when it is smaller).
-        residual_length: with ``kv_bits`` 8 or 4, how many of the last tokens are also held exact (in 16
+        residual_length: with ``kv_bits`` 8, 5 or 4, how many of the last tokens are also held exact (in 16
             bits) beside their codes, as transformers' ``QuantizedCache`` keeps a residual, >= 0; None (the
             default) for ``recent_tokens``, or for none in a cache sized in bytes whose heads share the budget
             (``byte_sized_residual``). Their bytes count in ``memory_fraction`` and ``max_bytes``.
@@ -312,14 +313,14 @@ class CompressedCache(Cache):
             replay=replay, residual_length=residual_length, matched_layers=matched_layers,
         )  # fmt: skip
         modules = bind(model, replays=self.policy.scoring == "reconstruction")
-        if head_dim and {kv_bits, key_bits} & {4, 8}:
+        if head_dim and {kv_bits, key_bits} & set(CODED_BITS):
             Quantizer(4, kv_group_size).groups(head_dim)  # a ValueError naming kv_group_size now, not mid-pass
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
         matched = [index < self.policy.matched_layers for index in range(len(modules))]
         if allocation == "heads":
             kv_heads = model.config.get_text_config().num_key_value_heads
             layers = [HeadsLayer(self.policy, kv_heads, matched=refit) for refit in matched]
-        elif self.policy.scoring == "attention" and not {kv_bits, key_bits} & {4, 8} and eviction_interval > 1:
+        elif self.policy.scoring == "attention" and not {kv_bits, key_bits} & set(CODED_BITS) and eviction_interval > 1:
             room = SharedRoom()  # the layers evict together while decoding (``joint.py``)
             layers = room.layers = [CompressedLayer(self.policy, room, index) for index in range(len(modules))]
         else:
@@ -327,7 +328,7 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
         # Coded keys are read turned, as coded, where the module's queries can be turned alike (one product per
         # query instead of one per stored key at every pass).
-        keys_coded = (key_bits or kv_bits) in (4, 8)
+        keys_coded = (key_bits or kv_bits) in CODED_BITS
         for layer, module in zip(layers, modules, strict=True):
             layer.reads_turned_keys = keys_coded and queries_can_turn(module)
 

@@ -35,6 +35,7 @@ from decodekit.cache.quantize import Quantizer, hadamard, rotation_block
 from decodekit.cache.scoring import EntryScoring
 from decodekit.cache.storage import BIAS_DTYPE, BOOKKEEPING, CODING, EXACT, EntryStorage, storage_bytes
 from decodekit.cache.waiting import WaitingSteps
+from decodekit.settings import CODED_BITS
 
 
 class StoredPass(NamedTuple):
@@ -90,7 +91,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         # ring [batch, kv_heads, ring, head_dim] (in 16 bits; ring = exact_recent, 0 for none), slot
         # ``position % ring``, with the position each ring slot holds (``recent_positions``, -1 for none).
         widths = {"keys": policy.key_bits or policy.kv_bits, "values": policy.kv_bits}
-        self.quantizers = {part: Quantizer(bits, policy.kv_group_size, rotated=part == "keys") if bits in (4, 8)
+        self.quantizers = {part: Quantizer(bits, policy.kv_group_size, rotated=part == "keys") if bits in CODED_BITS
                            else None for part, bits in widths.items()}  # fmt: skip
         self.quantized = any(quantizer is not None for quantizer in self.quantizers.values())
         # Whether attention reads this layer's coded keys turned, as coded (set by the cache where the attention

@@ -119,7 +119,7 @@ class EvictionPolicy:
     replay_scope: str = "prompt"
     replay_output_norms: bool = False
     replay: str = "auto"
-    residual_length: int | None = None  # with kv_bits 8 or 4: the last tokens also held exact (None: recent_tokens)
+    residual_length: int | None = None  # with kv_bits 8, 5 or 4: the last tokens also held exact (None: recent_tokens)
     matched_layers: int = 0  # the first layers whose prompt entries are refit at its eviction (``matching.py``)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Keys and values stored in 4 or 8 bits: integer codes with a scale and an offset per group of channels.
+"""Keys and values stored in 8, 5 or 4 bits: integer codes with a scale and an offset per group of channels.
 
 Each entry (one token of one row and KV head) is quantized on its own, in groups of ``group_size``
 channels, asymmetrically (``value ~ offset + code * scale``), so that eviction, beam reorders and
@@ -9,7 +9,10 @@ dominates a group's range; decoding turns it back (the matrix is its own inverse
 4-bit keys of the default model's prompts (``benchmarks/results/kv_key_coding_cpu.txt``), this takes
 the perplexity rise from +1.41% (each channel divided by its magnitude) to +0.01%.
 
-Codes of 4 bits are packed two per byte. Scales and offsets are kept in 16 bits (the cache's dtype); the
+Codes of 4 bits are packed two per byte. Codes of 5 bits are their low 4 bits packed so, followed by their
+fifth bits packed eight per byte (``head_dim * 5 / 8`` bytes per entry): keys in 5 bits lost +0.03% and +0.07%
+perplexity on two sets of texts where 4 bits lost +0.78% and +0.01% (``benchmarks/results/kv_key_bits_cpu.txt``).
+Scales and offsets are kept in 16 bits (the cache's dtype); the
 offset is rounded down and the scale up before coding, so that every value lies inside its
 group's range and rounding a code is the only error: at most half a step, ``scale / 2``.
 """
@@ -24,7 +27,7 @@ from functools import lru_cache
 import torch
 
 from decodekit._validation import check_int
-from decodekit.settings import KV_BITS  # noqa: F401  (16: the entries themselves, in a 16-bit dtype)
+from decodekit.settings import CODED_BITS
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -72,7 +75,7 @@ def rotate(values: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Quantizer:
-    """How entries are coded: ``bits`` per value (4 or 8) with one scale and offset per ``group_size`` channels,
+    """How entries are coded: ``bits`` per value (8, 5 or 4) with one scale and offset per ``group_size`` channels,
     after a Hadamard rotation of each entry when ``rotated`` (keys).
 
     Example:
@@ -84,7 +87,7 @@ class Quantizer:
         >>> Quantizer(bits=3)
         Traceback (most recent call last):
         ...
-        ValueError: a Quantizer codes in 4 or 8 bits; got 3
+        ValueError: a Quantizer codes in 8, 5 or 4 bits; got 3
     """
 
     bits: int = 8
@@ -92,8 +95,8 @@ class Quantizer:
     rotated: bool = False
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8) or isinstance(self.bits, bool):
-            raise ValueError(f"a Quantizer codes in 4 or 8 bits; got {self.bits!r}")
+        if self.bits not in CODED_BITS or isinstance(self.bits, bool):
+            raise ValueError(f"a Quantizer codes in 8, 5 or 4 bits; got {self.bits!r}")
         object.__setattr__(self, "group_size", check_int("kv_group_size", self.group_size, 1))
 
     @property
@@ -103,10 +106,10 @@ class Quantizer:
 
     def groups(self, head_dim: int) -> int:
         """How many groups a head's ``head_dim`` channels form; ValueError when they do not divide evenly."""
-        if head_dim % self.group_size or (self.bits == 4 and head_dim % 2):
+        if head_dim % self.group_size or (self.bits == 4 and head_dim % 2) or (self.bits == 5 and head_dim % 8):
             raise ValueError(
-                f"kv_group_size must divide the model's head_dim ({head_dim}) and 4-bit codes need an even "
-                f"head_dim; got kv_group_size={self.group_size}"
+                f"kv_group_size must divide the model's head_dim ({head_dim}), 4-bit codes need an even head_dim "
+                f"and 5-bit codes a multiple of 8; got kv_group_size={self.group_size} with {self.bits} bits"
             )
         return head_dim // self.group_size
 
@@ -115,7 +118,7 @@ class Quantizer:
         return head_dim * self.bits / 8 + 2 * self.groups(head_dim) * element_size
 
     def encode(self, values: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Code ``values`` ``[..., head_dim]``: ``codes`` (uint8, two per byte at 4 bits), and ``scales`` and
+        """Code ``values`` ``[..., head_dim]``: ``codes`` (uint8, packed below 8 bits), and ``scales`` and
         ``offsets`` ``[..., groups]`` in ``dtype`` (by default ``values``' own)."""
         return self.encode_turned(values, dtype)[0]
 
@@ -162,8 +165,8 @@ class Quantizer:
         step = scales.float()[..., None]
         codes = ((grouped - offsets.float()[..., None]) / step.clamp(min=torch.finfo(torch.float32).tiny)).round_()
         codes = codes.clamp_(0, self.levels).to(torch.uint8).flatten(-2)
-        if self.bits == 4:
-            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        if self.bits < 8:
+            codes = _packed(codes, self.bits)
         return {"codes": codes, "scales": scales, "offsets": offsets}  # in this order
 
     def decode(
@@ -195,8 +198,8 @@ class Quantizer:
         return decoded.to(dtype)
 
     def _width(self, codes: torch.Tensor) -> int:
-        """Channels per entry of ``codes`` (two per byte at 4 bits)."""
-        return codes.shape[-1] * (2 if self.bits == 4 else 1)
+        """Channels per entry of ``codes`` (``bits`` per channel)."""
+        return codes.shape[-1] * 8 // self.bits
 
     def _unpack(self, codes: torch.Tensor, target: torch.Tensor) -> None:
         """Write the integer codes into ``target`` (float, ``[..., head_dim]``, its last dimension contiguous).
@@ -206,12 +209,38 @@ class Quantizer:
         host), and a single conversion writes them."""
         if self.bits == 8:
             target.copy_(codes)
-        elif _LITTLE_ENDIAN:
-            wide = codes.to(torch.int16)
-            spread = wide << 4
-            spread.bitwise_or_(wide).bitwise_and_(0x0F0F)  # bits 0-3: the low code; bits 8-11: the high one
-            target.copy_(spread.view(torch.uint8))
+            return
+        nibbles = codes[..., : target.shape[-1] // 2]
+        if self.bits == 5:  # the fifth bits, eight per byte, after the low halves
+            fifth = (codes[..., nibbles.shape[-1] :, None] >> _BIT_SHIFTS.to(codes.device)) & 1
+            _unpack_nibbles(nibbles, target)
+            target.view(*fifth.shape).add_(fifth << 4)
         else:
-            pairs = target.view(*codes.shape, 2)
-            pairs[..., 0] = codes & 15
-            pairs[..., 1] = codes >> 4
+            _unpack_nibbles(nibbles, target)
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def _packed(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codes`` (uint8, each below ``2 ** bits``, ``[..., head_dim]``) packed: their low 4 bits two per byte (channel
+    ``2i`` in the low half), then at 5 bits their fifth bits eight per byte (channel ``8i + j`` in bit ``j``)."""
+    low = codes & 15
+    nibbles = low[..., 0::2] | (low[..., 1::2] << 4)
+    if bits == 4:
+        return nibbles
+    fifth = (codes >> 4).unflatten(-1, (-1, 8)) << _BIT_SHIFTS.to(codes.device)
+    return torch.cat([nibbles, fifth.sum(-1, dtype=torch.uint8)], dim=-1)
+
+
+def _unpack_nibbles(codes: torch.Tensor, target: torch.Tensor) -> None:
+    """Write the 4-bit ``codes`` (two per byte) into ``target``: see ``Quantizer._unpack``."""
+    if _LITTLE_ENDIAN:
+        wide = codes.to(torch.int16)
+        spread = wide << 4
+        spread.bitwise_or_(wide).bitwise_and_(0x0F0F)  # bits 0-3: the low code; bits 8-11: the high one
+        target.copy_(spread.view(torch.uint8))
+    else:
+        pairs = target.view(*codes.shape, 2)
+        pairs[..., 0] = codes & 15
+        pairs[..., 1] = codes >> 4

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from decodekit.cache.quantize import rotation_block
+from decodekit.settings import CODED_BITS
 
 
 def attention_head_size(config: Any) -> int | None:
@@ -115,14 +116,14 @@ def entry_bytes(
     stored = 2 if kv_bits is not None else element  # keys and values, or the scales, in 16 bits
     widths = (key_bits or kv_bits, kv_bits)
     coded = [
-        head_dim * bits / 8 + 2 * (head_dim // group_size) * stored if bits in (4, 8) else head_dim * stored
+        head_dim * bits / 8 + 2 * (head_dim // group_size) * stored if bits in CODED_BITS else head_dim * stored
         for bits in widths
     ]
     units = config.num_hidden_layers * kv_heads
     ring = 0.0
-    if {4, 8} & set(widths):  # exact recent keys and values and their positions
+    if set(CODED_BITS) & set(widths):  # exact recent keys and values and their positions
         ring = 2 * residual_length * head_dim * stored + residual_length * 4 / kv_heads
-    if widths[0] in (4, 8):  # the Hadamard matrix that turns coded keys, one for the whole cache
+    if widths[0] in CODED_BITS:  # the Hadamard matrix that turns coded keys, one for the whole cache
         ring += rotation_block(head_dim) ** 2 * 4 / units
     bookkeeping = 4 + (4 if value_norms else 0) + 4 + 1  # score, value norm, position, live
     # The queries of the steps waiting to be scored, with their rotation (held in 16 bits when keys and values are
