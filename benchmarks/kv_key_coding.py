@@ -5,7 +5,7 @@ The context is prefilled into a full cache; its keys (or values) are replaced by
 copies; the continuation is then scored over them in one pass. The schemes:
 
 - ``rotated`` (what ``CompressedCache`` stores): each entry turned by a Hadamard matrix, then per-token
-  groups of ``--group`` channels (``Quantizer(rotated=True)``);
+  groups of ``--group`` channels (``Quantizer(rotated=True)``); also in 5 and 8 bits (every other scheme codes 4);
 - ``rotated, first token exact`` / ``first 4 exact``: the same, with the attention sink's keys left exact;
 - ``rotated, groups of 16``: twice the scales and offsets;
 - ``rotated in blocks of N``: the same, turned by a block-diagonal Hadamard matrix of N-channel blocks instead
@@ -16,7 +16,8 @@ copies; the continuation is then scored over them in one pass. The schemes:
 - ``per channel, N-token groups`` (KIVI's key coding): a scale and offset per channel over each N
   consecutive tokens, which a cache that evicts single tokens cannot keep (shown for reference).
 
-    python benchmarks/kv_key_coding.py [--part keys|values] [--texts tuning|protocol] [--group 32]
+    python benchmarks/kv_key_coding.py [--part keys|values] [--texts tuning|tuning2|protocol] [--group 32]
+        [--schemes "rotated, groups of 32,rotated, groups of 32, 5 bits"]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from kv_protocol import PROTOCOL_TEXTS, TUNING_TEXTS, text_tasks
+from kv_protocol import TEXT_SETS, text_tasks
 from torch.nn import functional
 from transformers import DynamicCache
 
@@ -84,6 +85,8 @@ def schemes(group: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor] | No
     return {
         "exact": None,
         f"rotated, groups of {group}": _coded(Quantizer(4, group, rotated=True)),
+        f"rotated, groups of {group}, 5 bits": _coded(Quantizer(5, group, rotated=True)),
+        f"rotated, groups of {group}, 8 bits": _coded(Quantizer(8, group, rotated=True)),
         f"rotated, groups of {group}, first token exact": _first_exact(_coded(Quantizer(4, group, rotated=True)), 1),
         f"rotated, groups of {group}, first 4 exact": _first_exact(_coded(Quantizer(4, group, rotated=True)), 4),
         "rotated, groups of 16": _coded(Quantizer(4, 16, rotated=True)),
@@ -115,15 +118,21 @@ def perplexity(model, task: dict, part: str, code: Callable | None) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("keys", "values"), default="keys")
-    parser.add_argument("--texts", choices=("tuning", "protocol"), default="tuning")
+    parser.add_argument("--texts", choices=sorted(TEXT_SETS), default="tuning")
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--group", type=int, default=32, help="channels per group of the per-token schemes")
+    parser.add_argument("--schemes", help="comma-separated names of the schemes to run (default: all)")
     args = parser.parse_args()
     model, tokenizer = load_model()
-    texts = TUNING_TEXTS if args.texts == "tuning" else PROTOCOL_TEXTS
+    texts = TEXT_SETS[args.texts]
     tasks = text_tasks(tokenizer, texts, args.context_tokens, args.continuation_tokens)
     coding = schemes(args.group)
+    if args.schemes:
+        unknown = set(args.schemes.split(",")) - set(coding)
+        if unknown:
+            parser.error(f"--schemes: unknown {sorted(unknown)}; known: {sorted(coding)}")
+        coding = {name: code for name, code in coding.items() if name == "exact" or name in args.schemes.split(",")}
     rises: dict[str, list[float]] = {name: [] for name in coding if name != "exact"}
     for task in tasks.values():
         exact = perplexity(model, task, args.part, None)
@@ -132,7 +141,8 @@ def main() -> None:
                 rises[name].append(perplexity(model, task, args.part, code) / exact - 1)
     print(
         f"{args.texts} texts, {args.context_tokens}-token contexts, {args.continuation_tokens}-token continuations; "
-        f"the context's {args.part} in 4 bits, nothing evicted; perplexity rise over the full cache (%)"
+        f"the context's {args.part} coded (in 4 bits unless named), nothing evicted; perplexity rise over the full "
+        "cache (%)"
     )
     print(f"{'scheme':44s}" + "".join(f"{name[:14]:>15s}" for name in tasks) + "    mean   worst")
     for name, values in rises.items():

@@ -5,8 +5,8 @@ of a continuation after a compressed context, and a query-agnostic retrieval tas
 hidden at a random depth in about 2k tokens of filler, the context compressed before the
 question is seen, the answer decoded greedily and judged by exact match.
 
-Tuning (choosing defaults) uses TUNING_TEXTS only, which share no text with PROTOCOL_TEXTS:
-the figures the benchmark reports are never the ones the defaults were chosen on.
+Tuning (choosing defaults) uses TUNING_TEXTS and SECOND_TUNING_TEXTS only, which share no text with
+PROTOCOL_TEXTS: the figures the benchmark reports are never the ones the defaults were chosen on.
 """
 
 from __future__ import annotations
@@ -49,6 +49,16 @@ TUNING_TEXTS: dict[str, tuple[str, Callable[[], str]]] = {
     "idle NEWS2x": ("lists", lambda: _file(STDLIB / "idlelib" / "NEWS2x.txt")),
     "gfdl-1.3": ("legal prose", lambda: _file(Path("/usr/share/common-licenses/GFDL-1.3"))),
 }
+# Four more texts to tune on, of the same kinds, added where the first four hid a loss: 4-bit keys cost them
+# +0.01% in mean perplexity and these +0.78% (``benchmarks/results/kv_key_bits_cpu.txt``).
+SECOND_TUNING_TEXTS: dict[str, tuple[str, Callable[[], str]]] = {
+    "pydoc strings": ("technical reference", lambda: _topics("formatstrings", "string-methods", "execmodel")),
+    "typing.py": ("code", lambda: _file(STDLIB / "typing.py")),
+    "idle ChangeLog": ("lists", lambda: _file(STDLIB / "idlelib" / "ChangeLog")),
+    "gpl2": ("legal prose", lambda: _file(Path("/usr/share/common-licenses/GPL-2"))),
+}
+# The sets a benchmark's ``--texts`` names.
+TEXT_SETS = {"tuning": TUNING_TEXTS, "tuning2": SECOND_TUNING_TEXTS, "protocol": PROTOCOL_TEXTS}
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = (

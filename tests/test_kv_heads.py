@@ -117,7 +117,7 @@ def test_decoding_holds_each_head_to_its_share_of_the_budget(four_layers):
         assert count - 3 <= unit.kept <= count  # between evictions, at most interval - 1 below
 
 
-@pytest.mark.parametrize(("interval", "kv_bits"), [(1, None), (8, None), (1, 4), (8, 8)])
+@pytest.mark.parametrize(("interval", "kv_bits"), [(1, None), (8, None), (1, 4), (1, 5), (8, 8)])
 def test_rows_of_a_batch_decode_what_each_decodes_alone(four_layers, interval, kv_bits):
     """Also with quantized entries, which a layer decodes for all its heads and rows at once."""
     model, tokenizer = four_layers
@@ -164,7 +164,7 @@ def test_crop_undoes_a_pass_over_heads_of_different_lengths(four_layers, kv_bits
         assert set(unit.kept_positions()[0, 0].tolist()) <= set(positions[0, 0].tolist())
 
 
-@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+@pytest.mark.parametrize("kv_bits", [None, 8, 5, 4])
 def test_a_memory_fraction_holds_with_heads_of_their_own_lengths(four_layers, kv_bits):
     model, tokenizer = four_layers
     ids = _ids(tokenizer, TEXT * 6)

@@ -399,14 +399,15 @@ def test_keys_may_keep_more_bits_than_values(fresh):
         ({"scoring": "reconstruction", "allocation": "global"}, 0.2, (4, 8)),
         ({"scoring": "reconstruction", "allocation": "global"}, 0.19, (4, 4)),
         ({"scoring": "reconstruction"}, 0.5, (4, 8)), ({"scoring": "reconstruction"}, 0.45, (4, 8)),
-        ({"scoring": "reconstruction"}, 0.44, (4, 4)), ({"scoring": "reconstruction"}, 0.1, (4, 4)),
-        ({"scoring": "reconstruction"}, 0.05, (4, 4)),
+        ({"scoring": "reconstruction"}, 0.44, (4, 5)), ({"scoring": "reconstruction"}, 0.1, (4, 5)),
+        ({"scoring": "reconstruction"}, 0.099, (4, 4)), ({"scoring": "reconstruction"}, 0.05, (4, 4)),
     ],
 )  # fmt: skip
 def test_a_byte_sized_cache_told_no_widths_takes_the_documented_ones(fresh, options, fraction, widths):
     # The documented rule, at and on each side of its thresholds: keys in 8 bits and values in 4 from 45%
     # of the full cache's bytes up (also when heads share the budget, the reconstruction default), from 20%
-    # when layers share it, else both in 4; no exact residual when heads share the budget.
+    # when layers share it; when heads share it, keys in 5 bits from 10% to 45%; else both in 4; no exact residual
+    # when heads share the budget.
     model, _ = fresh
     policy = CompressedCache(model, memory_fraction=fraction, **options).policy
     assert (policy.kv_bits, policy.key_bits) == widths

@@ -22,10 +22,11 @@ from decodekit.cache.size import attention_head_size, entry_bytes
 from decodekit.cache.storage import storage_bytes
 from decodekit.settings import CODED_BITS
 
-# The least memory fraction at which a byte-sized cache stores keys in 8 bits and values in 4 (else both in 4),
-# per allocation, and the exact residual it holds: chosen on the tuning texts with ``benchmarks/kv_bytes.py``
-# (see ``byte_sized_widths`` and ``byte_sized_residual``).
+# The least memory fraction at which a byte-sized cache stores keys in 8 bits and values in 4, per allocation; under
+# "heads", the least at which it stores keys in 5 bits (else both in 4); and the exact residual it holds: chosen on
+# the tuning texts with ``benchmarks/kv_bytes.py`` (see ``byte_sized_widths`` and ``byte_sized_residual``).
 KEYS_IN_8_BITS_FROM = {"uniform": 0.45, "global": 0.2, "heads": 0.45}
+KEYS_IN_5_BITS_FROM = {"heads": 0.1}
 RESIDUAL_WHEN_SIZED_IN_BYTES = {"heads": 0}  # absent: recent_tokens
 INTERVAL_WHEN_SIZED_IN_BYTES = {"heads": 1}  # absent: default_eviction_interval(None), 8
 
@@ -54,17 +55,25 @@ def byte_sized_widths(memory_fraction: float | None, allocation: str = "uniform"
     tokens must go). Chosen on the tuning texts with ``benchmarks/kv_bytes.py``, of 16, 8/4 and 4 bits
     (and 8 for "uniform"): "uniform" (attention scoring): 8/4 best at 50%, 4 at 25% and 10%, so 8/4
     from 45% up; "global": 8/4 best at 50% and 25%, 4 at 10%, so from 20%; "heads" (keys coded after a
-    Hadamard rotation): 4 best at 25%, 10% and 5%, so 8/4 only from 45% up, where it holds nearly every
-    token.
+    Hadamard rotation): 4 best of those at 25%, 10% and 5%, so 8/4 only from 45% up, where it holds nearly
+    every token. Under "heads", keys in 5 bits and values in 4 then beat both in 4 over the eight tuning texts
+    (``--texts tuning`` and ``tuning2``) at 25% (+0.26% mean, +0.75% on the worst text, against +0.63% and +1.46%)
+    and 10% (+1.19%, +2.77% against +1.36%, +3.00%), not at 5% (+4.39%, +9.07% against +4.10%, +9.16%), so from
+    10% up.
 
     Example:
         >>> byte_sized_widths(0.5), byte_sized_widths(0.25), byte_sized_widths(None)
         ((4, 8), (4, 4), (4, 4))
-        >>> byte_sized_widths(0.25, "global"), byte_sized_widths(0.1, "global"), byte_sized_widths(0.25, "heads")
-        ((4, 8), (4, 4), (4, 4))
+        >>> byte_sized_widths(0.25, "global"), byte_sized_widths(0.1, "global")
+        ((4, 8), (4, 4))
+        >>> byte_sized_widths(0.5, "heads"), byte_sized_widths(0.25, "heads"), byte_sized_widths(0.05, "heads")
+        ((4, 8), (4, 5), (4, 4))
     """
-    least = KEYS_IN_8_BITS_FROM.get(allocation, 0.45)
-    return (4, 8) if memory_fraction is not None and memory_fraction >= least else (4, 4)
+    if memory_fraction is None:
+        return 4, 4
+    if memory_fraction >= KEYS_IN_8_BITS_FROM.get(allocation, 0.45):
+        return 4, 8
+    return 4, 5 if memory_fraction >= KEYS_IN_5_BITS_FROM.get(allocation, math.inf) else 4
 
 
 def byte_sized_residual(allocation: str, recent_tokens: int) -> int:
