@@ -17,7 +17,7 @@ copies; the continuation is then scored over them in one pass. The schemes:
   consecutive tokens, which a cache that evicts single tokens cannot keep (shown for reference).
 
     python benchmarks/kv_key_coding.py [--part keys|values] [--texts tuning|tuning2|protocol] [--group 32]
-        [--schemes "rotated, groups of 32,rotated, groups of 32, 5 bits"]
+        [--schemes "rotated, groups of 32;rotated, groups of 32, 5 bits"]
 """
 
 from __future__ import annotations
@@ -122,17 +122,18 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--group", type=int, default=32, help="channels per group of the per-token schemes")
-    parser.add_argument("--schemes", help="comma-separated names of the schemes to run (default: all)")
+    parser.add_argument("--schemes", help="names of the schemes to run, separated by semicolons (default: all)")
     args = parser.parse_args()
     model, tokenizer = load_model()
     texts = TEXT_SETS[args.texts]
     tasks = text_tasks(tokenizer, texts, args.context_tokens, args.continuation_tokens)
     coding = schemes(args.group)
     if args.schemes:
-        unknown = set(args.schemes.split(",")) - set(coding)
+        chosen = args.schemes.split(";")
+        unknown = set(chosen) - set(coding)
         if unknown:
             parser.error(f"--schemes: unknown {sorted(unknown)}; known: {sorted(coding)}")
-        coding = {name: code for name, code in coding.items() if name == "exact" or name in args.schemes.split(",")}
+        coding = {name: code for name, code in coding.items() if name == "exact" or name in chosen}
     rises: dict[str, list[float]] = {name: [] for name in coding if name != "exact"}
     for task in tasks.values():
         exact = perplexity(model, task, args.part, None)

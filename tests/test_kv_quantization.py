@@ -50,10 +50,10 @@ def test_four_bit_codes_are_packed_two_per_byte_low_first():
     ]
 
 
-
 def test_five_bit_codes_are_nibbles_then_fifth_bits_eight_per_byte():
     """Values 0..31 in one 32-channel group are their own codes (offset 0, scale 1): bytes 0-15 hold the low 4
-    bits two per byte (low half first), bytes 16-19 the fifth bits, channel 8i + j in bit j of byte 16 + i."""
+    bits two per byte (low half first), bytes 16-19 the fifth bits: channel 8i + 2j in bit j of byte 16 + i, channel
+    8i + 2j + 1 in bit 4 + j."""
     values = torch.arange(32.0)
     coded = Quantizer(bits=5, group_size=32).encode(values)
     assert coded["codes"].dtype == torch.uint8 and coded["codes"].shape == (20,)
@@ -62,7 +62,7 @@ def test_five_bit_codes_are_nibbles_then_fifth_bits_eight_per_byte():
     fifth = [0, 0, 255, 255]  # channels 0-15 are below 16, channels 16-31 are not
     assert coded["codes"].tolist() == nibbles + fifth
     odd = Quantizer(bits=5, group_size=8).encode(torch.tensor([16.0, 0, 0, 16, 0, 0, 0, 31]))
-    assert odd["codes"][-1].item() == 0b10001001  # channels 0, 3 and 7 have their fifth bit set
+    assert odd["codes"][-1].item() == 0b10100001  # channels 0 (bit 0), 3 (bit 5) and 7 (bit 7) have a fifth bit
     assert Quantizer(bits=5, group_size=8).decode(odd, torch.float32).tolist() == [16.0, 0, 0, 16, 0, 0, 0, 31]
 
 
@@ -97,8 +97,9 @@ def test_every_decoding_path_gives_offset_plus_code_times_scale(monkeypatch, bit
     if bits in (4, 5):  # channel 2i in the low half of byte i, 2i + 1 in the high half
         nibbles = codes[..., :32]
         low = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).flatten(-2)
-        if bits == 5:  # then channel 8i + j's fifth bit in bit j of byte 32 + i
-            fifth = torch.stack([(codes[..., 32:] >> j) & 1 for j in range(8)], dim=-1).flatten(-2)
+        if bits == 5:  # then channel 8i + 2j's fifth bit in bit j of byte 32 + i, channel 8i + 2j + 1's in bit 4 + j
+            bit_of_channel = [0, 4, 1, 5, 2, 6, 3, 7]
+            fifth = torch.stack([(codes[..., 32:] >> bit) & 1 for bit in bit_of_channel], dim=-1).flatten(-2)
             low = low + 16 * fifth
         codes = low
     expected = coded["offsets"].repeat_interleave(16, -1) + codes * coded["scales"].repeat_interleave(16, -1)

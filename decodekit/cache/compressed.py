@@ -201,8 +201,8 @@ class CompressedCache(Cache):
             under ``allocation="heads"`` and else 8 (``byte_sized_interval``).
         kv_bits: store the kept keys and values in 16, 8, 5 or 4 bits instead of the model's dtype (None, the
             default). 16 bits: the model's dtype if it has 16 bits, else float16 (llama.cpp's f16 cache for a
-            32-bit model). 8, 5 and 4 bits: each entry is coded on its own in groups of ``kv_group_size`` channels, with a
-            scale and offset per group in 16 bits; keys are first turned by a Hadamard rotation, which spreads
+            32-bit model). 8, 5 and 4 bits: each entry is coded on its own in groups of ``kv_group_size`` channels,
+            with a scale and offset per group in 16 bits; keys are first turned by a Hadamard rotation, which spreads
             their outlier channels over all channels (and back when read); the last ``residual_length``
             tokens are also held exactly and attention reads them exact. Attention reads every layer's
             keys and values decoded (one layer's dense copy at a time). Without ``budget`` or

@@ -206,41 +206,63 @@ class Quantizer:
 
         At 4 bits each byte holds channel ``2i`` in its low half and ``2i + 1`` in its high half: widened to 16 bits
         and spread as ``low | high << 8``, its two bytes are the two codes in channel order (on a little-endian
-        host), and a single conversion writes them."""
+        host), and a single conversion writes them. At 5 bits the fifth bits are put in place in those 16 bits
+        before the conversion (``_spread_fifth_bits``)."""
         if self.bits == 8:
             target.copy_(codes)
             return
         nibbles = codes[..., : target.shape[-1] // 2]
-        if self.bits == 5:  # the fifth bits, eight per byte, after the low halves
-            fifth = (codes[..., nibbles.shape[-1] :, None] >> _BIT_SHIFTS.to(codes.device)) & 1
-            _unpack_nibbles(nibbles, target)
-            target.view(*fifth.shape).add_(fifth << 4)
+        if self.bits == 4:
+            target.copy_(_spread_nibbles(nibbles).view(torch.uint8) if _LITTLE_ENDIAN else _nibble_pairs(nibbles))
+            return
+        fifth = codes[..., nibbles.shape[-1] :]  # the fifth bits, eight per byte, after the low halves
+        if _LITTLE_ENDIAN:
+            target.copy_(_spread_nibbles(nibbles).bitwise_or_(_spread_fifth_bits(fifth)).view(torch.uint8))
         else:
-            _unpack_nibbles(nibbles, target)
+            target.copy_(_nibble_pairs(nibbles))
+            bit_of = _FIFTH_BIT_OF.T.to(codes.device)  # [pair, low or high code]: channel 8i + 2j + h
+            target.view(*fifth.shape, 4, 2).add_((fifth[..., None, None] >> bit_of) & 1, alpha=16)
 
 
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+# Where a channel's fifth bit lies in its byte of fifth bits: byte ``i`` holds channels ``8i`` to ``8i + 7``, channel
+# ``8i + 2j`` (the low code of pair ``j``) in bit ``j`` and channel ``8i + 2j + 1`` (the high one) in bit ``4 + j``.
+# ``_FIFTH_BIT_OF[h, j]`` is the bit of pair ``j``'s low (``h = 0``) or high (``h = 1``) code.
+_FIFTH_BIT_OF = torch.arange(8, dtype=torch.uint8).view(2, 4)
+# Each byte's four pairs spread over four 16-bit lanes of an int64 (``_spread_fifth_bits``): the byte copied to bit
+# ``15j`` puts pair ``j``'s low bit at bit 0 of lane ``j`` and its high bit at bit 4; a product then moves them to bits
+# 4 and 12, the fifth bits of the lane's two codes as ``_spread_nibbles`` lays them out.
+_TO_LANES = sum(1 << (15 * lane) for lane in range(4))
+_LANE_BITS = sum(0x0011 << (16 * lane) for lane in range(4))
+_LANE_FIFTHS = sum(0x1010 << (16 * lane) for lane in range(4))
 
 
 def _packed(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``codes`` (uint8, each below ``2 ** bits``, ``[..., head_dim]``) packed: their low 4 bits two per byte (channel
-    ``2i`` in the low half), then at 5 bits their fifth bits eight per byte (channel ``8i + j`` in bit ``j``)."""
+    ``2i`` in the low half), then at 5 bits their fifth bits eight per byte (``_FIFTH_BIT_OF``)."""
     low = codes & 15
     nibbles = low[..., 0::2] | (low[..., 1::2] << 4)
     if bits == 4:
         return nibbles
-    fifth = (codes >> 4).unflatten(-1, (-1, 8)) << _BIT_SHIFTS.to(codes.device)
-    return torch.cat([nibbles, fifth.sum(-1, dtype=torch.uint8)], dim=-1)
+    fifth = (codes >> 4).unflatten(-1, (-1, 4, 2)).transpose(-1, -2)  # [..., bytes, low or high code, pair]
+    placed = fifth << _FIFTH_BIT_OF.to(codes.device)
+    return torch.cat([nibbles, placed.flatten(-2).sum(-1, dtype=torch.uint8)], dim=-1)
 
 
-def _unpack_nibbles(codes: torch.Tensor, target: torch.Tensor) -> None:
-    """Write the 4-bit ``codes`` (two per byte) into ``target``: see ``Quantizer._unpack``."""
-    if _LITTLE_ENDIAN:
-        wide = codes.to(torch.int16)
-        spread = wide << 4
-        spread.bitwise_or_(wide).bitwise_and_(0x0F0F)  # bits 0-3: the low code; bits 8-11: the high one
-        target.copy_(spread.view(torch.uint8))
-    else:
-        pairs = target.view(*codes.shape, 2)
-        pairs[..., 0] = codes & 15
-        pairs[..., 1] = codes >> 4
+def _spread_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit ``codes`` (two per byte) as int16, each byte widened and spread as ``low | high << 8``: on a little-endian
+    host its two bytes are the two codes in channel order, so a single conversion writes them."""
+    wide = codes.to(torch.int16)
+    spread = wide << 4
+    return spread.bitwise_or_(wide).bitwise_and_(0x0F0F)  # bits 0-3: the low code; bits 8-11: the high one
+
+
+def _spread_fifth_bits(fifth: torch.Tensor) -> torch.Tensor:
+    """The fifth bits (``[..., bytes]``, eight per byte) as int16 ``[..., 4 * bytes]`` to OR into ``_spread_nibbles``:
+    bit 4 the low code's fifth bit, bit 12 the high one's. Five operators on an int64 per byte (four lanes)."""
+    lanes = fifth.to(torch.int64).mul_(_TO_LANES).bitwise_and_(_LANE_BITS)
+    return lanes.mul_(0x0110).bitwise_and_(_LANE_FIFTHS).view(torch.int16)
+
+
+def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit ``codes`` (two per byte) as uint8, one code per channel (any byte order)."""
+    return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
