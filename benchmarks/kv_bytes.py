@@ -67,7 +67,9 @@ def main() -> None:
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--fractions", default="0.5,0.25,0.1", help="memory sizes, fractions of a full 16-bit cache")
     parser.add_argument(
-        "--bits", default="16,8,8/4,4", help="storage widths to compare: 16, 8, 5, 4, 8/4 or 5/4 (keys/values), model (the cache's own choice)"
+        "--bits",
+        default="16,8,8/4,4",
+        help="storage widths to compare: 16, 8, 5, 4, 8/4 or 5/4 (keys/values), model (the cache's own choice)",
     )
     parser.add_argument("--scoring", default="attention")
     parser.add_argument("--allocation", help="uniform, global or heads (default: the scoring's)")
