@@ -13,13 +13,37 @@ def test_kv_bytes_benchmark_runs_and_prints_its_rows():
     assert [row[1] for row in rows] == ["16", "8/4"]
 
 
+def test_kv_key_coding_benchmark_refuses_an_unknown_scheme_by_name():
+    import subprocess
+    import sys
+
+    from tests.benchmark_runs import BENCHMARKS
+
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "kv_key_coding.py"), "--schemes", "rotated;no such scheme"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--schemes: unknown ['no such scheme', 'rotated']" in result.stderr
+
+
 def test_kv_key_coding_benchmark_prints_a_row_per_scheme():
     out = run_benchmark("kv_key_coding.py", "--context-tokens", "128", "--continuation-tokens", "16")
     rows = {line[:44].strip() for line in out.splitlines() if line.rstrip().endswith("%")}
     assert {"rotated, groups of 32", "plain, groups of 32", "channel magnitude, groups of 32"} <= rows
     assert {"rotated in blocks of 32, groups of 32", "rotated in blocks of 16, groups of 32"} <= rows
     assert {"rotated, groups of 32, first token exact", "rotated, groups of 32, first 4 exact"} <= rows
-    assert len(rows) == 10
+    assert {"rotated, groups of 32, 5 bits", "rotated, groups of 32, 8 bits"} <= rows
+    assert len(rows) == 12
+
+
+def test_kv_key_coding_benchmark_runs_the_named_schemes_on_the_second_tuning_texts():
+    schemes = "rotated, groups of 32;rotated, groups of 32, 5 bits"
+    short = ["--context-tokens", "128", "--continuation-tokens", "16", "--texts", "tuning2", "--schemes", schemes]
+    out = run_benchmark("kv_key_coding.py", *short)
+    rows = [line[:44].strip() for line in out.splitlines() if line.rstrip().endswith("%")]
+    assert rows == schemes.split(";")
+    assert out.startswith("tuning2 texts") and "typing.py" in out
 
 
 def test_the_retrieval_benchmark_runs_and_prints_its_table():

@@ -362,7 +362,9 @@ def test_a_size_in_bytes_leaves_room_for_the_biases(four_layers):
     assert entry.kept == plain.entry_bytes.kept
     expected = math.floor((0.25 * 1000 * entry.full - 1000 * entry.biases_per_seen - entry.fixed) / entry.kept)
     assert matched.target(1000) == expected < plain.target(1000)
-    assert policy(1, max_bytes=100_000).target(0) == math.floor((100_000 / 8 - entry.fixed) / (entry.kept + 2))
+    sized = policy(1, max_bytes=100_000)  # its own widths (both in 4 bits: no fraction to pick them by)
+    entry = sized.entry_bytes
+    assert sized.target(0) == math.floor((100_000 / 8 - entry.fixed) / (entry.kept + 2))
 
 
 def test_the_exact_ring_holds_the_refit_values(four_layers):

@@ -19,6 +19,9 @@ def test_sampling_names_every_filter_so_model_defaults_cannot_sneak_in():
     assert kwargs == {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
 
 
+RESIDUAL_NEEDS_CODES = "kv_residual_length applies to keys and values stored in 8, 5 or 4"
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -44,12 +47,10 @@ def test_sampling_names_every_filter_so_model_defaults_cannot_sneak_in():
         ({"kv_eviction_interval": 4}, "kv_eviction_interval applies to a compressed cache: set kv_budget"),
         ({"kv_bits": 4, "kv_residual_length": -1}, "kv_residual_length must be an integer >= 0"),
         ({"kv_bits": 4, "kv_residual_length": True}, "kv_residual_length must be an integer >= 0"),
-        ({"kv_budget": 64, "kv_residual_length": 8}, "kv_residual_length applies to keys and values stored in 8 or 4"),
-        ({"kv_bits": 16, "kv_residual_length": 8}, "kv_residual_length applies to keys and values stored in 8 or 4"),
-        (
-            {"kv_memory_fraction": 0.5, "kv_bits": 16, "kv_residual_length": 8},
-            "kv_residual_length applies to keys and values stored in 8 or 4",
-        ),
+        ({"kv_budget": 64, "kv_residual_length": 8}, RESIDUAL_NEEDS_CODES),
+        ({"kv_bits": 16, "kv_residual_length": 8}, RESIDUAL_NEEDS_CODES),
+        ({"kv_memory_fraction": 0.5, "kv_bits": 16, "kv_residual_length": 8}, RESIDUAL_NEEDS_CODES),
+        ({"kv_bits": 5, "kv_residual_length": -1}, "kv_residual_length must be an integer >= 0"),
     ],
 )
 def test_bad_fields_are_named(fields, message):
