@@ -99,7 +99,7 @@ CASES = {
     "4 bits": ({"budget": 64, "kv_bits": 4}, 1, False),
     "reconstruction": ({"budget": 64, "scoring": "reconstruction"}, 1, False),  # heads of their own lengths
     "reconstruction, layers share": ({"budget": 64, "scoring": "reconstruction", "allocation": "global"}, 1, False),
-    # Heads of their own lengths in 4 bits, decoded together (the byte-sized cache of the README).
+    # Heads of their own lengths, keys in 5 bits and values in 4, decoded together (the byte-sized cache of the README).
     "reconstruction, sized in bytes": ({"memory_fraction": 0.25, "scoring": "reconstruction"}, 1, False),
 }
 # Where no decoding step can skip the eviction check: each step evicts one token.
