@@ -116,7 +116,7 @@ class Strategy:
         for name in ("kv_replay", "kv_matched_layers"):
             if name in values and values.get("kv_scoring") != "reconstruction":
                 raise ValueError(f"{name} applies to kv_scoring=reconstruction: set kv_scoring to reconstruction")
-        # A size in bytes with no width stores 8 or 4 bits (``byte_sized_widths``).
+        # A size in bytes with no width stores 8, 5 or 4 bits (``byte_sized_widths``).
         bits = values.get("kv_bits")
         quantized = bits in CODED_BITS or (bits is None and "kv_memory_fraction" in values)
         if "kv_residual_length" in values and not quantized:

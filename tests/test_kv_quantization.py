@@ -420,6 +420,25 @@ def test_a_byte_sized_cache_told_no_widths_takes_the_documented_ones(fresh, opti
     assert policy.entry_bytes == sized_by_hand.policy.entry_bytes  # a token costs what those widths cost
 
 
+def test_five_bit_codes_need_a_head_size_in_eights():
+    """A head size that 5-bit codes cannot pack (12 channels) is refused when the cache is made, naming the setting,
+    and a cache sized in bytes, which would pick 5-bit keys, takes 4 bits instead and runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    for widths in ({"kv_bits": 5}, {"kv_bits": 4, "key_bits": 5}):
+        with pytest.raises(ValueError, match=r"head_dim \(12\).*5-bit codes a multiple of 8"):
+            CompressedCache(model, budget=40, **widths)
+    cache = CompressedCache(model, memory_fraction=0.25, scoring="reconstruction")
+    assert (cache.policy.kv_bits, cache.policy.key_bits) == (4, 4)
+    with torch.no_grad():
+        model(torch.randint(3, 64, (1, 120), generator=torch.Generator().manual_seed(1)), past_key_values=cache)
+    assert cache.kept_tokens < 120
+
+
 def test_a_residual_length_given_to_a_byte_sized_cache_is_kept(fresh):
     model, _ = fresh
     policy = CompressedCache(model, memory_fraction=0.1, scoring="reconstruction", residual_length=16).policy

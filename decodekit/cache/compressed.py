@@ -49,7 +49,9 @@ def default_matched_layers(scoring: str) -> int:
     return MATCHED_LAYERS.get(scoring, 0)
 
 
-def byte_sized_widths(memory_fraction: float | None, allocation: str = "uniform") -> tuple[int, int]:
+def byte_sized_widths(
+    memory_fraction: float | None, allocation: str = "uniform", head_dim: int | None = None
+) -> tuple[int, int]:
     """``(kv_bits, key_bits)`` for a cache sized in bytes and told no widths: keys in 8 bits and values in 4
     while evicting costs more than coarser codes, else both in 4 (more tokens beat more bits once many
     tokens must go). Chosen on the tuning texts with ``benchmarks/kv_bytes.py``, of 16, 8/4 and 4 bits
@@ -59,7 +61,7 @@ def byte_sized_widths(memory_fraction: float | None, allocation: str = "uniform"
     every token. Under "heads", keys in 5 bits and values in 4 then beat both in 4 over the eight tuning texts
     (``--texts tuning`` and ``tuning2``) at 25% (+0.26% mean, +0.75% on the worst text, against +0.63% and +1.46%)
     and 10% (+1.19%, +2.77% against +1.36%, +3.00%), not at 5% (+4.39%, +9.07% against +4.10%, +9.16%), so from
-    10% up.
+    10% up. 5-bit codes pack eight channels at a time: a ``head_dim`` that is not a multiple of 8 takes 4 bits.
 
     Example:
         >>> byte_sized_widths(0.5), byte_sized_widths(0.25), byte_sized_widths(None)
@@ -68,12 +70,15 @@ def byte_sized_widths(memory_fraction: float | None, allocation: str = "uniform"
         ((4, 8), (4, 4))
         >>> byte_sized_widths(0.5, "heads"), byte_sized_widths(0.25, "heads"), byte_sized_widths(0.05, "heads")
         ((4, 8), (4, 5), (4, 4))
+        >>> byte_sized_widths(0.25, "heads", head_dim=64), byte_sized_widths(0.25, "heads", head_dim=12)
+        ((4, 5), (4, 4))
     """
     if memory_fraction is None:
         return 4, 4
     if memory_fraction >= KEYS_IN_8_BITS_FROM.get(allocation, 0.45):
         return 4, 8
-    return 4, 5 if memory_fraction >= KEYS_IN_5_BITS_FROM.get(allocation, math.inf) else 4
+    packs_five = head_dim is None or head_dim % 8 == 0
+    return 4, 5 if packs_five and memory_fraction >= KEYS_IN_5_BITS_FROM.get(allocation, math.inf) else 4
 
 
 def byte_sized_residual(allocation: str, recent_tokens: int) -> int:
@@ -293,13 +298,13 @@ class CompressedCache(Cache):
         sized_in_bytes = memory_fraction is not None or max_bytes is not None
         if eviction_interval is None:
             eviction_interval = byte_sized_interval(allocation) if sized_in_bytes else default_eviction_interval(budget)
+        head_dim = _head_dim(model)
         if sized_in_bytes and kv_bits is None and key_bits is None:
-            kv_bits, key_bits = byte_sized_widths(memory_fraction, allocation)
+            kv_bits, key_bits = byte_sized_widths(memory_fraction, allocation, head_dim)
         if sized_in_bytes and residual_length is None:
             residual_length = byte_sized_residual(allocation, recent_tokens)
         if matched_layers is None:
             matched_layers = default_matched_layers(scoring)
-        head_dim = _head_dim(model)
         if kv_group_size is None:
             kv_group_size = min(32, head_dim) if head_dim else 32
         by_bytes = None
@@ -322,8 +327,9 @@ class CompressedCache(Cache):
             replay=replay, residual_length=residual_length, matched_layers=matched_layers,
         )  # fmt: skip
         modules = bind(model, replays=self.policy.scoring == "reconstruction")
-        if head_dim and {kv_bits, key_bits} & set(CODED_BITS):
-            Quantizer(4, kv_group_size).groups(head_dim)  # a ValueError naming kv_group_size now, not mid-pass
+        if head_dim:  # each coded width's packing checked now (a ValueError naming kv_group_size), not mid-pass
+            for bits in {kv_bits, key_bits} & set(CODED_BITS):
+                Quantizer(bits, kv_group_size).groups(head_dim)
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
         matched = [index < self.policy.matched_layers for index in range(len(modules))]
         if allocation == "heads":
