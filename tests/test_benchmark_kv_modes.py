@@ -27,10 +27,10 @@ def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("256 ")]
     assert [(row[1], row[-4]) for row in rows] == [
         ("StaticCache", "eager"), ("StaticCache", "default"), ("CompressedCache(budget=64,", "eager"),
-        ("CompressedCache(budget=64,", "default"), ("CompressedCache(budget=64,", "eager"),
-        ("CompressedCache(budget=64,", "default"),
+        ("CompressedCache(budget=64,", "default"), ("CompressedCache(budget=64),", "eager"),
+        ("CompressedCache(budget=64),", "default"),
     ]  # fmt: skip
-    assert "eviction_interval=8)" in out
+    assert "eviction_interval=1)" in out and "default interval" in out
     assert "failed" not in out
 
 

@@ -218,7 +218,7 @@ def _compiled_decoding(
                 if regions is not None:
                     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                     profiler.__enter__()
-            position = torch.tensor([[prompt.shape[1] + step]])
+            position = torch.tensor([[prompt.shape[1] + step]], device=prompt.device)
             logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits
             token = logits[:, -1:].argmax(dim=-1)
             tokens.append(int(token))
@@ -274,6 +274,112 @@ def test_compiled_decoding_at_the_default_interval_runs_two_graphs(fresh, backen
     # Past the first intervals two graphs run: the steps between evictions (the one after an eviction included) and
     # the eviction; the graphs made while values were still specialized are not run again.
     assert len(regions) == 2, regions
+
+
+class RecordingBackend:
+    """A ``torch.compile`` backend that runs each graph as dynamo made it and records, for every call, which graph
+    ran, the numbers (not tensors) it was given, and how many values it returned."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, tuple, int]] = []
+        self.graphs = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs):
+        index, self.graphs = self.graphs, self.graphs + 1
+        (output,) = (node for node in graph.graph.nodes if node.op == "output")
+        returned = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 1
+
+        def run(*args):
+            numbers = tuple(value for value in args if not isinstance(value, torch.Tensor))
+            self.calls.append((index, numbers, returned))
+            return graph.forward(*args)
+
+        return run
+
+
+def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_the_logits_alone(fresh):
+    """CUDA graphs (``torch.compile(..., mode="reduce-overhead")``) record a graph anew for each new value of a number
+    the graph takes, and a replay overwrites what the graph returned before. With one eviction per step and a fixed
+    budget, the steps past the first two run one graph, given the same numbers at every step (the tokens seen are
+    counted on the device inside compiled steps, the freed slots written in place), which returns the logits alone;
+    the host reads the count back after the steps, and the tokens are eager decoding's."""
+    model, tokenizer = fresh
+    prompt = _prompt(tokenizer)["input_ids"]
+    settings = {"budget": 48, "eviction_interval": 1}
+    eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=60)
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    cache = CompressedCache(model, **settings)
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    compiled, _, _ = _compiled_decoding(model, forward, cache, prompt, steps=60)
+    assert compiled == eager
+    steady = backend.calls[2:]
+    assert len(steady) == 58
+    assert len({graph for graph, _, _ in steady}) == 1
+    assert len({numbers for _, numbers, _ in steady}) == 1
+    assert {returned for _, _, returned in steady} == {1}
+    assert all(layer._seen_on_device for layer in cache.layers)  # counted on the device until read
+    assert cache.get_seq_length() == prompt.shape[1] + 60
+    assert [layer.seen for layer in cache.layers] == [prompt.shape[1] + 60] * len(cache.layers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny):
+    """On CUDA, ``torch.compile(mode="reduce-overhead")`` captures the steps of a cache that evicts one token per step
+    in CUDA graphs: none is skipped (the tensors the steps write into are marked as static addresses), graphs are
+    recorded for the first steps only, not one per step, and the tokens are eager decoding's."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    _, tokenizer = tiny
+    model = build_model(tokenizer).cuda()
+    prompt = _prompt(tokenizer)["input_ids"].cuda()
+    settings = {"budget": 48, "eviction_interval": 1}
+    eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=40)
+    torch._dynamo.reset()
+    counters.clear()
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    compiled, _, _ = _compiled_decoding(model, forward, CompressedCache(model, **settings), prompt, steps=40)
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    recorded = int(repr(manager.graph_counter).removeprefix("count(").removesuffix(")"))
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert 1 <= recorded <= 4
+    assert compiled == eager
+
+
+def test_compiled_and_eager_steps_evicting_at_every_step_keep_one_count(fresh):
+    """Eager steps count the tokens seen on the host, compiled ones on the device: a decoding that switches between
+    the two (the host reading the count between them) keeps one count, with eager decoding's tokens, positions and
+    scores."""
+    model, tokenizer = fresh
+    prompt = _prompt(tokenizer)["input_ids"]
+    settings = {"budget": 40, "eviction_interval": 1}
+    compiled_forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    chosen = {2, 3, 4, 5, 9, 20, 21, 22, 23, 24, 25, 30, 31}  # the steps that run compiled
+
+    def decode(cache, mixed: bool) -> list[int]:
+        tokens = []
+        with torch.no_grad():
+            token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+            for step in range(36):
+                forward = compiled_forward if mixed and step in chosen else model.forward
+                length = cache.get_seq_length() if step in (10, 26) else None  # the host reads the count back
+                position = torch.tensor([[length if length is not None else prompt.shape[1] + len(tokens)]])
+                logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0])
+                token = logits.logits[:, -1:].argmax(dim=-1)
+                tokens.append(int(token))
+        return tokens
+
+    reference = CompressedCache(model, **settings)
+    eager = decode(reference, mixed=False)
+    torch._dynamo.reset()
+    cache = CompressedCache(model, **settings)
+    assert decode(cache, mixed=True) == eager
+    assert cache.get_seq_length() == reference.get_seq_length() == prompt.shape[1] + 36
+    for layer, expected in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(layer.scores, expected.scores)
+        torch.testing.assert_close(layer.positions, expected.positions)
+        torch.testing.assert_close(layer.live, expected.live)
 
 
 def test_decoding_switching_between_compiled_and_eager_steps_between_evictions_matches_eager(fresh):

@@ -14,6 +14,7 @@ import torch
 
 from decodekit.cache.policy import Allocated
 from decodekit.cache.scoring import best_in_slot_order
+from decodekit.cache.storage import mark_static
 
 
 class Eviction:
@@ -43,7 +44,26 @@ class Eviction:
             self._evict_and_match(new)
         else:
             self._evict(new)
+        if new > 1:
+            self._reserve_slot_for_steps()
         self._quiet_steps = self._steps_without_eviction()
+
+    def _reserve_slot_for_steps(self) -> None:
+        """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row
+        full (unpadded, exact storage): add the one dead slot that each decoding step's token takes and its eviction
+        frees, and the list of freed slots, so that every step writes into the same tensors, from the first on. A
+        compiled step then returns no tensor the cache keeps (CUDA graphs overwrite what a graph returned when they
+        replay it); without the slot, the first step would make these tensors with one slot more."""
+        target = self._fixed_target()
+        if self.policy.eviction_interval != 1 or self.policy.budget is None or self.quantized or self._has_spare():
+            return
+        if self.pad_range[1] != 0 or self.slots != target or self.live_range != (target, target):
+            return
+        for name in self.entries:  # the new slot: zeros, so dead (live False), score 0, position 0
+            stored = getattr(self, name)
+            self._place(name, torch.cat([stored, stored.new_zeros((*stored.shape[:2], 1, *stored.shape[3:]))], dim=2))
+        self._freed, self._freed_taken = self._live.new_full((*self._live.shape[:2], 1), target, dtype=torch.long), 0
+        mark_static(self._freed)
 
     def _steps_without_eviction(self) -> int:
         """How many decoding steps from now can evict nothing: the least room under its target of any row
@@ -51,7 +71,7 @@ class Eviction:
         reshapes nothing; else 0."""
         if self.slots - self.live_range[1] > 1 + self.policy.slack(1):
             return 0
-        rows, seen = self.rows, self.seen
+        rows, seen = self.rows, self._seen_now()
         room = [
             self.policy.target(seen - pads, rows, allocated) - live
             for (pads, allocated), live in self.live_by_group.items()
@@ -62,9 +82,9 @@ class Eviction:
         """``compress``'s work when a row may be over its target."""
         slack = self.policy.slack(new)
         before = self.live_by_group
-        rows = self.rows
+        rows, seen = self.rows, self._seen_now()
         after = {
-            (pads, allocated): self.policy.kept(live, self.seen - pads, slack, rows, allocated)
+            (pads, allocated): self.policy.kept(live, seen - pads, slack, rows, allocated)
             for (pads, allocated), live in before.items()
         }
         self._set_live_counts(after)
@@ -87,12 +107,12 @@ class Eviction:
             # Every row drops its ``bound`` lowest-ranked entries, in place; the next tokens take their slots.
             victims = torch.where(self.live, self._priority(), math.inf).topk(bound, dim=-1, largest=False).indices
             self.live.scatter_(2, victims, False)
-            self._freed, self._freed_taken = victims, 0
+            self._remember_freed(victims)
             return
         self._forget_freed()
         live_count = self.live[:, :1].sum(dim=-1, keepdim=True)  # [batch, 1, 1]: the same for every head
         allocated = self.allocated[:, None, None] if self.allocated is not None else None
-        keep = self.policy.kept_counts(live_count, (self.seen - self.pads)[:, None, None], slack, rows, allocated)
+        keep = self.policy.kept_counts(live_count, (seen - self.pads)[:, None, None], slack, rows, allocated)
         priority = self._priority()
         if in_place:
             # Mark the lowest-ranked live entries dead, in place.
@@ -106,6 +126,18 @@ class Eviction:
         index, order = ranked.sort(dim=-1)
         self._keep(index)
         self.live &= stays.expand_as(order).gather(2, order)
+
+    def _remember_freed(self, victims: torch.Tensor) -> None:
+        """Keep the slots an in-place eviction freed for the next tokens: inside a compiled step, written into the
+        list the last one left when it has their shape, so that a step's graph returns no new tensor for it (a CUDA
+        graph's outputs are overwritten when it runs again)."""
+        freed = self._freed
+        if torch.compiler.is_compiling() and freed is not None and freed.shape == victims.shape:
+            freed.copy_(victims)
+        else:
+            self._freed = victims
+            mark_static(victims)
+        self._freed_taken = 0
 
     def keep_best(self, keep: int) -> None:
         """Decoding with spare room: keep each row's ``keep`` best-ranked entries at the front, in slot order; the

@@ -33,7 +33,17 @@ from decodekit.cache.matching import EntryMatching
 from decodekit.cache.policy import Allocated, EvictionPolicy
 from decodekit.cache.quantize import Quantizer, hadamard, rotation_block
 from decodekit.cache.scoring import EntryScoring
-from decodekit.cache.storage import BIAS_DTYPE, BOOKKEEPING, CODING, EXACT, EntryStorage, storage_bytes
+from decodekit.cache.storage import (
+    BIAS_DTYPE,
+    BOOKKEEPING,
+    CODING,
+    EXACT,
+    EntryStorage,
+    mark_static,
+    positions_from,
+    scatter_position,
+    storage_bytes,
+)
 from decodekit.cache.waiting import WaitingSteps
 from decodekit.settings import CODED_BITS
 
@@ -71,7 +81,15 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         # every entry (``_append_to_prepared_room``, ``_catch_up``).
         self._lagging = False
         self.policy = policy
-        self.seen = 0  # tokens given to this layer, padding included: the logical length
+        # Tokens given to this layer, padding included: the logical length (``seen``). Compiled decoding steps under
+        # a budget in tokens count them on the device instead (``_seen_device``, a 0-d int64 tensor), so that no number
+        # that changes at every step is an input of their graph (CUDA graphs record one graph per such number);
+        # the host reads the count back when it next needs it, outside any step (``seen``).
+        self._seen = 0
+        self._seen_device: torch.Tensor | None = None
+        self._seen_device_current = False  # whether ``_seen_device`` holds the count (compiled steps keep it so)
+        self._seen_on_device = False  # whether compiled steps counted since the host last read the count
+        self._counts_on_device = policy.budget is not None  # (a size in bytes counts none of its own)
         self.pads: torch.Tensor | None = None  # [batch]: each row's left padding (its first pads positions)
         # Per entry, [batch, kv_heads, slots]: score, value norm, logical position, live, log-mass bias.
         self._scores: torch.Tensor | None = None
@@ -158,6 +176,36 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         # queries of them (``observer.queries_from_projection``), the scaling and their rotation (cos, sin).
         self._queries: tuple[torch.Tensor, Callable, float, torch.Tensor, torch.Tensor] | None = None
         self._to_queries: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def seen(self) -> int:
+        """Tokens given to this layer, padding included: the logical length (after compiled decoding steps,
+        read back from the device once)."""
+        if self._seen_on_device:
+            self._seen, self._seen_on_device = int(self._seen_device), False
+        return self._seen
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        self._seen, self._seen_on_device, self._seen_device_current = value, False, False
+
+    def _seen_now(self) -> int | torch.Tensor:
+        """``seen`` as the code of a decoding step uses it: inside a compiled step that counts on the device, the
+        0-d tensor (the host's number lags there), else the number."""
+        if self._seen_on_device and torch.compiler.is_compiling():
+            return self._seen_device
+        return self.seen
+
+    def _add_seen(self, new: int) -> None:
+        """Count ``new`` more tokens seen: on the device inside a compiled step under a budget in tokens (see
+        ``__init__``), else on the host."""
+        if self._counts_on_device and self._seen_device is not None and torch.compiler.is_compiling():
+            if not self._seen_device_current:  # eager passes counted on the host since: start from their count
+                self._seen_device.fill_(self.seen)
+            self._seen_device.add_(new)
+            self._seen_device_current = self._seen_on_device = True
+        else:
+            self.seen = self.seen + new
 
     @property
     def scores(self) -> torch.Tensor | None:
@@ -305,12 +353,12 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         """
         if not self.is_initialized or not (plain or self.needs_mask(query_length)):
             return None
-        free = self._free
+        free, seen = self._free, self._seen_now()
         device = self.live.device
-        query_positions = torch.arange(self.seen, self.seen + query_length, device=device)[:, None]
+        query_positions = positions_from(seen, query_length, device)[:, None]
         if free is not None:
             slot = free[..., None]
-            live, positions = self.live.scatter(2, slot, True), self.positions.scatter(2, slot, self.seen)
+            live, positions = self.live.scatter(2, slot, True), scatter_position(self.positions, slot, seen)
             return live[:, :, None, :] & self._in_window(positions[:, :, None, :], query_positions)
         batch, kv_heads, slots = self.live.shape
         older = self.live[:, :, None, :] & self._in_window(self.positions[:, :, None, :], query_positions)
@@ -385,7 +433,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
             # A decoding step between evictions: store the key and value; its scoring waits.
             self._append_to_prepared_room({"keys": key_states, "values": value_states})
             self._add_live(new)
-            self.seen += new
+            self._add_seen(new)
             self._wait_for_scoring(columns, scaling, cos, sin)
             self._plain_steps = self._plain_steps - 1 if plain else self._plain_steps_left()
             self._plain_view = self.keys
@@ -393,6 +441,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         first_pass = not self.is_initialized
         if first_pass:
             self.lazy_initialization(key_states, value_states)
+            if self._counts_on_device:
+                self._seen_device = key_states.new_zeros((), dtype=torch.long)
+                mark_static(self._seen_device)
             self.storage_dtype = self.dtype
             if self.policy.kv_bits is not None and self.dtype.itemsize > 2:
                 self.storage_dtype = torch.float16  # 16 bits (scales at 4 and 8) in a 32-bit model
@@ -422,7 +473,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
             self._set_live_counts({group: max(new - group[0], 0) for group in self.live_by_group})
         else:
             self._add_live(new)
-        self.seen += new
+        self._add_seen(new)
         # The first decoding step after a pass of several tokens reserves the room (``_append``); its scoring can
         # then wait like the next steps', for the next eviction.
         deferred = deferred or (new == 1 and free is None and self._may_defer_scoring())
@@ -518,6 +569,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
 
     def reset(self) -> None:
         super().reset()
+        self._seen_device = None
         self._pending = WaitingSteps()
         self._scores = self.value_norms = self.positions = self.live = self.pads = self.allocated = None
         self._biases, self._match_queries, self.biased = None, None, False
@@ -535,9 +587,11 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds: keys, values and per-entry bookkeeping (with the reserved room and
-        dead slots behind them), the rows' padding, freed-slot lists and the waiting decoding steps'
-        queries with their rotation, and the Hadamard matrix that turns coded keys (shared by every layer)."""
-        held = [getattr(self, name) for name in (*self._per_row(), "recent_positions", "_freed", "_free")]
+        dead slots behind them), the rows' padding, freed-slot lists, the count of tokens seen that compiled
+        steps keep, the waiting decoding steps' queries with their rotation, and the Hadamard matrix that turns
+        coded keys (shared by every layer)."""
+        others = ("recent_positions", "_freed", "_free", "_seen_device")
+        held = [getattr(self, name) for name in (*self._per_row(), *others)]
         if self.is_initialized and self.quantizers["keys"] is not None:
             held.append(hadamard(rotation_block(self.recent_keys.shape[-1]), self.recent_keys.device))
         if self._spare is not None:

@@ -19,6 +19,7 @@ from torch.nn import functional
 
 from decodekit.cache.replay_estimate import replay_scores
 from decodekit.cache.rotary import rotate
+from decodekit.cache.storage import positions_from
 
 PROTECTED = 1.0e30  # the priority of sink and recent tokens: above any attention score
 QUERY_BLOCK = 128  # observed queries scored at once
@@ -117,7 +118,12 @@ def best_in_slot_order(priority: torch.Tensor, keep: int) -> torch.Tensor:
 
 
 def protect(
-    scores: torch.Tensor, positions: torch.Tensor, seen: int, sink_tokens: int, recent_tokens: int, pads=0
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    seen: int | torch.Tensor,
+    sink_tokens: int,
+    recent_tokens: int,
+    pads=0,
 ) -> torch.Tensor:
     """``scores`` with the sink tokens (the first ``sink_tokens`` after a row's ``pads``) and the recent ones
     (the last ``recent_tokens`` of the ``seen``) raised above every score; any leading dimensions.
@@ -241,7 +247,7 @@ class EntryScoring:
             return self._per_query(received, window, group)
         grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, window, head_dim)
         keys_t = keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
-        first_slot, first_position = slots - window, self.seen - window
+        first_slot, first_position = slots - window, self._seen_now() - window
         received = grouped.new_zeros((batch, kv_heads, slots))
         outside = self._outside_replay_span() if self.replaying else None
         query_weights = output_norms = None
@@ -284,10 +290,10 @@ class EntryScoring:
         batch, kv_heads, slots = received.shape
         # How many observed queries see each entry: entries among the new tokens are seen by fewer,
         # and under a sliding window so are entries that leave it.
-        last_seer = self.seen
+        seen = last_seer = self._seen_now()
         if self.sliding_window is not None:
-            last_seer = (self.positions + self.sliding_window).clamp(max=self.seen)
-        seen_by = (last_seer - self.positions.clamp(min=self.seen - window)).clamp(min=1) * group
+            last_seer = (self.positions + self.sliding_window).clamp(max=seen)
+        seen_by = (last_seer - self.positions.clamp(min=seen - window)).clamp(min=1) * group
         received = received / seen_by
         kernel = self.policy.pool_kernel
         if kernel > 1:
@@ -333,10 +339,10 @@ class EntryScoring:
         prompt = (positions >= self.policy.sink_tokens) & (positions < length)
         return (prompt & ((positions < start) | (positions >= stop)))[:, :, None, None, :]
 
-    def _hidden(self, first_query: int, stop_query: int, visible: int) -> torch.Tensor:
+    def _hidden(self, first_query: int | torch.Tensor, stop_query: int | torch.Tensor, visible: int) -> torch.Tensor:
         """``[batch, kv_heads, 1, queries, visible]``: True where a query at a position in
         [first_query, stop_query) may not see an entry among the first ``visible`` slots."""
-        query_position = torch.arange(first_query, stop_query, device=self.positions.device)[:, None]
+        query_position = positions_from(first_query, stop_query - first_query, self.positions.device)[:, None]
         entry_position = self.positions[:, :, None, None, :visible]
         dead = ~self.live[:, :, None, None, :visible]
         hidden = (entry_position > query_position) | (dead & (query_position >= self.pads[:, None, None, None, None]))
@@ -361,9 +367,10 @@ class EntryScoring:
         if self.policy.scoring == "attention+novelty":
             scores = self._with_novelty(scores)
         policy = self.policy
-        priority = protect(scores, self.positions, self.seen, policy.sink_tokens, policy.recent_tokens, pads)
+        seen = self._seen_now()
+        priority = protect(scores, self.positions, seen, policy.sink_tokens, policy.recent_tokens, pads)
         if self.sliding_window is not None:
-            priority = torch.where(self.positions <= self.seen - self.sliding_window, -PROTECTED, priority)
+            priority = torch.where(self.positions <= seen - self.sliding_window, -PROTECTED, priority)
         return priority
 
     def _with_novelty(self, attention: torch.Tensor) -> torch.Tensor:

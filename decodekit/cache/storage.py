@@ -46,6 +46,39 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]
     return storages
 
 
+def positions_from(start: int | torch.Tensor, count: int, device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """``count`` consecutive positions from ``start``: a number, or a 0-d tensor (the tokens seen, counted on the
+    device in a compiled step: ``CompressedLayer._seen_now``).
+
+    Example:
+        >>> positions_from(5, 3, torch.device("cpu")).tolist(), positions_from(torch.tensor(5), 2, "cpu").tolist()
+        ([5, 6, 7], [5, 6])
+    """
+    if isinstance(start, torch.Tensor):
+        return torch.arange(count, device=device, dtype=dtype) + start.to(dtype)
+    return torch.arange(start, start + count, device=device, dtype=dtype)
+
+
+def scatter_position(positions: torch.Tensor, slot: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+    """``positions`` with ``position`` (a number or a 0-d tensor) written at ``slot`` along dimension 2, out of place.
+
+    Example:
+        >>> scatter_position(torch.zeros(1, 1, 3, dtype=torch.int32), torch.tensor([[[1]]]), torch.tensor(7)).tolist()
+        [[[0, 7, 0]]]
+    """
+    if isinstance(position, torch.Tensor):
+        return positions.scatter(2, slot, position.to(positions.dtype).expand(slot.shape))
+    return positions.scatter(2, slot, position)
+
+
+def mark_static(tensor: torch.Tensor | None) -> None:
+    """Tell ``torch.compile`` that a CUDA ``tensor`` the cache keeps across decoding steps keeps its address, so that
+    CUDA graphs (``mode="reduce-overhead"``) may capture steps that write into it (a graph is recorded again
+    where its address changes). Placed outside compiled steps only; nothing to do off CUDA."""
+    if tensor is not None and tensor.is_cuda and not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(tensor)
+
+
 def _views_from_start(tensor: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether ``tensor`` starts where ``base`` does: a view of it from its start (a tensor that replaced the view
     is another allocation, which cannot start inside ``base`` while ``base`` lives). Unlike ``_base``, this holds
@@ -84,7 +117,7 @@ def take_slots(tensor: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | N
     return tensor.reshape(rows.numel() // count * slots, -1).index_select(0, rows).view(*lead, count, *trailing)
 
 
-def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_position: int) -> None:
+def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_position: int | torch.Tensor) -> None:
     """Give the spare room's entries (slots along ``dim`` of each tensor in ``spare``), from slot ``filled`` on,
     what the next tokens will have: live, score 0, consecutive positions from ``next_position``. Their keys,
     values and value norms come with them (``_append_to_prepared_room``, ``_score_pending``)."""
@@ -96,7 +129,7 @@ def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_pos
     spare["_scores"].narrow(dim, filled, room).zero_()
     if "_biases" in spare:  # the next tokens are new entries: no bias
         spare["_biases"].narrow(dim, filled, room).zero_()
-    positions = torch.arange(next_position, next_position + room, dtype=torch.int32, device=spare["keys"].device)
+    positions = positions_from(next_position, room, spare["keys"].device, torch.int32)
     spare["_positions"].narrow(dim, filled, room).copy_(positions)
 
 
@@ -202,7 +235,7 @@ class EntryStorage:
         count = min(read_keys.shape[2], ring)
         if count == 0:  # residual_length=0: no exact copies
             return
-        positions = torch.arange(self.seen - count, self.seen, device=read_keys.device, dtype=torch.int32)
+        positions = positions_from(self._seen_now() - count, count, read_keys.device, torch.int32)
         slots = (positions % ring).long()
         self.recent_keys.index_copy_(2, slots, self._in_storage_dtype(read_keys[:, :, -count:]))
         self.recent_values.index_copy_(2, slots, self._in_storage_dtype(value_states[:, :, -count:]))
@@ -283,6 +316,7 @@ class EntryStorage:
         """Set the bookkeeping tensor ``name`` (as its property's setter does); the reserved room is given up
         unless ``value`` is a view of its start."""
         setattr(self, name, value)
+        mark_static(value)
         spare = self._spare
         if spare is not None and name in spare and (value is None or not _views_from_start(value, spare[name])):
             self._spare = None
@@ -291,6 +325,7 @@ class EntryStorage:
         """Set the per-entry tensor ``name``; keys and values are remembered as placed by the layer (``_has_spare``),
         weakly, so that a tensor replaced from outside (as an offload does) is not kept alive by the memory of it."""
         setattr(self, name, tensor)
+        mark_static(tensor)
         if name in PARTS:
             self._placed[name] = None if tensor is None else weakref.ref(tensor)
 
@@ -303,7 +338,7 @@ class EntryStorage:
         """Store a pass's entries (``coded``: keys and values as stored, see ``_code``): one token into each
         row's ``free`` slot, or after the stored entries."""
         batch, kv_heads, new, _ = value_states.shape
-        positions = torch.arange(self.seen, self.seen + new, device=value_states.device, dtype=torch.int32)
+        positions = positions_from(self._seen_now(), new, value_states.device, torch.int32)
         positions = positions.expand(batch, kv_heads, new)
         value_norms = value_states.float().norm(dim=-1) if "_value_norms" in self.bookkeeping else None
         if free is not None:
@@ -365,7 +400,7 @@ class EntryStorage:
         if reserve:  # kept even when full: the next eviction moves the kept entries to its front
             self._spare = spare
             self._room_shared = shared and not torch.compiler.is_compiling() and base._base is not None
-            self._prepare_room(stored + new, self.seen + new)
+            self._prepare_room(stored + new, self._seen_now() + new)
 
     def _prepare_room(self, filled: int, next_position: int) -> None:
         prepare_room(self._spare, 2, filled, next_position)
@@ -413,7 +448,7 @@ class EntryStorage:
                 kept = take_slots(getattr(self, name), index, rows)
             self._place(name, kept)
         if in_place:
-            self._prepare_room(index.shape[2], self.seen)
+            self._prepare_room(index.shape[2], self._seen_now())
 
     def kept_positions(self) -> torch.Tensor:
         """The logical positions of the live tokens, ``[batch, kv_heads, kept]``, increasing.
