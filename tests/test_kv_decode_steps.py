@@ -284,6 +284,9 @@ class RecordingBackend:
         self.calls: list[tuple[int, tuple, int]] = []
         self.graphs = 0
 
+    def __deepcopy__(self, memo):  # (transformers' CompileConfig copies its options; the records must stay here)
+        return self
+
     def __call__(self, graph: torch.fx.GraphModule, example_inputs):
         index, self.graphs = self.graphs, self.graphs + 1
         (output,) = (node for node in graph.graph.nodes if node.op == "output")
@@ -345,6 +348,45 @@ def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny):
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert 1 <= recorded <= 4
     assert compiled == eager
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, padded):
+    """``model.generate(..., compile_config=...)`` compiles the decoding steps of a cache that evicts one token per
+    step under a budget in tokens (it reports itself compileable, as a StaticCache does): no graph break, two graphs,
+    the later steps given the same numbers, and the tokens of eager ``generate``, for one row and a padded batch."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, tokenizer = fresh
+    batch = _prompt(tokenizer, padded=padded)
+    settings = {"budget": 48, "eviction_interval": 1}
+    greedy = {"max_new_tokens": 60, "do_sample": False}
+    assert CompressedCache(model, **settings).is_compileable
+    eager = model.generate(**batch, past_key_values=CompressedCache(model, **settings), disable_compile=True, **greedy)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = RecordingBackend()
+    config = CompileConfig(backend=backend, mode=None, fullgraph=True)
+    config._compile_all_devices = True  # (generate compiles on accelerators only, unless told)
+    compiled = model.generate(**batch, past_key_values=CompressedCache(model, **settings), compile_config=config,
+                              **greedy)  # fmt: skip
+    assert torch.equal(compiled, eager)
+    assert len(backend.calls) == 59 and backend.graphs == 2  # every step but the prompt's pass, compiled
+    assert not counters["graph_break"]
+    assert len({numbers for _, numbers, _ in backend.calls[2:]}) == 1
+
+
+def test_only_one_eviction_per_step_under_a_token_budget_is_compileable(fresh):
+    """``generate`` compiles a cache only where it reports itself compileable: at longer intervals, and under targets
+    that grow with the tokens seen, a step's graph takes numbers that change from step to step."""
+    model, _ = fresh
+    assert CompressedCache(model, budget=48, eviction_interval=1).is_compileable
+    assert CompressedCache(model, budget=48, eviction_interval=1, kv_bits=8).is_compileable
+    assert not CompressedCache(model, budget=48).is_compileable
+    assert not CompressedCache(model, budget=48, eviction_interval=2).is_compileable
+    assert not CompressedCache(model, compression_ratio=0.5, eviction_interval=1).is_compileable
+    assert not CompressedCache(model, memory_fraction=0.25).is_compileable
 
 
 def test_compiled_and_eager_steps_evicting_at_every_step_keep_one_count(fresh):

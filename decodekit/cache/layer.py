@@ -71,6 +71,15 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
 
     is_croppable = True
 
+    @property
+    def is_compileable(self) -> bool:
+        """Whether ``model.generate`` may compile this layer's decoding steps (with ``compile_config=``, and on CUDA by
+        default, as it does for a StaticCache: CUDA graphs, ``mode="reduce-overhead"``): with one eviction per step
+        under a budget in tokens, past the first step a step runs one graph that takes no number that changes from
+        step to step (``_add_seen``, ``_reserve_slot_for_steps``). At longer intervals the steps between evictions
+        take such numbers, for each of which CUDA graphs would record anew: generate then decodes eagerly."""
+        return self.policy.eviction_interval == 1 and self.policy.budget is not None
+
     def __init__(
         self, policy: EvictionPolicy, shared: SharedRoom | None = None, shared_index: int = 0, *, matched: bool = False
     ) -> None:

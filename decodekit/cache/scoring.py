@@ -266,7 +266,7 @@ class EntryScoring:
                 diagonal = logits[..., first_slot + start : visible]
                 diagonal += torch.full(diagonal.shape[-2:], -math.inf, device=logits.device).triu_(1)
             else:
-                logits.masked_fill_(self._hidden(first_position + start, first_position + stop, visible), -math.inf)
+                logits.masked_fill_(self._hidden(first_position + start, stop - start, visible), -math.inf)
             if outside is not None:
                 logits.masked_fill_(outside[..., :visible], -math.inf)
             logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
@@ -339,10 +339,10 @@ class EntryScoring:
         prompt = (positions >= self.policy.sink_tokens) & (positions < length)
         return (prompt & ((positions < start) | (positions >= stop)))[:, :, None, None, :]
 
-    def _hidden(self, first_query: int | torch.Tensor, stop_query: int | torch.Tensor, visible: int) -> torch.Tensor:
-        """``[batch, kv_heads, 1, queries, visible]``: True where a query at a position in
-        [first_query, stop_query) may not see an entry among the first ``visible`` slots."""
-        query_position = positions_from(first_query, stop_query - first_query, self.positions.device)[:, None]
+    def _hidden(self, first_query: int | torch.Tensor, queries: int, visible: int) -> torch.Tensor:
+        """``[batch, kv_heads, 1, queries, visible]``: True where one of ``queries`` queries at consecutive positions
+        from ``first_query`` may not see an entry among the first ``visible`` slots."""
+        query_position = positions_from(first_query, queries, self.positions.device)[:, None]
         entry_position = self.positions[:, :, None, None, :visible]
         dead = ~self.live[:, :, None, None, :visible]
         hidden = (entry_position > query_position) | (dead & (query_position >= self.pads[:, None, None, None, None]))

@@ -190,6 +190,8 @@ class EntryStorage:
         self.recent_keys = key_states.new_zeros((batch, kv_heads, ring, head_dim), dtype=self.storage_dtype)
         self.recent_values = torch.zeros_like(self.recent_keys)
         self.recent_positions = torch.full((ring,), -1, dtype=torch.int32, device=key_states.device)
+        for ring_tensor in (self.recent_keys, self.recent_values, self.recent_positions):
+            mark_static(ring_tensor)
 
     def _code(
         self, key_states: torch.Tensor, value_states: torch.Tensor
