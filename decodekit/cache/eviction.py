@@ -105,7 +105,12 @@ class Eviction:
             return
         if uniform and in_place:
             # Every row drops its ``bound`` lowest-ranked entries, in place; the next tokens take their slots.
-            victims = torch.where(self.live, self._priority(), math.inf).topk(bound, dim=-1, largest=False).indices
+            ranked = torch.where(self.live, self._priority(), math.inf)
+            # (one victim, as at every step with eviction_interval=1: a reduction, which a compiled step fuses with
+            # the ranking's other operators, where a top-k runs on its own)
+            victims = (
+                ranked.argmin(dim=-1, keepdim=True) if bound == 1 else ranked.topk(bound, dim=-1, largest=False).indices
+            )
             self.live.scatter_(2, victims, False)
             self._remember_freed(victims)
             return
