@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from decodekit.cache.quantize import rotation_block
+from decodekit.cache.quantize import Quantizer, rotation_block
 from decodekit.settings import CODED_BITS
 
 
@@ -116,7 +116,7 @@ def entry_bytes(
     stored = 2 if kv_bits is not None else element  # keys and values, or the scales, in 16 bits
     widths = (key_bits or kv_bits, kv_bits)
     coded = [
-        head_dim * bits / 8 + 2 * (head_dim // group_size) * stored if bits in CODED_BITS else head_dim * stored
+        Quantizer(bits, group_size).entry_bytes(head_dim, stored) if bits in CODED_BITS else head_dim * stored
         for bits in widths
     ]
     units = config.num_hidden_layers * kv_heads
