@@ -141,7 +141,8 @@ class Eviction:
             freed.copy_(victims)
         else:
             self._freed = victims
-            mark_static(victims)
+            if self._marks_static:
+                mark_static(victims)
         self._freed_taken = 0
 
     def keep_best(self, keep: int) -> None:

@@ -99,6 +99,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         self._seen_device_current = False  # whether ``_seen_device`` holds the count (compiled steps keep it so)
         self._seen_on_device = False  # whether compiled steps counted since the host last read the count
         self._counts_on_device = policy.budget is not None  # (a size in bytes counts none of its own)
+        self._marks_static = False  # whether the tensors it keeps are on CUDA (``storage.mark_static``)
         self.pads: torch.Tensor | None = None  # [batch]: each row's left padding (its first pads positions)
         # Per entry, [batch, kv_heads, slots]: score, value norm, logical position, live, log-mass bias.
         self._scores: torch.Tensor | None = None
@@ -201,9 +202,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
     def _seen_now(self) -> int | torch.Tensor:
         """``seen`` as the code of a decoding step uses it: inside a compiled step that counts on the device, the
         0-d tensor (the host's number lags there), else the number."""
-        if self._seen_on_device and torch.compiler.is_compiling():
-            return self._seen_device
-        return self.seen
+        if not self._seen_on_device:
+            return self._seen
+        return self._seen_device if torch.compiler.is_compiling() else self.seen
 
     def _add_seen(self, new: int) -> None:
         """Count ``new`` more tokens seen: on the device inside a compiled step under a budget in tokens (see
@@ -213,8 +214,11 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
                 self._seen_device.fill_(self.seen)
             self._seen_device.add_(new)
             self._seen_device_current = self._seen_on_device = True
-        else:
+        elif self._seen_on_device:  # the first eager pass after compiled steps: read their count back
             self.seen = self.seen + new
+        else:
+            self._seen += new
+            self._seen_device_current = False
 
     @property
     def scores(self) -> torch.Tensor | None:
@@ -449,6 +453,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
             return True
         first_pass = not self.is_initialized
         if first_pass:
+            self._marks_static = key_states.is_cuda
             self.lazy_initialization(key_states, value_states)
             if self._counts_on_device:
                 self._seen_device = key_states.new_zeros((), dtype=torch.long)

@@ -318,7 +318,8 @@ class EntryStorage:
         """Set the bookkeeping tensor ``name`` (as its property's setter does); the reserved room is given up
         unless ``value`` is a view of its start."""
         setattr(self, name, value)
-        mark_static(value)
+        if self._marks_static:
+            mark_static(value)
         spare = self._spare
         if spare is not None and name in spare and (value is None or not _views_from_start(value, spare[name])):
             self._spare = None
@@ -327,7 +328,8 @@ class EntryStorage:
         """Set the per-entry tensor ``name``; keys and values are remembered as placed by the layer (``_has_spare``),
         weakly, so that a tensor replaced from outside (as an offload does) is not kept alive by the memory of it."""
         setattr(self, name, tensor)
-        mark_static(tensor)
+        if self._marks_static:
+            mark_static(tensor)
         if name in PARTS:
             self._placed[name] = None if tensor is None else weakref.ref(tensor)
 
