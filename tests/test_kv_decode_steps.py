@@ -283,12 +283,15 @@ class RecordingBackend:
     def __init__(self) -> None:
         self.calls: list[tuple[int, tuple, int]] = []
         self.graphs = 0
+        self.reads = 0  # values read from tensors inside the graphs (``item``): a sync that CUDA graphs cannot hold
 
     def __deepcopy__(self, memo):  # (transformers' CompileConfig copies its options; the records must stay here)
         return self
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs):
         index, self.graphs = self.graphs, self.graphs + 1
+        reading = ("item", torch.ops.aten._local_scalar_dense.default)
+        self.reads += sum(node.target in reading for node in graph.graph.nodes)
         (output,) = (node for node in graph.graph.nodes if node.op == "output")
         returned = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 1
 
@@ -321,6 +324,7 @@ def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_
     assert len({graph for graph, _, _ in steady}) == 1
     assert len({numbers for _, numbers, _ in steady}) == 1
     assert {returned for _, _, returned in steady} == {1}
+    assert backend.reads == 0  # no value read back inside a graph
     assert all(layer._seen_on_device for layer in cache.layers)  # counted on the device until read
     assert cache.get_seq_length() == prompt.shape[1] + 60
     assert [layer.seen for layer in cache.layers] == [prompt.shape[1] + 60] * len(cache.layers)
@@ -375,6 +379,7 @@ def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, pa
     assert len(backend.calls) == 59 and backend.graphs == 2  # every step but the prompt's pass, compiled
     assert not counters["graph_break"]
     assert len({numbers for _, numbers, _ in backend.calls[2:]}) == 1
+    assert backend.reads == 0
 
 
 def test_only_one_eviction_per_step_under_a_token_budget_is_compileable(fresh):
@@ -387,6 +392,30 @@ def test_only_one_eviction_per_step_under_a_token_budget_is_compileable(fresh):
     assert not CompressedCache(model, budget=48, eviction_interval=2).is_compileable
     assert not CompressedCache(model, compression_ratio=0.5, eviction_interval=1).is_compileable
     assert not CompressedCache(model, memory_fraction=0.25).is_compileable
+
+
+def test_compiled_steps_without_positions_take_them_from_the_count_on_the_device(fresh):
+    """A compiled step called without positions (the model derives them from ``get_seq_length``, which inside the
+    step is the count held on the device, as transformers' StaticLayer returns its own) compiles without a graph
+    break and without reading the count back inside its graph, and decodes eager decoding's tokens."""
+    model, tokenizer = fresh
+    prompt = _prompt(tokenizer)["input_ids"]
+
+    def decode(forward) -> tuple[list[int], int]:
+        cache, tokens = CompressedCache(model, budget=48, eviction_interval=1), []
+        with torch.no_grad():
+            token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+            for _ in range(40):
+                token = forward(token, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+                tokens.append(int(token))
+        return tokens, cache.get_seq_length()
+
+    eager = decode(model.forward)
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    assert decode(torch.compile(model.forward, backend=backend, fullgraph=True)) == eager
+    assert eager[1] == prompt.shape[1] + 40
+    assert backend.graphs == 2 and backend.reads == 0
 
 
 def test_compiled_and_eager_steps_evicting_at_every_step_keep_one_count(fresh):

@@ -281,9 +281,10 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         """The most tokens any row keeps (other rows may keep fewer)."""
         return self.live_range[1]
 
-    def get_seq_length(self) -> int:
-        """The logical length (all tokens seen), from which models derive positions."""
-        return self.seen
+    def get_seq_length(self) -> int | torch.Tensor:
+        """The logical length (all tokens seen), from which models derive positions: inside a compiled step that
+        counts on the device, the 0-d tensor it counts in (as transformers' StaticLayer returns its own)."""
+        return self._seen_now()
 
     @property
     def awaits_replay_alone(self) -> bool:
