@@ -481,6 +481,10 @@ def compiled_mode(plain, model, prompt: torch.Tensor, budget: int, args) -> None
           f"({verdict(ours >= static)})")  # fmt: skip
 
 
+# The compiled table's rows, as ``--gpu-compiled-caches`` names them.
+COMPILED_ROWS = ("static", "interval1", "default")
+
+
 def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
     """GPU mode's compiled decoding: ``torch.compile(model.forward, fullgraph=True)`` in each of
     ``--gpu-compile-modes`` for transformers' StaticCache (on ``plain``, a copy of the model that decodekit never
@@ -506,8 +510,10 @@ def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
                 model, lambda length=length: CompressedCache(model, budget=length // 4)
             ),
         }  # fmt: skip
+        rows = dict(zip(COMPILED_ROWS, caches, strict=True))
+        chosen = [rows[row.strip()] for row in args.gpu_compiled_caches.split(",")]
         results = {}
-        for name, (runs_on, make) in caches.items():
+        for name, (runs_on, make) in ((name, caches[name]) for name in chosen):
             # Past one eviction per step, a step's graph takes counts that change between steps (the waiting steps,
             # the stored entries), for each of which CUDA graphs would record anew: those rows run without them.
             multi_step = "eviction_interval=1" not in name and name != "StaticCache"
@@ -686,6 +692,11 @@ def main() -> None:
         "--gpu-caches", default=None,
         help="GPU mode: the eager table's rows to measure, comma-separated names (default: all; DynamicCache always)",
     )  # fmt: skip
+    parser.add_argument(
+        "--gpu-compiled-caches", default=",".join(COMPILED_ROWS),
+        help="GPU mode: the compiled table's rows, comma-separated: static (StaticCache), interval1 "
+             "(CompressedCache with eviction_interval=1), default (at its default interval)",
+    )  # fmt: skip
     parser.add_argument("--host-bound", action="store_true", help="the host-bound CPU mode only")
     parser.add_argument("--host-prompt", type=int, default=512, help="host-bound mode: prompt tokens")
     parser.add_argument("--host-tokens", type=int, default=128, help="host-bound mode: tokens decoded per round")
@@ -699,6 +710,9 @@ def main() -> None:
     device = torch.device(args.device)
     if args.gpu_compile_modes is None:
         args.gpu_compile_modes = "default,reduce-overhead" if device.type == "cuda" else ""
+    unknown = {row.strip() for row in args.gpu_compiled_caches.split(",")} - set(COMPILED_ROWS)
+    if unknown:
+        raise SystemExit(f"--gpu-compiled-caches: unknown {sorted(unknown)}; choose from {', '.join(COMPILED_ROWS)}")
     if args.host_bound:
         host_bound_mode(args)
         return

@@ -3,7 +3,10 @@ not asserted here)."""
 
 from __future__ import annotations
 
-from tests.benchmark_runs import run_benchmark
+import subprocess
+import sys
+
+from tests.benchmark_runs import BENCHMARKS, run_benchmark
 
 
 def test_kv_cache_benchmark_host_bound_mode_runs():
@@ -32,6 +35,15 @@ def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
     ]  # fmt: skip
     assert "eviction_interval=1)" in out and "default interval" in out
     assert "failed" not in out
+
+
+def test_kv_cache_benchmark_refuses_an_unknown_compiled_row():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "kv_cache.py"), "--shape", "tiny", "--gpu-compiled-caches", "static,fast"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "--gpu-compiled-caches: unknown ['fast']; choose from static, interval1, default" in result.stderr
 
 
 def test_kv_step_profile_runs_and_counts_each_steps_operators():
