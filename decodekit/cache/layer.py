@@ -27,6 +27,7 @@ import torch
 from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
+from decodekit.cache.count import SeenCount
 from decodekit.cache.eviction import Eviction
 from decodekit.cache.joint import SharedRoom
 from decodekit.cache.matching import EntryMatching
@@ -39,7 +40,6 @@ from decodekit.cache.storage import (
     CODING,
     EXACT,
     EntryStorage,
-    mark_static,
     positions_from,
     scatter_position,
     storage_bytes,
@@ -61,11 +61,12 @@ class StoredPass(NamedTuple):
     value_states: torch.Tensor
 
 
-class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, DynamicLayer):
+class CompressedLayer(SeenCount, EntryStorage, EntryScoring, Eviction, EntryMatching, DynamicLayer):
     """A ``DynamicLayer`` that scores its entries by the attention they receive and evicts the least useful.
 
     Its jobs are split by file: ``storage.py`` (how entries are held), ``scoring.py`` (what they are
-    worth), ``eviction.py`` (which go), ``matching.py`` (what the prompt's kept entries become); this file is
+    worth), ``eviction.py`` (which go), ``matching.py`` (what the prompt's kept entries become), ``count.py``
+    (the tokens seen); this file is
     the layer transformers talks to (``update``, masks, beams, crop) and the state those share.
     """
 
@@ -90,15 +91,9 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         # every entry (``_append_to_prepared_room``, ``_catch_up``).
         self._lagging = False
         self.policy = policy
-        # Tokens given to this layer, padding included: the logical length (``seen``). Compiled decoding steps under
-        # a budget in tokens count them on the device instead (``_seen_device``, a 0-d int64 tensor), so that no number
-        # that changes at every step is an input of their graph (CUDA graphs record one graph per such number);
-        # the host reads the count back when it next needs it, outside any step (``seen``).
-        self._seen = 0
-        self._seen_device: torch.Tensor | None = None
-        self._seen_device_current = False  # whether ``_seen_device`` holds the count (compiled steps keep it so)
-        self._seen_on_device = False  # whether compiled steps counted since the host last read the count
-        self._counts_on_device = policy.budget is not None  # (a size in bytes counts none of its own)
+        # The tokens seen (``count.py``); compiled steps count them on the device under a budget in tokens (a size in
+        # bytes counts none of its own).
+        self._start_count(on_device=policy.budget is not None)
         self._marks_static = False  # whether the tensors it keeps are on CUDA (``storage.mark_static``)
         self.pads: torch.Tensor | None = None  # [batch]: each row's left padding (its first pads positions)
         # Per entry, [batch, kv_heads, slots]: score, value norm, logical position, live, log-mass bias.
@@ -186,39 +181,6 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         # queries of them (``observer.queries_from_projection``), the scaling and their rotation (cos, sin).
         self._queries: tuple[torch.Tensor, Callable, float, torch.Tensor, torch.Tensor] | None = None
         self._to_queries: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    @property
-    def seen(self) -> int:
-        """Tokens given to this layer, padding included: the logical length (after compiled decoding steps,
-        read back from the device once)."""
-        if self._seen_on_device:
-            self._seen, self._seen_on_device = int(self._seen_device), False
-        return self._seen
-
-    @seen.setter
-    def seen(self, value: int) -> None:
-        self._seen, self._seen_on_device, self._seen_device_current = value, False, False
-
-    def _seen_now(self) -> int | torch.Tensor:
-        """``seen`` as the code of a decoding step uses it: inside a compiled step that counts on the device, the
-        0-d tensor (the host's number lags there), else the number."""
-        if not self._seen_on_device:
-            return self._seen
-        return self._seen_device if torch.compiler.is_compiling() else self.seen
-
-    def _add_seen(self, new: int) -> None:
-        """Count ``new`` more tokens seen: on the device inside a compiled step under a budget in tokens (see
-        ``__init__``), else on the host."""
-        if self._counts_on_device and self._seen_device is not None and torch.compiler.is_compiling():
-            if not self._seen_device_current:  # eager passes counted on the host since: start from their count
-                self._seen_device.fill_(self.seen)
-            self._seen_device.add_(new)
-            self._seen_device_current = self._seen_on_device = True
-        elif self._seen_on_device:  # the first eager pass after compiled steps: read their count back
-            self.seen = self.seen + new
-        else:
-            self._seen += new
-            self._seen_device_current = False
 
     @property
     def scores(self) -> torch.Tensor | None:
@@ -456,9 +418,7 @@ class CompressedLayer(EntryStorage, EntryScoring, Eviction, EntryMatching, Dynam
         if first_pass:
             self._marks_static = key_states.is_cuda
             self.lazy_initialization(key_states, value_states)
-            if self._counts_on_device:
-                self._seen_device = key_states.new_zeros((), dtype=torch.long)
-                mark_static(self._seen_device)
+            self._make_device_count(key_states)
             self.storage_dtype = self.dtype
             if self.policy.kv_bits is not None and self.dtype.itemsize > 2:
                 self.storage_dtype = torch.float16  # 16 bits (scales at 4 and 8) in a 32-bit model

@@ -1,0 +1,67 @@
+"""How a compressed cache layer counts the tokens it has seen (its logical length, from which positions follow).
+
+Eager passes count on the host, a Python number. Compiled decoding steps under a budget in tokens count on the device
+instead, in a 0-d int64 tensor updated in place, as transformers' StaticLayer keeps its ``cumulative_length``: a
+number that changed at every step would be an input of the step's graph, and CUDA graphs
+(``torch.compile(mode="reduce-overhead")``) record a graph anew for each new value of one. The host reads the count
+back once, outside any step, when it next needs it.
+
+``SeenCount`` is a mixin of ``CompressedLayer``, which calls ``_start_count`` when it is made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodekit.cache.storage import mark_static
+
+
+class SeenCount:
+    """The tokens a ``CompressedLayer`` has seen, padding included: ``seen``, and its twin on the device."""
+
+    def _start_count(self, on_device: bool) -> None:
+        """Start at 0; ``on_device``: whether compiled steps count on the device (a budget in tokens)."""
+        self._seen = 0
+        self._seen_device: torch.Tensor | None = None  # made on the first pass (``_make_device_count``)
+        self._seen_device_current = False  # whether ``_seen_device`` holds the count (compiled steps keep it so)
+        self._seen_on_device = False  # whether compiled steps counted since the host last read the count
+        self._counts_on_device = on_device
+
+    def _make_device_count(self, like: torch.Tensor) -> None:
+        """On the first pass: the tensor compiled steps count in, on ``like``'s device (none where they do not)."""
+        self._seen_device = None
+        if self._counts_on_device:
+            self._seen_device = like.new_zeros((), dtype=torch.long)
+            mark_static(self._seen_device)
+
+    @property
+    def seen(self) -> int:
+        """Tokens given to this layer, padding included: the logical length (after compiled decoding steps, read
+        back from the device once)."""
+        if self._seen_on_device:
+            self._seen, self._seen_on_device = int(self._seen_device), False
+        return self._seen
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        self._seen, self._seen_on_device, self._seen_device_current = value, False, False
+
+    def _seen_now(self) -> int | torch.Tensor:
+        """``seen`` as the code of a decoding step uses it: inside a compiled step that counts on the device, the
+        0-d tensor (the host's number lags there), else the number."""
+        if not self._seen_on_device:
+            return self._seen
+        return self._seen_device if torch.compiler.is_compiling() else self.seen
+
+    def _add_seen(self, new: int) -> None:
+        """Count ``new`` more tokens seen: on the device inside a compiled step that counts there, else on the host."""
+        if self._counts_on_device and self._seen_device is not None and torch.compiler.is_compiling():
+            if not self._seen_device_current:  # eager passes counted on the host since: start from their count
+                self._seen_device.fill_(self.seen)
+            self._seen_device.add_(new)
+            self._seen_device_current = self._seen_on_device = True
+        elif self._seen_on_device:  # the first eager pass after compiled steps: read their count back
+            self.seen = self.seen + new
+        else:
+            self._seen += new
+            self._seen_device_current = False
