@@ -278,7 +278,8 @@ def test_compiled_decoding_at_the_default_interval_runs_two_graphs(fresh, backen
 
 class RecordingBackend:
     """A ``torch.compile`` backend that runs each graph as dynamo made it and records, for every call, which graph
-    ran, the numbers (not tensors) it was given, and how many values it returned."""
+    ran, the numbers (not tensors) it was given, and how many tensors it returned (numbers it returns, such as the
+    layers' host-side counts, are no memory a CUDA graph would overwrite)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, tuple, int]] = []
@@ -292,13 +293,13 @@ class RecordingBackend:
         index, self.graphs = self.graphs, self.graphs + 1
         reading = ("item", torch.ops.aten._local_scalar_dense.default)
         self.reads += sum(node.target in reading for node in graph.graph.nodes)
-        (output,) = (node for node in graph.graph.nodes if node.op == "output")
-        returned = len(output.args[0]) if isinstance(output.args[0], (tuple, list)) else 1
 
         def run(*args):
             numbers = tuple(value for value in args if not isinstance(value, torch.Tensor))
+            result = graph.forward(*args)
+            returned = sum(isinstance(value, torch.Tensor) for value in result)
             self.calls.append((index, numbers, returned))
-            return graph.forward(*args)
+            return result
 
         return run
 
@@ -416,6 +417,36 @@ def test_compiled_steps_without_positions_take_them_from_the_count_on_the_device
     assert decode(torch.compile(model.forward, backend=backend, fullgraph=True)) == eager
     assert eager[1] == prompt.shape[1] + 40
     assert backend.graphs == 2 and backend.reads == 0
+
+
+def test_compiled_steps_after_a_crop_return_the_logits_alone(fresh):
+    """A crop between compiled steps (as assisted generation makes) leaves dead slots: with one eviction per step under
+    a budget in tokens the storage keeps its ``budget + 1`` slots, the next steps fill the dead ones, and the list of
+    freed slots is used up, not dropped, so that the next eviction writes into it. No step returns a tensor the cache
+    then holds (a CUDA graph overwrites what it returned when it runs again), and the tokens are eager decoding's."""
+    model, tokenizer = fresh
+    prompt = _prompt(tokenizer)["input_ids"]
+
+    def decode(forward) -> tuple[list[int], list[int]]:
+        cache, tokens, slots = CompressedCache(model, budget=48, eviction_interval=1), [], []
+        with torch.no_grad():
+            token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+            for step in range(30):
+                if step == 12:  # forget the last two tokens and feed them again
+                    cache.crop(-2)
+                    for again in tokens[-2:]:
+                        forward(torch.tensor([[again]]), past_key_values=cache)
+                token = forward(token, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+                tokens.append(int(token))
+                slots.append(cache.layers[0].slots)
+        return tokens, slots
+
+    eager, slots = decode(model.forward)
+    assert set(slots) == {49}
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    assert decode(torch.compile(model.forward, backend=backend, fullgraph=True))[0] == eager
+    assert {returned for _, _, returned in backend.calls} == {1}
 
 
 def test_compiled_and_eager_steps_evicting_at_every_step_keep_one_count(fresh):

@@ -48,6 +48,14 @@ class Eviction:
             self._reserve_slot_for_steps()
         self._quiet_steps = self._steps_without_eviction()
 
+    def _holds_step_room(self) -> bool:
+        """Whether the storage is the one a step evicting one token under a budget in tokens keeps (unpadded, at most
+        ``budget + 1`` slots): entries that go then go in place, dead slots included (a crop's), and the next steps
+        fill them, so that the tensors stay the same ones (see ``_reserve_slot_for_steps``)."""
+        if self.policy.eviction_interval != 1 or self.policy.budget is None or self.pad_range[1] != 0:
+            return False
+        return self.slots <= self._fixed_target() + 1
+
     def _reserve_slot_for_steps(self) -> None:
         """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row
         full (unpadded, exact storage): add the one dead slot that each decoding step's token takes and its eviction
@@ -91,7 +99,7 @@ class Eviction:
         uniform = len(before) == 1  # one group: every row holds the same entries
         bound = max(before[group] - after[group] for group in before)  # the most any row evicts
         keep_most = self.live_range[1]
-        in_place = self.slots - keep_most <= 1 + slack
+        in_place = self.slots - keep_most <= 1 + slack or self._holds_step_room()
         if bound == 0 and in_place:
             return
         # With reserved room, the kept entries move to its front, so that the steps until the next eviction append

@@ -554,7 +554,7 @@ class CompressedLayer(SeenCount, EntryStorage, EntryScoring, Eviction, EntryMatc
         self._spare, self._room_shared = None, False
         self._placed = {}
         self._lagging = False
-        self._forget_freed()
+        self._freed, self._freed_taken = None, 0
         self.sliding_window = self.softcap = None
         self.deferred, self.replaying = self.policy.scoring == "reconstruction", False
         self._set_live_counts({})

@@ -166,8 +166,11 @@ class EntryStorage:
     """Where a ``CompressedLayer``'s entries live and how they are written, moved and read back."""
 
     def _forget_freed(self) -> None:
-        """Drop the list of freed slots (after anything that moves entries or changes which are live)."""
-        self._freed, self._freed_taken = None, 0
+        """Mark the list of freed slots used up (after anything that moves entries or changes which are live). The
+        tensor stays, so that the next eviction in a compiled step writes into it instead of returning a new one,
+        which the cache would then hold (a CUDA graph overwrites what it returned when it runs again)."""
+        if self._freed is not None:
+            self._freed_taken = self._freed.shape[-1]
 
     def _catch_up(self) -> None:
         """Extend the bookkeeping views over the decoding steps appended to the reserved room since they last
