@@ -52,9 +52,7 @@ class Eviction:
         """Whether the storage is the one a step evicting one token under a budget in tokens keeps (unpadded, at most
         ``budget + 1`` slots): entries that go then go in place, dead slots included (a crop's), and the next steps
         fill them, so that the tensors stay the same ones (see ``_reserve_slot_for_steps``)."""
-        if self.policy.eviction_interval != 1 or self.policy.budget is None or self.pad_range[1] != 0:
-            return False
-        return self.slots <= self._fixed_target() + 1
+        return self.policy.steps_keep_one_room and self.pad_range[1] == 0 and self.slots <= self._fixed_target() + 1
 
     def _reserve_slot_for_steps(self) -> None:
         """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row
@@ -62,10 +60,10 @@ class Eviction:
         frees, and the list of freed slots, so that every step writes into the same tensors, from the first on. A
         compiled step then returns no tensor the cache keeps (CUDA graphs overwrite what a graph returned when they
         replay it); without the slot, the first step would make these tensors with one slot more."""
-        target = self._fixed_target()
-        if self.policy.eviction_interval != 1 or self.policy.budget is None or self.quantized or self._has_spare():
+        if self.quantized or self._has_spare() or not self._holds_step_room():
             return
-        if self.pad_range[1] != 0 or self.slots != target or self.live_range != (target, target):
+        target = self._fixed_target()
+        if self.slots != target or self.live_range != (target, target):
             return
         for name in self.entries:  # the new slot: zeros, so dead (live False), score 0, position 0
             stored = getattr(self, name)

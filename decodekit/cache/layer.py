@@ -79,7 +79,7 @@ class CompressedLayer(SeenCount, EntryStorage, EntryScoring, Eviction, EntryMatc
         under a budget in tokens, past the first step a step runs one graph that takes no number that changes from
         step to step (``_add_seen``, ``_reserve_slot_for_steps``). At longer intervals the steps between evictions
         take such numbers, for each of which CUDA graphs would record anew: generate then decodes eagerly."""
-        return self.policy.eviction_interval == 1 and self.policy.budget is not None
+        return self.policy.steps_keep_one_room
 
     def __init__(
         self, policy: EvictionPolicy, shared: SharedRoom | None = None, shared_index: int = 0, *, matched: bool = False

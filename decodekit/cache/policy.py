@@ -284,6 +284,19 @@ class EvictionPolicy:
         return self.recent_tokens if self.residual_length is None else self.residual_length
 
     @property
+    def steps_keep_one_room(self) -> bool:
+        """Whether decoding steps keep one storage of ``budget + 1`` slots: one eviction per step under a budget in
+        tokens, each step's token taking the slot the last eviction freed (what CUDA graphs can capture).
+
+        Example:
+            >>> EvictionPolicy(budget=64, eviction_interval=1).steps_keep_one_room
+            True
+            >>> EvictionPolicy(budget=64).steps_keep_one_room, EvictionPolicy(compression_ratio=0.5).steps_keep_one_room
+            (False, False)
+        """
+        return self.eviction_interval == 1 and self.budget is not None
+
+    @property
     def sized_in_bytes(self) -> bool:
         """Whether the size is a number of bytes (``memory_fraction`` or ``max_bytes``)."""
         return self.memory_fraction is not None or self.max_bytes is not None
