@@ -304,15 +304,19 @@ class RecordingBackend:
         return run
 
 
-def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_the_logits_alone(fresh):
+@pytest.mark.parametrize("budget", ["floor", 48])
+def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_the_logits_alone(fresh, budget):
     """CUDA graphs (``torch.compile(..., mode="reduce-overhead")``) record a graph anew for each new value of a number
     the graph takes, and a replay overwrites what the graph returned before. With one eviction per step and a fixed
     budget, the steps past the first two run one graph, given the same numbers at every step (the tokens seen are
     counted on the device inside compiled steps, the freed slots written in place), which returns the logits alone;
-    the host reads the count back after the steps, and the tokens are eager decoding's."""
+    the host reads the count back after the steps, and the tokens are eager decoding's; down to a budget of the sinks
+    and the recent window alone."""
     model, tokenizer = fresh
     prompt = _prompt(tokenizer)["input_ids"]
-    settings = {"budget": 48, "eviction_interval": 1}
+    if budget == "floor":
+        budget = CompressedCache(model, budget=48).policy.floor
+    settings = {"budget": budget, "eviction_interval": 1}
     eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=60)
     torch._dynamo.reset()
     backend = RecordingBackend()
