@@ -88,6 +88,9 @@ def pass_key_answer(model, tokenizer, press, context: torch.Tensor, question: to
 
 def main() -> None:
     model_dir, tasks_path, out_path, *chosen = sys.argv[1:]
+    unknown = [name for name in chosen if name not in PRESSES]
+    if unknown:
+        raise SystemExit(f"unknown presses {unknown}; choose from {list(PRESSES)}")
     tasks = json.loads(Path(tasks_path).read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out = Path(out_path)

@@ -10,6 +10,11 @@ cache's), the tokens it kept, and the perplexity rise over the full cache, per t
     python benchmarks/kv_bytes.py [--texts tuning|tuning2|protocol] [--fractions 0.5,0.25,0.1] [--bits 16,8,4]
     python benchmarks/kv_bytes.py --scoring reconstruction --allocation heads --ratios 0.5,0.75,0.9 --bits model
     python benchmarks/kv_bytes.py --scoring reconstruction --replay "KVzip's replay"  # a kv_replay.py row
+    python benchmarks/kv_bytes.py --scoring reconstruction --ratios 0.5,0.75,0.9 --bits model --presses KVzip
+
+``--presses`` adds kvpress presses (in kvpress's own virtualenv, as ``kv_cache.py`` runs them) at the same share of
+the tokens removed (a memory size ``f`` as the share ``1 - f``: their bytes counted as if freed), on the same texts,
+each rise taken over the full cache measured in that virtualenv (a press at ratio 0).
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, help="channels per scale group at 8 and 4 bits (default: 32)")
     parser.add_argument("--eviction-interval", type=int, help="tokens evicted at once (default: the cache's)")
     parser.add_argument("--matched-layers", type=int, help="first layers refit after eviction (default: the cache's)")
+    parser.add_argument("--presses", help="also these kvpress presses, comma-separated (KVzip, SnapKV, ...)")
+    parser.add_argument("--kvpress-python", help="python of a virtualenv that has kvpress installed")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_model()
@@ -123,6 +130,39 @@ def main() -> None:
             size = f"{fraction:>7.0%}" if fraction is not None else f"{f'-{ratio:.0%}':>7s}"
             print(f"{size} {bits:>5} {held:>6.1%} {kept:>5} {cells} "
                   f"{statistics.fmean(rises):>+7.2f} {max(rises):>+7.2f}", flush=True)  # fmt: skip
+    if args.presses:
+        shares = [ratio if ratio is not None else 1 - fraction for fraction, ratio in sizes]
+        print_presses(args, model, tasks, shares)
+
+
+def print_presses(args, model, tasks: dict, shares: list[float]) -> None:
+    """The rows of ``--presses`` at each share of the tokens removed, their rises over the full cache measured in
+    kvpress's virtualenv (the first press at ratio 0, which removes nothing)."""
+    from kv_cache import kvpress_python, run_presses  # (kv_cache imports this module)
+
+    python = kvpress_python(argparse.Namespace(skip_kvpress=False, kvpress_python=args.kvpress_python))
+    presses = [name.strip() for name in args.presses.split(",")]
+    press_tasks = {"ratios": [0.0, *shares], "texts": tasks, "pass_keys": []}
+    try:
+        rows = run_presses(python, model, press_tasks, presses)
+    except RuntimeError as error:
+        raise SystemExit(f"--presses: {error}") from None
+    failed = [row for row in rows if row["task"] == "error"]
+    if failed:
+        raise SystemExit(f"--presses: {failed[0]['method']} failed: {failed[0]['error']}")
+    first = f"kvpress {presses[0]}"
+    full = {row["task"]: row["perplexity"] for row in rows if row["method"] == first and row["ratio"] == 0.0
+            and "perplexity" in row}  # fmt: skip
+    names = list(tasks)
+    for share in shares:
+        for press in presses:
+            method = f"kvpress {press}"
+            found = {row["task"]: row["perplexity"] for row in rows
+                     if row["method"] == method and row["ratio"] == share and "perplexity" in row}  # fmt: skip
+            rises = [100 * (found[name] / full[name] - 1) for name in names]
+            cells = " ".join(f"{rise:>+14.2f}" for rise in rises)
+            print(f"{f'-{share:.0%}':>7s} {press[:18]:>18} {cells} {statistics.fmean(rises):>+7.2f} "
+                  f"{max(rises):>+7.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
