@@ -31,17 +31,18 @@ against DynamicCache (target for the default CompressedCache: >= 0.95x), with ro
 for the byte-sized reconstruction cache (memory_fraction=0.25). Then (unless --no-host-compile)
 the same decoding by hand, eager and through torch.compile(model.forward, fullgraph=True) with inductor,
 for DynamicCache, StaticCache, CompressedCache(eviction_interval=1), the setting that compiles to one
-graph, and the default interval, which compiles to four graphs (target: ours compiled >= StaticCache
-compiled).
+graph, the default interval, which compiles to four graphs, and eviction_interval=1 with keys and values
+in 4 bits (target: ours compiled >= StaticCache compiled).
 
 GPU mode (--shape llama-1b): a random-weight model of Llama-3.2-1B's shape in bf16 (speed and memory
 do not depend on the weights), batch 1, 25% budget, at each of --lengths: prefill time, peak memory
 above the weights, decode tokens/s and cache bytes, for DynamicCache, the default CompressedCache (its
 eviction interval a 32nd of the budget), eviction_interval=8, scoring_backend='torch' (up to 8k tokens) and
 observation_window=64; then compiled decoding (--gpu-compile-modes, on CUDA by default): StaticCache and
-CompressedCache with eviction_interval=1 (whose steps CUDA graphs capture, mode="reduce-overhead") and at its
-default interval through torch.compile(model.forward), beside eager (the default interval without CUDA graphs,
-which would record anew at every step). --shape tiny runs the same code on CPU in seconds (the benchmark's own test).
+CompressedCache with eviction_interval=1 (whose steps CUDA graphs capture, mode="reduce-overhead"; also with
+kv_bits=4) and at its default interval through torch.compile(model.forward), beside eager (the default
+interval without CUDA graphs, which would record anew at every step). --shape tiny runs the same code on CPU
+in seconds (the benchmark's own test).
 
 kvpress 0.5.5 pins transformers < 5.3, so it runs in its own virtualenv: --kvpress-python, else
 $KVPRESS_PYTHON, else .venv-kvpress/ (created with torch==2.13.0 and kvpress==0.5.5 if missing).
@@ -455,7 +456,10 @@ def compiled_mode(plain, model, prompt: torch.Tensor, budget: int, args) -> None
         "StaticCache": (plain, lambda: StaticCache(config=plain.config, max_cache_len=length)),
         ours_name: (model, lambda: CompressedCache(model, budget=budget, eviction_interval=1)),
         f"CompressedCache(budget={budget}), default interval": (model, lambda: CompressedCache(model, budget=budget)),
-    }
+        f"CompressedCache(budget={budget}, eviction_interval=1, kv_bits=4)": (
+            model, lambda: CompressedCache(model, budget=budget, eviction_interval=1, kv_bits=4)
+        ),
+    }  # fmt: skip
     forwards = {
         id(runs_on): {"eager": runs_on.forward, "compiled": torch.compile(runs_on.forward, fullgraph=True)}
         for runs_on in (plain, model)
@@ -482,7 +486,7 @@ def compiled_mode(plain, model, prompt: torch.Tensor, budget: int, args) -> None
 
 
 # The compiled table's rows, as ``--gpu-compiled-caches`` names them.
-COMPILED_ROWS = ("static", "interval1", "default")
+COMPILED_ROWS = ("static", "interval1", "default", "interval1-4bit")
 
 
 def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
@@ -508,6 +512,9 @@ def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
             ),
             f"CompressedCache(budget={length // 4}), default interval": (
                 model, lambda length=length: CompressedCache(model, budget=length // 4)
+            ),
+            f"CompressedCache(budget={length // 4}, eviction_interval=1, kv_bits=4)": (
+                model, lambda length=length: CompressedCache(model, budget=length // 4, eviction_interval=1, kv_bits=4)
             ),
         }  # fmt: skip
         rows = dict(zip(COMPILED_ROWS, caches, strict=True))
@@ -695,7 +702,8 @@ def main() -> None:
     parser.add_argument(
         "--gpu-compiled-caches", default=",".join(COMPILED_ROWS),
         help="GPU mode: the compiled table's rows, comma-separated: static (StaticCache), interval1 "
-             "(CompressedCache with eviction_interval=1), default (at its default interval)",
+             "(CompressedCache with eviction_interval=1), default (at its default interval), interval1-4bit "
+             "(eviction_interval=1 with kv_bits=4)",
     )  # fmt: skip
     parser.add_argument("--host-bound", action="store_true", help="the host-bound CPU mode only")
     parser.add_argument("--host-prompt", type=int, default=512, help="host-bound mode: prompt tokens")

@@ -31,9 +31,10 @@ def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
     assert [(row[1], row[-4]) for row in rows] == [
         ("StaticCache", "eager"), ("StaticCache", "default"), ("CompressedCache(budget=64,", "eager"),
         ("CompressedCache(budget=64,", "default"), ("CompressedCache(budget=64),", "eager"),
-        ("CompressedCache(budget=64),", "default"),
+        ("CompressedCache(budget=64),", "default"), ("CompressedCache(budget=64,", "eager"),
+        ("CompressedCache(budget=64,", "default"),
     ]  # fmt: skip
-    assert "eviction_interval=1)" in out and "default interval" in out
+    assert "eviction_interval=1)" in out and "default interval" in out and "eviction_interval=1, kv_bits=4)" in out
     assert "failed" not in out
 
 
@@ -43,7 +44,8 @@ def test_kv_cache_benchmark_refuses_an_unknown_compiled_row():
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode != 0
-    assert "--gpu-compiled-caches: unknown ['fast']; choose from static, interval1, default" in result.stderr
+    rows = "static, interval1, default, interval1-4bit"
+    assert f"--gpu-compiled-caches: unknown ['fast']; choose from {rows}" in result.stderr
 
 
 def test_kv_step_profile_runs_and_counts_each_steps_operators():

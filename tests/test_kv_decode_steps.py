@@ -304,19 +304,22 @@ class RecordingBackend:
         return run
 
 
-@pytest.mark.parametrize("budget", ["floor", 48])
-def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_the_logits_alone(fresh, budget):
+@pytest.mark.parametrize(("budget", "kv_bits"), [("floor", None), (48, None), (48, 4), ("floor", 8)])
+def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_the_logits_alone(
+    fresh, budget, kv_bits
+):
     """CUDA graphs (``torch.compile(..., mode="reduce-overhead")``) record a graph anew for each new value of a number
     the graph takes, and a replay overwrites what the graph returned before. With one eviction per step and a fixed
     budget, the steps past the first two run one graph, given the same numbers at every step (the tokens seen are
     counted on the device inside compiled steps, the freed slots written in place), which returns the logits alone;
     the host reads the count back after the steps, and the tokens are eager decoding's; down to a budget of the sinks
-    and the recent window alone."""
+    and the recent window alone, and with keys and values coded in 4 or 8 bits (whose turned queries' matrix a step
+    makes for all layers, kept eagerly but not from a compiled step, which would return it)."""
     model, tokenizer = fresh
     prompt = _prompt(tokenizer)["input_ids"]
     if budget == "floor":
         budget = CompressedCache(model, budget=48).policy.floor
-    settings = {"budget": budget, "eviction_interval": 1}
+    settings = {"budget": budget, "eviction_interval": 1, "kv_bits": kv_bits}
     eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=60)
     torch._dynamo.reset()
     backend = RecordingBackend()
@@ -336,17 +339,19 @@ def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny):
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits):
     """On CUDA, ``torch.compile(mode="reduce-overhead")`` captures the steps of a cache that evicts one token per step
     in CUDA graphs: none is skipped (the tensors the steps write into are marked as static addresses), graphs are
-    recorded for the first steps only, not one per step, and the tokens are eager decoding's."""
+    recorded for the first steps only, not one per step, and the tokens are eager decoding's; with keys and values
+    in 4 bits too."""
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
 
     _, tokenizer = tiny
     model = build_model(tokenizer).cuda()
     prompt = _prompt(tokenizer)["input_ids"].cuda()
-    settings = {"budget": 48, "eviction_interval": 1}
+    settings = {"budget": 48, "eviction_interval": 1, "kv_bits": kv_bits}
     eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=40)
     torch._dynamo.reset()
     counters.clear()

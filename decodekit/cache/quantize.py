@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -50,19 +49,28 @@ def rotation_block(head_dim: int) -> int:
     return head_dim & -head_dim
 
 
-@lru_cache(maxsize=16)
+# The Hadamard matrices made so far, by size and device: made once, outside any compiled step (a quantized layer's
+# first pass makes its own), so that a compiled step reads one as a constant and returns none of them.
+_HADAMARD: dict[tuple[int, str], torch.Tensor] = {}
+
+
 def hadamard(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The orthonormal Hadamard matrix of ``size`` (a power of two), float32: symmetric, its own inverse.
+    """The orthonormal Hadamard matrix of ``size`` (a power of two), float32: symmetric, its own inverse. Made once per
+    size and device.
 
     Example:
         >>> h = hadamard(4)
-        >>> torch.allclose(h @ h, torch.eye(4)), h[1].tolist()
-        (True, [0.5, -0.5, 0.5, -0.5])
+        >>> torch.allclose(h @ h, torch.eye(4)), h[1].tolist(), hadamard(4) is h
+        (True, [0.5, -0.5, 0.5, -0.5], True)
     """
-    matrix = torch.ones(1, 1)
-    while matrix.shape[0] < size:
-        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
-    return (matrix / math.sqrt(size)).to(device)
+    key = (size, str(torch.device(device)))
+    made = _HADAMARD.get(key)
+    if made is None:
+        matrix = torch.ones(1, 1)
+        while matrix.shape[0] < size:
+            matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+        made = _HADAMARD[key] = (matrix / math.sqrt(size)).to(device)
+    return made
 
 
 def rotate(values: torch.Tensor) -> torch.Tensor:

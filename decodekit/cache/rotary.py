@@ -67,12 +67,18 @@ _STEP_TURN = threading.local()
 
 def _step_turn(head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``[batch, head_dim, head_dim]``: per row, the matrix that a one-token pass's query rows (``[..., head_dim]``)
-    are multiplied by to be rotated, turned and rotated back (``_turned`` of the identity's rows)."""
-    made = getattr(_STEP_TURN, "made", None)
+    are multiplied by to be rotated, turned and rotated back (``_turned`` of the identity's rows).
+
+    Eager, it is made once per pass and kept for the pass's other layers. Inside a compiled step it is not kept: a
+    step's graph would return the matrix and the embedding it was made for, to store them, and a CUDA graph
+    overwrites what it returned when it runs again; the compiler makes it once per graph all the same."""
+    compiling = torch.compiler.is_compiling()
+    made = None if compiling else getattr(_STEP_TURN, "made", None)
     if made is not None and made[0]() is cos and made[1]() is sin and made[2].shape[-1] == head_dim:
         return made[2]
     batch = cos.shape[0]
     identity = torch.eye(head_dim, device=cos.device).expand(batch, 1, head_dim, head_dim)
     matrix = _turned(identity, cos, sin)[:, 0]  # row i: the i-th unit query rotated, turned and rotated back
-    _STEP_TURN.made = (weakref.ref(cos), weakref.ref(sin), matrix)
+    if not compiling:
+        _STEP_TURN.made = (weakref.ref(cos), weakref.ref(sin), matrix)
     return matrix
