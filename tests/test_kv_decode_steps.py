@@ -364,17 +364,18 @@ def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits)
     assert compiled == eager
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, padded):
+@pytest.mark.parametrize(("padded", "kv_bits"), [(False, None), (True, None), (False, 4)])
+def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, padded, kv_bits):
     """``model.generate(..., compile_config=...)`` compiles the decoding steps of a cache that evicts one token per
     step under a budget in tokens (it reports itself compileable, as a StaticCache does): no graph break, two graphs,
-    the later steps given the same numbers, and the tokens of eager ``generate``, for one row and a padded batch."""
+    the later steps given the same numbers and returning the logits alone, and the tokens of eager ``generate``, for
+    one row and a padded batch, and for one row with keys and values in 4 bits."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     model, tokenizer = fresh
     batch = _prompt(tokenizer, padded=padded)
-    settings = {"budget": 48, "eviction_interval": 1}
+    settings = {"budget": 48, "eviction_interval": 1, "kv_bits": kv_bits}
     greedy = {"max_new_tokens": 60, "do_sample": False}
     assert CompressedCache(model, **settings).is_compileable
     eager = model.generate(**batch, past_key_values=CompressedCache(model, **settings), disable_compile=True, **greedy)
@@ -389,6 +390,7 @@ def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, pa
     assert len(backend.calls) == 59 and backend.graphs == 2  # every step but the prompt's pass, compiled
     assert not counters["graph_break"]
     assert len({numbers for _, numbers, _ in backend.calls[2:]}) == 1
+    assert {returned for _, _, returned in backend.calls[2:]} == {1}
     assert backend.reads == 0
 
 
