@@ -338,6 +338,52 @@ def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_
     assert [layer.seen for layer in cache.layers] == [prompt.shape[1] + 60] * len(cache.layers)
 
 
+@pytest.mark.parametrize("spare", [1, 14, 80])
+def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_numbers(fresh, spare):
+    """With a prompt shorter than the budget, the prompt's pass makes the room for the whole budget (``budget + 1``
+    slots, as StaticCache makes ``max_cache_len``), the steps fill its dead slots and then evict one token each:
+    past the first two compiled steps one graph runs, given the same numbers at every step (the live entries are
+    counted on the device while the room fills) and returning the logits alone, through the step that fills the
+    budget and the evictions after it; the tokens are eager decoding's, and the host's counts, read after the steps,
+    are the live entries. ``spare``: the budget's slots the prompt leaves unfilled (1: the room holds one dead slot
+    besides the freed one; 80: more than the steps fill, so no step evicts)."""
+    model, tokenizer = fresh
+    batch = _prompt(tokenizer, rows=2)
+    prompt = batch["input_ids"]
+    settings = {"budget": prompt.shape[1] + spare, "eviction_interval": 1}
+    steps = 60
+    eager_cache = CompressedCache(model, **settings)
+    eager = _decode(model, eager_cache, batch, steps)
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    cache = CompressedCache(model, **settings)
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        logits = model(**batch, past_key_values=cache).logits[:, -1]
+        compiled = []
+        for step in range(steps):
+            token = logits.argmax(dim=-1, keepdim=True)
+            compiled.append(token)
+            position = torch.full((2, 1), prompt.shape[1] + step)
+            logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits[
+                :, -1
+            ]
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(compiled, eager, strict=True))
+    layer = cache.layers[0]
+    assert layer.slots == settings["budget"] + 1  # the room for the whole budget, made by the prompt's pass
+    steady = backend.calls[2:]
+    assert len({graph for graph, _, _ in steady}) == 1
+    assert len({numbers for _, numbers, _ in steady}) == 1
+    assert {returned for _, _, returned in steady} == {1}
+    assert backend.reads == 0
+    kept = min(prompt.shape[1] + steps, settings["budget"])
+    assert [layer.live_range for layer in cache.layers] == [(kept, kept)] * len(cache.layers)
+    assert [layer.live_range for layer in eager_cache.layers] == [(kept, kept)] * len(cache.layers)
+    assert cache.kept_tokens == eager_cache.kept_tokens
+    pairs = zip(cache.layers, eager_cache.layers, strict=True)
+    assert all(torch.equal(ours.live, theirs.live) for ours, theirs in pairs)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("kv_bits", [None, 4])
 def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits):

@@ -1,12 +1,15 @@
-"""How a compressed cache layer counts the tokens it has seen (its logical length, from which positions follow).
+"""How a compressed cache layer counts the tokens it has seen (its logical length, from which positions follow), and
+the live entries of its rows.
 
-Eager passes count on the host, a Python number. Compiled decoding steps under a budget in tokens count on the device
-instead, in a 0-d int64 tensor updated in place, as transformers' StaticLayer keeps its ``cumulative_length``: a
-number that changed at every step would be an input of the step's graph, and CUDA graphs
+Eager passes count on the host, Python numbers. Compiled decoding steps under a budget in tokens count the tokens seen
+on the device instead, in a 0-d int64 tensor updated in place, as transformers' StaticLayer keeps its
+``cumulative_length``: a number that changed at every step would be an input of the step's graph, and CUDA graphs
 (``torch.compile(mode="reduce-overhead")``) record a graph anew for each new value of one. The host reads the count
-back once, outside any step, when it next needs it.
+back once, outside any step, when it next needs it. Compiled steps that fill a room made for the whole budget (a
+prompt shorter than the budget: ``Eviction._grows_in_graph``) leave the live entries counted by ``live`` alone, and
+the host counts them again from it when it next reads them.
 
-``SeenCount`` is a mixin of ``CompressedLayer``, which calls ``_start_count`` when it is made.
+``SeenCount`` and ``LiveCount`` are mixins of ``CompressedLayer``, which calls ``_start_count`` when it is made.
 """
 
 from __future__ import annotations
@@ -65,3 +68,36 @@ class SeenCount:
         else:
             self._seen += new
             self._seen_device_current = False
+
+
+class LiveCount:
+    """The host's counts of each row's live entries (``live_by_group``, ``live_range``), which compiled steps growing
+    into a room made for the whole budget leave stale (``_live_counts_stale``): read outside a compiled step, they
+    are counted again from ``live`` first (``Eviction._recount``); inside one, their last values stand (such a step
+    reads them only where those values decide the same)."""
+
+    @property
+    def live_by_group(self) -> dict:
+        """Live entries per group of rows (one padding and one allocated share)."""
+        self._count_live_again()
+        return self._live_by_group
+
+    @live_by_group.setter
+    def live_by_group(self, value: dict) -> None:
+        self._live_by_group, self._live_counts_stale = value, False
+
+    @property
+    def live_range(self) -> tuple[int, int]:
+        """The least and most live entries of any row."""
+        self._count_live_again()
+        return self._live_range
+
+    @live_range.setter
+    def live_range(self, value: tuple[int, int]) -> None:
+        self._live_range, self._live_counts_stale = value, False
+
+    def _count_live_again(self) -> None:
+        """Outside a compiled step, count the live entries again after compiled steps left the counts stale."""
+        if getattr(self, "_live_counts_stale", False) and not torch.compiler.is_compiling():
+            self._live_counts_stale = False
+            self._recount()

@@ -37,6 +37,9 @@ class Eviction:
     def _compress(self, new: int) -> None:
         if self.deferred:
             return
+        if new == 1 and self._grows_in_graph():
+            self._evict_in_graph()
+            return
         if new == 1 and self._quiet_steps > 0:
             self._quiet_steps -= 1
             return
@@ -55,21 +58,52 @@ class Eviction:
         return self.policy.steps_keep_one_room and self.pad_range[1] == 0 and self.slots <= self._fixed_target() + 1
 
     def _reserve_slot_for_steps(self) -> None:
-        """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row
-        full (unpadded, exact storage): add the one dead slot that each decoding step's token takes and its eviction
-        frees, and the list of freed slots, so that every step writes into the same tensors, from the first on. A
-        compiled step then returns no tensor the cache keeps (CUDA graphs overwrite what a graph returned when they
-        replay it); without the slot, the first step would make these tensors with one slot more."""
-        if self.quantized or self._has_spare() or not self._holds_step_room():
+        """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row with
+        as many live entries as it stores, at most the budget (unpadded, exact storage): make the room the budget and
+        each step's token take, ``budget + 1`` slots, the new ones dead, so that every step writes into the same
+        tensors, from the first on. A compiled step then returns no tensor the cache keeps (CUDA graphs overwrite what
+        a graph returned when they replay it) and takes no number that changes (they record a graph anew for each
+        new one), as transformers' StaticCache keeps ``max_cache_len`` slots. A full row's one dead slot is its
+        freed slot, which each step's token takes and its eviction frees again; a row under the budget fills its
+        dead slots first (``_growing_room``: compiled steps then count its live entries on the device,
+        ``_evict_in_graph``)."""
+        if self.quantized or self._has_spare() or not self._holds_step_room() or self.allocated is not None:
             return
-        target = self._fixed_target()
-        if self.slots != target or self.live_range != (target, target):
+        target, stored = self._fixed_target(), self.slots
+        if stored > target or self.live_range != (stored, stored):
             return
-        for name in self.entries:  # the new slot: zeros, so dead (live False), score 0, position 0
-            stored = getattr(self, name)
-            self._place(name, torch.cat([stored, stored.new_zeros((*stored.shape[:2], 1, *stored.shape[3:]))], dim=2))
-        self._freed, self._freed_taken = self._live.new_full((*self._live.shape[:2], 1), target, dtype=torch.long), 0
+        room = target + 1 - stored
+        for name in self.entries:  # the new slots: zeros, so dead (live False), score 0, position 0
+            held = getattr(self, name)
+            self._place(name, torch.cat([held, held.new_zeros((*held.shape[:2], room, *held.shape[3:]))], dim=2))
+        # The list of freed slots: the one dead slot of a full row, to take first; used up otherwise (the steps take
+        # the first dead slot), kept so that a compiled eviction writes into it.
+        self._freed = self._live.new_full((*self._live.shape[:2], 1), target, dtype=torch.long)
+        self._freed_taken = 0 if room == 1 else 1
+        self._growing_room = room > 1
         mark_static(self._freed)
+
+    def _grows_in_graph(self) -> bool:
+        """Whether this is a compiled step filling the room ``_reserve_slot_for_steps`` made for a prompt shorter than
+        the budget (unpadded, ``budget + 1`` slots, one eviction per step): its live entries are counted on the
+        device (``_evict_in_graph``), since the host's counts would change at every step until the budget fills,
+        each a number the step's graph takes."""
+        return (
+            self._growing_room
+            and torch.compiler.is_compiling()
+            and self.pad_range[1] == 0
+            and self.allocated is None
+            and self.slots == self._fixed_target() + 1
+        )
+
+    def _evict_in_graph(self) -> None:
+        """A compiled step's eviction in a room filling up (``_grows_in_graph``): a row and head over the budget
+        drops its lowest-ranked live entry, as ``_evict`` decides from the host's counts; the next step takes the
+        first dead slot. Nothing here depends on a count the host keeps."""
+        ranked = torch.where(self.live, self._priority(), math.inf)
+        victims = ranked.argmin(dim=-1, keepdim=True)
+        over = self.live.sum(dim=-1, keepdim=True) > self._fixed_target()
+        self.live.scatter_(2, victims, over.logical_not())
 
     def _steps_without_eviction(self) -> int:
         """How many decoding steps from now can evict nothing: the least room under its target of any row
@@ -177,6 +211,8 @@ class Eviction:
         pads, counts = [group[0] for group in live_by_group], live_by_group.values()
         self.pad_range = (min(pads), max(pads)) if live_by_group else (0, 0)
         self.live_range = (min(counts), max(counts)) if live_by_group else (0, 0)
+        if self._growing_room and self.live_range[0] >= (self._fixed_target() or 0):
+            self._growing_room = False  # every row is full: steps evict one token each, counted on the host
 
     def _recount(self) -> None:
         """Read the paddings, shares and live counts back from the device (after a change the host cannot follow)."""

@@ -27,7 +27,7 @@ import torch
 from torch.nn import functional
 from transformers.cache_utils import DynamicLayer
 
-from decodekit.cache.count import SeenCount
+from decodekit.cache.count import LiveCount, SeenCount
 from decodekit.cache.eviction import Eviction
 from decodekit.cache.joint import SharedRoom
 from decodekit.cache.matching import EntryMatching
@@ -61,7 +61,7 @@ class StoredPass(NamedTuple):
     value_states: torch.Tensor
 
 
-class CompressedLayer(SeenCount, EntryStorage, EntryScoring, Eviction, EntryMatching, DynamicLayer):
+class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction, EntryMatching, DynamicLayer):
     """A ``DynamicLayer`` that scores its entries by the attention they receive and evicts the least useful.
 
     Its jobs are split by file: ``storage.py`` (how entries are held), ``scoring.py`` (what they are
@@ -142,6 +142,9 @@ class CompressedLayer(SeenCount, EntryStorage, EntryScoring, Eviction, EntryMatc
         self.live_by_group: dict[tuple[int, Allocated | None], int] = {}
         self.pad_range = (0, 0)
         self.live_range = (0, 0)
+        # Whether the prompt's pass left fewer entries than the budget in a room made for all of it, which decoding
+        # steps fill (``_reserve_slot_for_steps``); compiled steps then count the live entries on the device.
+        self._growing_room = False
         # Decoding steps that cannot make any row go over its target (targets never shrink as tokens come),
         # so that ``compress`` skips them; 0 after anything that changes the counts.
         self._quiet_steps = 0
@@ -286,6 +289,11 @@ class CompressedLayer(SeenCount, EntryStorage, EntryScoring, Eviction, EntryMatc
         if query_length == 1 and self._plain_steps and self.keys is self._plain_view:
             self._free = None  # a plain decoding step: no free slot, no mask (see ``_may_defer_scoring``)
             return None
+        if query_length == 1 and self._grows_in_graph():
+            # A compiled step filling the room made for the budget: the first dead slot of each row and head (an
+            # unfilled one, or the one the last eviction freed), and a mask made from ``live`` whatever the counts.
+            self._free = (~self.live).to(torch.uint8).argmax(dim=-1)
+            return self.pass_mask(query_length, plain=True) if mask else None
         free = None
         if self._fills_free_slot(query_length):
             if self._freed is not None and self._freed_taken < self._freed.shape[-1]:
@@ -446,6 +454,8 @@ class CompressedLayer(SeenCount, EntryStorage, EntryScoring, Eviction, EntryMatc
             self._store(coded, value_states, free, first_pass)
         if first_pass:
             self._set_live_counts({group: max(new - group[0], 0) for group in self.live_by_group})
+        elif new == 1 and self._grows_in_graph():
+            self._live_counts_stale = True  # ``live`` counts them: the host counts again when it next reads them
         else:
             self._add_live(new)
         self._add_seen(new)
@@ -544,6 +554,7 @@ class CompressedLayer(SeenCount, EntryStorage, EntryScoring, Eviction, EntryMatc
 
     def reset(self) -> None:
         super().reset()
+        self._live_counts_stale = self._growing_room = False  # (nothing left to count again)
         self._seen_device = None
         self._pending = WaitingSteps()
         self._scores = self.value_norms = self.positions = self.live = self.pads = self.allocated = None
