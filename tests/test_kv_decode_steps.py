@@ -338,19 +338,19 @@ def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_
     assert [layer.seen for layer in cache.layers] == [prompt.shape[1] + 60] * len(cache.layers)
 
 
-@pytest.mark.parametrize("spare", [1, 14, 80])
-def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_numbers(fresh, spare):
+@pytest.mark.parametrize(("spare", "kv_bits"), [(1, None), (14, None), (80, None), (14, 4)])
+def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_numbers(fresh, spare, kv_bits):
     """With a prompt shorter than the budget, the prompt's pass makes the room for the whole budget (``budget + 1``
     slots, as StaticCache makes ``max_cache_len``), the steps fill its dead slots and then evict one token each:
     past the first two compiled steps one graph runs, given the same numbers at every step (the live entries are
     counted on the device while the room fills) and returning the logits alone, through the step that fills the
     budget and the evictions after it; the tokens are eager decoding's, and the host's counts, read after the steps,
     are the live entries. ``spare``: the budget's slots the prompt leaves unfilled (1: the room holds one dead slot
-    besides the freed one; 80: more than the steps fill, so no step evicts)."""
+    besides the freed one; 80: more than the steps fill, so no step evicts); with keys and values in 4 bits too."""
     model, tokenizer = fresh
     batch = _prompt(tokenizer, rows=2)
     prompt = batch["input_ids"]
-    settings = {"budget": prompt.shape[1] + spare, "eviction_interval": 1}
+    settings = {"budget": prompt.shape[1] + spare, "eviction_interval": 1, "kv_bits": kv_bits}
     steps = 60
     eager_cache = CompressedCache(model, **settings)
     eager = _decode(model, eager_cache, batch, steps)
@@ -410,18 +410,23 @@ def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits)
     assert compiled == eager
 
 
-@pytest.mark.parametrize(("padded", "kv_bits"), [(False, None), (True, None), (False, 4)])
-def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, padded, kv_bits):
+@pytest.mark.parametrize(
+    ("padded", "kv_bits", "budget"),
+    [(False, None, 48), (True, None, 48), (False, 4, 48), (False, None, 200), (False, 4, 200)],
+)
+def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, monkeypatch, padded, kv_bits, budget):
     """``model.generate(..., compile_config=...)`` compiles the decoding steps of a cache that evicts one token per
     step under a budget in tokens (it reports itself compileable, as a StaticCache does): no graph break, two graphs,
     the later steps given the same numbers and returning the logits alone, and the tokens of eager ``generate``, for
-    one row and a padded batch, and for one row with keys and values in 4 bits."""
+    one row and a padded batch, for one row with keys and values in 4 bits, and under a budget longer than the
+    186-token prompt, which the steps fill (the live entries counted on the device: generate's own preparation of
+    each step reads no count back)."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     model, tokenizer = fresh
     batch = _prompt(tokenizer, padded=padded)
-    settings = {"budget": 48, "eviction_interval": 1, "kv_bits": kv_bits}
+    settings = {"budget": budget, "eviction_interval": 1, "kv_bits": kv_bits}
     greedy = {"max_new_tokens": 60, "do_sample": False}
     assert CompressedCache(model, **settings).is_compileable
     eager = model.generate(**batch, past_key_values=CompressedCache(model, **settings), disable_compile=True, **greedy)
@@ -430,8 +435,14 @@ def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, pa
     backend = RecordingBackend()
     config = CompileConfig(backend=backend, mode=None, fullgraph=True)
     config._compile_all_devices = True  # (generate compiles on accelerators only, unless told)
-    compiled = model.generate(**batch, past_key_values=CompressedCache(model, **settings), compile_config=config,
-                              **greedy)  # fmt: skip
+    recounts = []  # the host's counts of live entries read back from the device, between the steps
+    recount = CompressedLayer._recount
+    monkeypatch.setattr(CompressedLayer, "_recount", lambda layer: recounts.append(1) or recount(layer))
+    cache = CompressedCache(model, **settings)
+    compiled = model.generate(**batch, past_key_values=cache, compile_config=config, **greedy)
+    monkeypatch.undo()
+    if budget > batch["input_ids"].shape[1]:
+        assert not recounts and all(layer._live_counts_stale for layer in cache.layers)
     assert torch.equal(compiled, eager)
     assert len(backend.calls) == 59 and backend.graphs == 2  # every step but the prompt's pass, compiled
     assert not counters["graph_break"]

@@ -59,7 +59,7 @@ class Eviction:
 
     def _reserve_slot_for_steps(self) -> None:
         """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row with
-        as many live entries as it stores, at most the budget (unpadded, exact storage): make the room the budget and
+        as many live entries as it stores, at most the budget (unpadded; exact or coded): make the room the budget and
         each step's token take, ``budget + 1`` slots, the new ones dead, so that every step writes into the same
         tensors, from the first on. A compiled step then returns no tensor the cache keeps (CUDA graphs overwrite what
         a graph returned when they replay it) and takes no number that changes (they record a graph anew for each
@@ -67,7 +67,7 @@ class Eviction:
         freed slot, which each step's token takes and its eviction frees again; a row under the budget fills its
         dead slots first (``_growing_room``: compiled steps then count its live entries on the device,
         ``_evict_in_graph``)."""
-        if self.quantized or self._has_spare() or not self._holds_step_room() or self.allocated is not None:
+        if self._has_spare() or not self._holds_step_room() or self.allocated is not None:
             return
         target, stored = self._fixed_target(), self.slots
         if stored > target or self.live_range != (stored, stored):

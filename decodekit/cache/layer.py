@@ -259,7 +259,11 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
         return self.deferred and not self.replaying and self.policy.allocation != "uniform"
 
     def _fills_free_slot(self, query_length: int) -> bool:
-        """Whether a pass of ``query_length`` tokens goes into a dead slot of every row instead of a new column."""
+        """Whether a pass of ``query_length`` tokens goes into a dead slot of every row instead of a new column. After
+        compiled steps filling the room made for the budget, a step's token does (a row keeps a dead slot there
+        between steps), known without counting the live entries again (a read of the device)."""
+        if query_length == 1 and self._live_counts_stale and self._growing_room:
+            return True
         return query_length == 1 and self.slots > self.live_range[1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
