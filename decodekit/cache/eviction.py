@@ -64,24 +64,48 @@ class Eviction:
         tensors, from the first on. A compiled step then returns no tensor the cache keeps (CUDA graphs overwrite what
         a graph returned when they replay it) and takes no number that changes (they record a graph anew for each
         new one), as transformers' StaticCache keeps ``max_cache_len`` slots. A full row's one dead slot is its
-        freed slot, which each step's token takes and its eviction frees again; a row under the budget fills its
-        dead slots first (``_growing_room``: compiled steps then count its live entries on the device,
-        ``_evict_in_graph``)."""
+        freed slot, which each step's token takes and its eviction frees again. A row under the budget gets the room as
+        reserved room after its entries (``_growing_room``): eager steps append into it, attending to the entries
+        stored so far, and the first compiled step opens all of it (``_open_room``), its unfilled slots dead, whose
+        live entries compiled steps then count on the device (``_evict_in_graph``)."""
         if self._has_spare() or not self._holds_step_room() or self.allocated is not None:
             return
         target, stored = self._fixed_target(), self.slots
         if stored > target or self.live_range != (stored, stored):
             return
         room = target + 1 - stored
+        spare = {}
         for name in self.entries:  # the new slots: zeros, so dead (live False), score 0, position 0
             held = getattr(self, name)
-            self._place(name, torch.cat([held, held.new_zeros((*held.shape[:2], room, *held.shape[3:]))], dim=2))
+            spare[name] = torch.cat([held, held.new_zeros((*held.shape[:2], room, *held.shape[3:]))], dim=2)
+            self._place(name, spare[name] if room == 1 else spare[name].narrow(2, 0, stored))
+        if room > 1:
+            self._spare, self._room_shared = spare, False
+            self._prepare_room(stored, self._seen_now())
         # The list of freed slots: the one dead slot of a full row, to take first; used up otherwise (the steps take
         # the first dead slot), kept so that a compiled eviction writes into it.
         self._freed = self._live.new_full((*self._live.shape[:2], 1), target, dtype=torch.long)
         self._freed_taken = 0 if room == 1 else 1
         self._growing_room = room > 1
         mark_static(self._freed)
+
+    def _room_to_open(self) -> bool:
+        """Whether this compiled step is the first of a room filling up, which ``_open_room`` opens."""
+        return (
+            self._growing_room
+            and torch.compiler.is_compiling()
+            and self._has_spare()
+            and self.slots < self._spare["keys"].shape[2]
+        )
+
+    def _open_room(self) -> None:
+        """In the first compiled step of a room filling up (``_growing_room``): make every layer tensor the whole
+        reserved room, ``budget + 1`` slots, the slots no step filled yet dead, so that the steps' shapes no longer
+        change as the room fills (``_grows_in_graph``)."""
+        filled, spare = self.slots, self._spare
+        for name in self.entries:
+            self._place(name, spare[name])
+        self._live.narrow(2, filled, self._live.shape[2] - filled).fill_(False)
 
     def _grows_in_graph(self) -> bool:
         """Whether this is a compiled step filling the room ``_reserve_slot_for_steps`` made for a prompt shorter than

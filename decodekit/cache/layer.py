@@ -293,6 +293,8 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
         if query_length == 1 and self._plain_steps and self.keys is self._plain_view:
             self._free = None  # a plain decoding step: no free slot, no mask (see ``_may_defer_scoring``)
             return None
+        if query_length == 1 and self._room_to_open():
+            self._open_room()
         if query_length == 1 and self._grows_in_graph():
             # A compiled step filling the room made for the budget: the first dead slot of each row and head (an
             # unfilled one, or the one the last eviction freed), and a mask made from ``live`` whatever the counts.
