@@ -388,19 +388,19 @@ def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_nu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("kv_bits", [None, 4])
-def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits):
+@pytest.mark.parametrize(("kv_bits", "budget"), [(None, 48), (4, 48), (None, 200)])
+def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits, budget):
     """On CUDA, ``torch.compile(mode="reduce-overhead")`` captures the steps of a cache that evicts one token per step
     in CUDA graphs: none is skipped (the tensors the steps write into are marked as static addresses), graphs are
     recorded for the first steps only, not one per step, and the tokens are eager decoding's; with keys and values
-    in 4 bits too."""
+    in 4 bits too, and under a budget longer than the 186-token prompt, which the steps fill."""
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
 
     _, tokenizer = tiny
     model = build_model(tokenizer).cuda()
     prompt = _prompt(tokenizer)["input_ids"].cuda()
-    settings = {"budget": 48, "eviction_interval": 1, "kv_bits": kv_bits}
+    settings = {"budget": budget, "eviction_interval": 1, "kv_bits": kv_bits}
     eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=40)
     torch._dynamo.reset()
     counters.clear()
