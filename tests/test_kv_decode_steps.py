@@ -338,8 +338,11 @@ def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_
     assert [layer.seen for layer in cache.layers] == [prompt.shape[1] + 60] * len(cache.layers)
 
 
-@pytest.mark.parametrize(("spare", "kv_bits"), [(1, None), (14, None), (80, None), (14, 4)])
-def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_numbers(fresh, spare, kv_bits):
+@pytest.mark.parametrize(
+    ("spare", "kv_bits", "padded"),
+    [(1, None, False), (14, None, False), (80, None, False), (14, 4, False), (14, None, True)],
+)
+def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_numbers(fresh, spare, kv_bits, padded):
     """With a prompt shorter than the budget, the prompt's pass makes the room for the whole budget (``budget + 1``
     slots, as StaticCache makes ``max_cache_len``), the steps fill its dead slots and then evict one token each:
     past the first two compiled steps one graph runs, given the same numbers at every step (the live entries are
@@ -347,9 +350,10 @@ def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_nu
     budget and the evictions after it; the tokens are eager decoding's (whose steps append into that room), and the
     host's counts, read after the steps, are the live entries. ``spare``: the budget's slots the prompt leaves
     unfilled (1: the room holds one dead slot besides the freed one; 80: more than the steps fill, so no step
-    evicts); with keys and values in 4 bits too."""
+    evicts); with keys and values in 4 bits too, and for a left-padded batch (whose second row holds half the
+    tokens)."""
     model, tokenizer = fresh
-    batch = _prompt(tokenizer, rows=2)
+    batch = _prompt(tokenizer, rows=2, padded=padded)
     prompt = batch["input_ids"]
     settings = {"budget": prompt.shape[1] + spare, "eviction_interval": 1, "kv_bits": kv_bits}
     steps = 60
@@ -365,10 +369,9 @@ def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_nu
         for step in range(steps):
             token = logits.argmax(dim=-1, keepdim=True)
             compiled.append(token)
-            position = torch.full((2, 1), prompt.shape[1] + step)
-            logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits[
-                :, -1
-            ]
+            position = batch["attention_mask"].sum(dim=-1, keepdim=True) + step  # each row's own position
+            column = torch.tensor([prompt.shape[1] + step])
+            logits = forward(token, past_key_values=cache, position_ids=position, cache_position=column).logits[:, -1]
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(compiled, eager, strict=True))
     layer = cache.layers[0]
     assert layer.slots == settings["budget"] + 1  # the room for the whole budget, made by the prompt's pass
@@ -377,14 +380,14 @@ def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_nu
     assert len({numbers for _, numbers, _ in steady}) == 1
     assert {returned for _, _, returned in steady} == {1}
     assert backend.reads == 0
-    kept = min(prompt.shape[1] + steps, settings["budget"])
-    assert [layer.live_range for layer in cache.layers] == [(kept, kept)] * len(cache.layers)
-    assert [layer.live_range for layer in eager_cache.layers] == [(kept, kept)] * len(cache.layers)
+    kept = [min(length + steps, settings["budget"]) for length in batch["attention_mask"].sum(dim=-1).tolist()]
+    assert [layer.live_range for layer in cache.layers] == [(min(kept), max(kept))] * len(cache.layers)
+    assert [layer.live_range for layer in eager_cache.layers] == [(min(kept), max(kept))] * len(cache.layers)
     assert cache.kept_tokens == eager_cache.kept_tokens
-    # Eager steps appended into the room (the entries stored so far are its first slots); compiled ones opened it.
+    # The same tokens kept, wherever their slots: eager steps append into the room, compiled ones opened it (and
+    # fill a padded row's padding slots first).
     for ours, theirs in zip(cache.layers, eager_cache.layers, strict=True):
-        assert torch.equal(ours.live[..., : theirs.slots], theirs.live)
-        assert not ours.live[..., theirs.slots :].any()
+        assert torch.equal(ours.kept_positions(), theirs.kept_positions())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -415,7 +418,7 @@ def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits,
 
 @pytest.mark.parametrize(
     ("padded", "kv_bits", "budget"),
-    [(False, None, 48), (True, None, 48), (False, 4, 48), (False, None, 200), (False, 4, 200)],
+    [(False, None, 48), (True, None, 48), (False, 4, 48), (False, None, 200), (False, 4, 200), (True, None, 200)],
 )
 def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, monkeypatch, padded, kv_bits, budget):
     """``model.generate(..., compile_config=...)`` compiles the decoding steps of a cache that evicts one token per

@@ -59,7 +59,8 @@ class Eviction:
 
     def _reserve_slot_for_steps(self) -> None:
         """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row with
-        as many live entries as it stores, at most the budget (unpadded; exact or coded): make the room the budget and
+        as many live entries as it stores past its padding, at most the budget (exact or coded; a left-padded batch
+        only while its rows are under the budget): make the room the budget and
         each step's token take, ``budget + 1`` slots, the new ones dead, so that every step writes into the same
         tensors, from the first on. A compiled step then returns no tensor the cache keeps (CUDA graphs overwrite what
         a graph returned when they replay it) and takes no number that changes (they record a graph anew for each
@@ -68,12 +69,14 @@ class Eviction:
         reserved room after its entries (``_growing_room``): eager steps append into it, attending to the entries
         stored so far, and the first compiled step opens all of it (``_open_room``), its unfilled slots dead, whose
         live entries compiled steps then count on the device (``_evict_in_graph``)."""
-        if self._has_spare() or not self._holds_step_room() or self.allocated is not None:
+        if self._has_spare() or not self.policy.steps_keep_one_room or self.allocated is not None:
             return
         target, stored = self._fixed_target(), self.slots
-        if stored > target or self.live_range != (stored, stored):
-            return
+        if stored > target or any(live != stored - pads for (pads, _), live in self.live_by_group.items()):
+            return  # (a row holds a dead slot past its padding)
         room = target + 1 - stored
+        if room == 1 and self.pad_range[1]:
+            return  # a left-padded batch whose longest row fills the budget: its steps make the room
         spare = {}
         for name in self.entries:  # the new slots: zeros, so dead (live False), score 0, position 0
             held = getattr(self, name)
@@ -109,13 +112,13 @@ class Eviction:
 
     def _grows_in_graph(self) -> bool:
         """Whether this is a compiled step filling the room ``_reserve_slot_for_steps`` made for a prompt shorter than
-        the budget (unpadded, ``budget + 1`` slots, one eviction per step): its live entries are counted on the
+        the budget (``budget + 1`` slots, one eviction per step; a padded row fills its padding slots too): its live
+        entries are counted on the
         device (``_evict_in_graph``), since the host's counts would change at every step until the budget fills,
         each a number the step's graph takes."""
         return (
             self._growing_room
             and torch.compiler.is_compiling()
-            and self.pad_range[1] == 0
             and self.allocated is None
             and self.slots == self._fixed_target() + 1
         )
