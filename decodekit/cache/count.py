@@ -98,6 +98,6 @@ class LiveCount:
 
     def _count_live_again(self) -> None:
         """Outside a compiled step, count the live entries again after compiled steps left the counts stale."""
-        if getattr(self, "_live_counts_stale", False) and not torch.compiler.is_compiling():
+        if self._live_counts_stale and not torch.compiler.is_compiling():
             self._live_counts_stale = False
             self._recount()

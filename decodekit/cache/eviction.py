@@ -60,15 +60,15 @@ class Eviction:
     def _reserve_slot_for_steps(self) -> None:
         """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row with
         as many live entries as it stores past its padding, at most the budget (exact or coded; a left-padded batch
-        only while its rows are under the budget): make the room the budget and
-        each step's token take, ``budget + 1`` slots, the new ones dead, so that every step writes into the same
-        tensors, from the first on. A compiled step then returns no tensor the cache keeps (CUDA graphs overwrite what
-        a graph returned when they replay it) and takes no number that changes (they record a graph anew for each
-        new one), as transformers' StaticCache keeps ``max_cache_len`` slots. A full row's one dead slot is its
-        freed slot, which each step's token takes and its eviction frees again. A row under the budget gets the room as
-        reserved room after its entries (``_growing_room``): eager steps append into it, attending to the entries
-        stored so far, and the first compiled step opens all of it (``_open_room``), its unfilled slots dead, whose
-        live entries compiled steps then count on the device (``_evict_in_graph``)."""
+        only while its rows are under the budget): make the room the budget and each step's token take, ``budget +
+        1`` slots, the new ones dead, so that every step writes into the same tensors, from the first on. A compiled
+        step then returns no tensor the cache keeps (CUDA graphs overwrite what a graph returned when they replay it)
+        and takes no number that changes (they record a graph anew for each new one), as transformers' StaticCache
+        keeps ``max_cache_len`` slots. A full row's one dead slot is its freed slot, which each step's token takes
+        and its eviction frees again. A row under the budget gets the room as reserved room after its entries
+        (``_growing_room``): eager steps append into it, attending to the entries stored so far, and the first
+        compiled step opens all of it (``_open_room``), its unfilled slots dead, whose live entries compiled steps
+        then count on the device (``_evict_in_graph``)."""
         if self._has_spare() or not self.policy.steps_keep_one_room or self.allocated is not None:
             return
         target, stored = self._fixed_target(), self.slots
@@ -113,9 +113,8 @@ class Eviction:
     def _grows_in_graph(self) -> bool:
         """Whether this is a compiled step filling the room ``_reserve_slot_for_steps`` made for a prompt shorter than
         the budget (``budget + 1`` slots, one eviction per step; a padded row fills its padding slots too): its live
-        entries are counted on the
-        device (``_evict_in_graph``), since the host's counts would change at every step until the budget fills,
-        each a number the step's graph takes."""
+        entries are counted on the device (``_evict_in_graph``), since the host's counts would change at every step
+        until the budget fills, each a number the step's graph takes."""
         return (
             self._growing_room
             and torch.compiler.is_compiling()
@@ -127,10 +126,18 @@ class Eviction:
         """A compiled step's eviction in a room filling up (``_grows_in_graph``): a row and head over the budget
         drops its lowest-ranked live entry, as ``_evict`` decides from the host's counts; the next step takes the
         first dead slot. Nothing here depends on a count the host keeps."""
-        ranked = torch.where(self.live, self._priority(), math.inf)
-        victims = ranked.argmin(dim=-1, keepdim=True)
+        victims = self._lowest_ranked_live(1)
         over = self.live.sum(dim=-1, keepdim=True) > self._fixed_target()
         self.live.scatter_(2, victims, over.logical_not())
+
+    def _lowest_ranked_live(self, count: int) -> torch.Tensor:
+        """The slots of each row and head's ``count`` lowest-ranked live entries, ``[batch, kv_heads, count]``. One
+        victim, as at every step with ``eviction_interval=1``, is a reduction, which a compiled step fuses with the
+        ranking's other operators, where a top-k runs on its own."""
+        ranked = torch.where(self.live, self._priority(), math.inf)
+        if count == 1:
+            return ranked.argmin(dim=-1, keepdim=True)
+        return ranked.topk(count, dim=-1, largest=False).indices
 
     def _steps_without_eviction(self) -> int:
         """How many decoding steps from now can evict nothing: the least room under its target of any row
@@ -172,12 +179,7 @@ class Eviction:
             return
         if uniform and in_place:
             # Every row drops its ``bound`` lowest-ranked entries, in place; the next tokens take their slots.
-            ranked = torch.where(self.live, self._priority(), math.inf)
-            # (one victim, as at every step with eviction_interval=1: a reduction, which a compiled step fuses with
-            # the ranking's other operators, where a top-k runs on its own)
-            victims = (
-                ranked.argmin(dim=-1, keepdim=True) if bound == 1 else ranked.topk(bound, dim=-1, largest=False).indices
-            )
+            victims = self._lowest_ranked_live(bound)
             self.live.scatter_(2, victims, False)
             self._remember_freed(victims)
             return

@@ -66,8 +66,8 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
 
     Its jobs are split by file: ``storage.py`` (how entries are held), ``scoring.py`` (what they are
     worth), ``eviction.py`` (which go), ``matching.py`` (what the prompt's kept entries become), ``count.py``
-    (the tokens seen); this file is
-    the layer transformers talks to (``update``, masks, beams, crop) and the state those share.
+    (the tokens seen and the live entries counted); this file is the layer transformers talks to (``update``,
+    masks, beams, crop) and the state those share.
     """
 
     is_croppable = True
