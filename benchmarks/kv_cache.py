@@ -38,7 +38,8 @@ GPU mode (--shape llama-1b): a random-weight model of Llama-3.2-1B's shape in bf
 do not depend on the weights), batch 1, 25% budget, at each of --lengths: prefill time, peak memory
 above the weights, decode tokens/s and cache bytes, for DynamicCache, the default CompressedCache (its
 eviction interval a 32nd of the budget), eviction_interval=8, scoring_backend='torch' (up to 8k tokens) and
-observation_window=64; then compiled decoding (--gpu-compile-modes, on CUDA by default): StaticCache and
+observation_window=64, with the most a step bound by the bytes it reads (weights and cache, at one rate) could
+gain over DynamicCache; then compiled decoding (--gpu-compile-modes, on CUDA by default): StaticCache and
 CompressedCache with eviction_interval=1 (whose steps CUDA graphs capture, mode="reduce-overhead"; also with
 kv_bits=4) and at its default interval through torch.compile(model.forward), beside eager (the default
 interval without CUDA graphs, which would record anew at every step). --shape tiny runs the same code on CPU
@@ -92,6 +93,27 @@ SHAPES = {
     "host-bound": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 16, "num_attention_heads": 8,
                    "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 256},
 }  # fmt: skip
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes of weights a decoding step reads at the least: every parameter once (a tied embedding once, as the output
+    projection reads it whole), an untied input embedding not at all (a step reads one row of it)."""
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    skip = None if output is not None and output.weight is embedding else id(embedding)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) != skip)
+
+
+def memory_bound_ceiling(weights: float, full_cache: float, kept_cache: float) -> float:
+    """The most a cache holding ``kept_cache`` bytes can speed up a decoding step over one holding ``full_cache``,
+    where a step is bound by the bytes it reads (``weights`` plus the cache), as at batch 1 on a GPU once the host
+    keeps up: ``(weights + full_cache) / (weights + kept_cache)``.
+
+    Example:
+        >>> round(memory_bound_ceiling(2.0, 1.0, 0.25), 3)
+        1.333
+    """
+    return (weights + full_cache) / (weights + kept_cache)
 
 
 def cache_bytes(cache) -> int:
@@ -637,12 +659,17 @@ def gpu_eager(model, args, device: torch.device) -> None:
                   f"{size:10.1f}")  # fmt: skip
         if "CompressedCache" not in results:
             continue
-        (prefill, peak, _, warm, _, _), (full_prefill, full_peak, _, full_warm, _, _) = results["CompressedCache"], full
+        prefill, peak, _, warm, _, size = results["CompressedCache"]
+        full_prefill, full_peak, _, full_warm, _, full_size = full
         memory = f"{peak / full_peak:.2f}x ({verdict(peak <= full_peak)} <= 1.0x)" if cuda else "not measured"
         print(f"   {length:7d} targets: prefill {prefill / full_prefill:.2f}x ({verdict(prefill <= 1.3 * full_prefill)}"
               f" <= 1.3x), peak memory {memory}, warm decode {warm / full_warm:.2f}x"
               f" ({verdict(warm >= (1.5 if length >= 32768 else 1.0) * full_warm)}"
               f" >= {'1.5x at 32k' if length >= 32768 else '1.0x'})")  # fmt: skip
+        weights = weight_bytes_read(model) / 2**20
+        ceiling = memory_bound_ceiling(weights, full_size, size)
+        print(f"   {length:7d} a step reads {weights:.0f} MiB of weights and the cache: moving every byte at one rate,"
+              f" it decodes at most {ceiling:.2f}x as fast as DynamicCache")  # fmt: skip
 
 
 def main() -> None:

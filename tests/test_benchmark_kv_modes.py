@@ -22,6 +22,8 @@ def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
     assert "CompressedCache observation_window=64" in out and "DynamicCache" in out
     assert "CompressedCache eviction_interval=8" in out and "compiled decoding" not in out  # none asked on a CPU
     assert "CompressedCache bytes 0.25, replay pass" in out
+    ceiling = "MiB of weights and the cache: moving every byte at one rate, it decodes at most"
+    assert out.count(ceiling) == 2  # one line under each length's targets
 
 
 def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
@@ -65,3 +67,22 @@ def test_kv_step_profile_names_an_unknown_cache():
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode != 0 and "--caches: unknown ['StaticCache']" in result.stderr
+
+
+def test_the_memory_bound_ceiling_counts_each_weight_a_step_reads_once():
+    sys.path.insert(0, str(BENCHMARKS))
+    from kv_cache import memory_bound_ceiling, weight_bytes_read
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "vocab_size": 100}  # fmt: skip
+    # By hand, float32: per layer q, k, v, o (16*16 + 16*8 + 16*8 + 16*16), the MLP (3 * 16*32) and two norms (2*16);
+    # the final norm (16); the embedding (100*16), read whole by the tied output projection.
+    per_layer = 16 * 16 + 16 * 8 + 16 * 8 + 16 * 16 + 3 * 16 * 32 + 2 * 16
+    tied = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True))
+    assert weight_bytes_read(tied) == 4 * (2 * per_layer + 16 + 100 * 16)
+    # Untied: the output projection is read whole, the input embedding only a row per step (not counted).
+    untied = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    assert weight_bytes_read(untied) == 4 * (2 * per_layer + 16 + 100 * 16)
+    assert memory_bound_ceiling(2.0, 1.0, 0.25) == 3.0 / 2.25
+    assert memory_bound_ceiling(2.0, 1.0, 1.0) == 1.0
