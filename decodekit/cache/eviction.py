@@ -59,8 +59,8 @@ class Eviction:
 
     def _reserve_slot_for_steps(self) -> None:
         """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row with
-        as many live entries as it stores past its padding, at most the budget (exact or coded; a left-padded batch
-        only while its rows are under the budget): make the room the budget and each step's token take, ``budget +
+        as many live entries as it stores past its padding, at most the budget (exact or coded, left-padded or
+        not): make the room the budget and each step's token take, ``budget +
         1`` slots, the new ones dead, so that every step writes into the same tensors, from the first on. A compiled
         step then returns no tensor the cache keeps (CUDA graphs overwrite what a graph returned when they replay it)
         and takes no number that changes (they record a graph anew for each new one), as transformers' StaticCache
@@ -68,15 +68,14 @@ class Eviction:
         and its eviction frees again. A row under the budget gets the room as reserved room after its entries
         (``_growing_room``): eager steps append into it, attending to the entries stored so far, and the first
         compiled step opens all of it (``_open_room``), its unfilled slots dead, whose live entries compiled steps
-        then count on the device (``_evict_in_graph``)."""
+        then count on the device (``_evict_in_graph``), as they count those of a left-padded batch's shorter rows,
+        which fill their padding slots first."""
         if self._has_spare() or not self.policy.steps_keep_one_room or self.allocated is not None:
             return
         target, stored = self._fixed_target(), self.slots
         if stored > target or any(live != stored - pads for (pads, _), live in self.live_by_group.items()):
             return  # (a row holds a dead slot past its padding)
         room = target + 1 - stored
-        if room == 1 and self.pad_range[1]:
-            return  # a left-padded batch whose longest row fills the budget: its steps make the room
         spare = {}
         for name in self.entries:  # the new slots: zeros, so dead (live False), score 0, position 0
             held = getattr(self, name)
@@ -89,7 +88,9 @@ class Eviction:
         # the first dead slot), kept so that a compiled eviction writes into it.
         self._freed = self._live.new_full((*self._live.shape[:2], 1), target, dtype=torch.long)
         self._freed_taken = 0 if room == 1 else 1
-        self._growing_room = room > 1
+        # A row under the budget (a short row of a left-padded batch, whose padding slots are dead) fills up: its
+        # live entries are counted on the device in compiled steps, even where the longest row fills the budget.
+        self._growing_room = room > 1 or self.live_range[0] < target
         mark_static(self._freed)
 
     def _room_to_open(self) -> bool:
