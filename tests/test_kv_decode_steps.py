@@ -342,7 +342,7 @@ def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_
     ("spare", "kv_bits", "padded"),
     [
         (0, None, False), (1, None, False), (14, None, False), (80, None, False), (14, 4, False), (14, None, True),
-        (0, None, True),
+        (0, None, True), (-40, None, True), (-40, 4, True),
     ],
 )  # fmt: skip
 def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_numbers(fresh, spare, kv_bits, padded):
@@ -354,7 +354,9 @@ def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_nu
     host's counts, read after the steps, are the live entries. ``spare``: the budget's slots the prompt leaves
     unfilled (0: none, the prompt fills the budget; 1: the room holds one dead slot besides the freed one; 80: more
     than the steps fill, so no step evicts); with keys and values in 4 bits too, and for a left-padded batch (whose
-    second row holds half the tokens, so that it fills up even where the first fills the budget)."""
+    second row holds half the tokens, so that it fills up even where the first fills the budget, or overflows it:
+    -40, a budget between the rows' lengths, where the prompt's eviction leaves the second row fewer dead slots
+    than its padding)."""
     model, tokenizer = fresh
     batch = _prompt(tokenizer, rows=2, padded=padded)
     prompt = batch["input_ids"]
@@ -423,7 +425,7 @@ def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits,
     ("padded", "kv_bits", "budget"),
     [
         (False, None, 48), (True, None, 48), (False, 4, 48), (False, None, 200), (False, 4, 200), (True, None, 200),
-        (False, None, 186), (True, None, 186),
+        (False, None, 186), (True, None, 186), (True, None, 146),
     ],
 )  # fmt: skip
 def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, monkeypatch, padded, kv_bits, budget):
@@ -432,7 +434,8 @@ def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, mo
     the later steps given the same numbers and returning the logits alone, and the tokens of eager ``generate``, for
     one row and a padded batch, for one row with keys and values in 4 bits, and under a budget longer than the
     186-token prompt, which the steps fill (the live entries counted on the device: generate's own preparation of
-    each step reads no count back), or as long as it, where only a padded batch's shorter row fills up."""
+    each step reads no count back), or as long as it, or between a padded batch's rows' lengths, where only its
+    shorter row fills up."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
@@ -453,9 +456,9 @@ def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, mo
     cache = CompressedCache(model, **settings)
     compiled = model.generate(**batch, past_key_values=cache, compile_config=config, **greedy)
     monkeypatch.undo()
-    length = batch["input_ids"].shape[1]
-    assert length == 186
-    if budget > length or (padded and budget == length):  # some row fills up
+    shortest = int(batch["attention_mask"].sum(dim=-1).min())
+    assert batch["input_ids"].shape[1] == 186 and shortest == (93 if padded else 186)
+    if budget > shortest:  # some row fills up
         assert not recounts and all(layer._live_counts_stale for layer in cache.layers)
     assert torch.equal(compiled, eager)
     assert len(backend.calls) == 59 and backend.graphs == 2  # every step but the prompt's pass, compiled

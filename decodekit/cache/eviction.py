@@ -58,23 +58,23 @@ class Eviction:
         return self.policy.steps_keep_one_room and self.pad_range[1] == 0 and self.slots <= self._fixed_target() + 1
 
     def _reserve_slot_for_steps(self) -> None:
-        """With one eviction per step under a budget in tokens, after a pass of several tokens that left every row with
-        as many live entries as it stores past its padding, at most the budget (exact or coded, left-padded or
-        not): make the room the budget and each step's token take, ``budget +
-        1`` slots, the new ones dead, so that every step writes into the same tensors, from the first on. A compiled
-        step then returns no tensor the cache keeps (CUDA graphs overwrite what a graph returned when they replay it)
-        and takes no number that changes (they record a graph anew for each new one), as transformers' StaticCache
-        keeps ``max_cache_len`` slots. A full row's one dead slot is its freed slot, which each step's token takes
-        and its eviction frees again. A row under the budget gets the room as reserved room after its entries
-        (``_growing_room``): eager steps append into it, attending to the entries stored so far, and the first
-        compiled step opens all of it (``_open_room``), its unfilled slots dead, whose live entries compiled steps
-        then count on the device (``_evict_in_graph``), as they count those of a left-padded batch's shorter rows,
-        which fill their padding slots first."""
+        """With one eviction per step under a budget in tokens, after a pass of several tokens that left at most the
+        budget's slots, none of them dead in an unpadded batch (exact or coded; a left-padded batch's steps are
+        masked, so its rows may hold dead slots besides their padding): make the room the budget and each step's
+        token take, ``budget + 1`` slots, the new ones dead, so that every step writes into the same tensors, from
+        the first on. A compiled step then returns no tensor the cache keeps (CUDA graphs overwrite what a graph
+        returned when they replay it) and takes no number that changes (they record a graph anew for each new one),
+        as transformers' StaticCache keeps ``max_cache_len`` slots. A full row's one dead slot is its freed slot,
+        which each step's token takes and its eviction frees again. A row under the budget gets the room as reserved
+        room after its entries (``_growing_room``): eager steps append into it, attending to the entries stored so
+        far, and the first compiled step opens all of it (``_open_room``), its unfilled slots dead, whose live
+        entries compiled steps then count on the device (``_evict_in_graph``), as they count those of a left-padded
+        batch's shorter rows, which fill their padding slots first."""
         if self._has_spare() or not self.policy.steps_keep_one_room or self.allocated is not None:
             return
         target, stored = self._fixed_target(), self.slots
-        if stored > target or any(live != stored - pads for (pads, _), live in self.live_by_group.items()):
-            return  # (a row holds a dead slot past its padding)
+        if stored > target or (self.pad_range[1] == 0 and self.live_range[0] != stored):
+            return  # (an unpadded row holds a dead slot, which its steps would attend to without a mask)
         room = target + 1 - stored
         spare = {}
         for name in self.entries:  # the new slots: zeros, so dead (live False), score 0, position 0
