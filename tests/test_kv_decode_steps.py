@@ -395,6 +395,47 @@ def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_nu
         assert torch.equal(ours.kept_positions(), theirs.kept_positions())
 
 
+@pytest.mark.parametrize(("padded", "budget"), [(False, 48), (False, 200), (True, 146)])
+def test_rows_reordered_between_compiled_steps_decode_as_eagerly(fresh, padded, budget):
+    """Rows reordered between compiled steps (as a beam search by hand reorders them: transformers' own beam search
+    runs its steps uncompiled) decode as eager steps do, over a prompt longer than the budget, under a budget longer
+    than the prompt while the rows fill its room (their live entries counted on the device), and for a left-padded
+    batch under a budget between its rows' lengths. A reorder costs one graph more at most (the step after it takes
+    the first dead slot, the reorder having used up the list of freed slots; a room the steps fill is then read
+    through a view), and the steps after it settle on one graph."""
+    model, tokenizer = fresh
+    batch = _prompt(tokenizer, rows=2, padded=padded)
+    if not padded:  # two different rows, so that swapping them changes what each decodes
+        batch["input_ids"][1, -20:] = batch["input_ids"][1, -20:].flip(0)
+    settings = {"budget": budget, "eviction_interval": 1}
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    compiled_forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    runs = []
+    for forward in (model.forward, compiled_forward):
+        cache = CompressedCache(model, **settings)
+        positions = batch["attention_mask"].sum(dim=-1, keepdim=True)  # each row's next position
+        with torch.no_grad():
+            logits = model(**batch, past_key_values=cache).logits[:, -1]
+            tokens = []
+            for step in range(40):
+                token = logits.argmax(dim=-1, keepdim=True)
+                tokens.append(token)
+                column = torch.tensor([batch["input_ids"].shape[1] + step])
+                logits = forward(token, past_key_values=cache, position_ids=positions, cache_position=column).logits
+                logits, positions = logits[:, -1], positions + 1
+                if step == 20:
+                    swap = torch.tensor([1, 0])
+                    cache.reorder_cache(swap)
+                    logits, positions = logits[swap], positions[swap]
+        runs.append((torch.cat(tokens, dim=-1), [layer.kept_positions() for layer in cache.layers]))
+    (eager, eager_kept), (compiled, compiled_kept) = runs
+    assert torch.equal(compiled, eager)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(compiled_kept, eager_kept, strict=True))
+    graphs = [graph for graph, _, _ in backend.calls]
+    assert len(graphs) == 40 and len(set(graphs[2:21])) == 1 and len(set(graphs[23:])) == 1 and max(graphs) <= 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize(("kv_bits", "budget"), [(None, 48), (4, 48), (None, 200)])
 def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits, budget):
