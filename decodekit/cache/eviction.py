@@ -88,9 +88,9 @@ class Eviction:
         # the first dead slot), kept so that a compiled eviction writes into it.
         self._freed = self._live.new_full((*self._live.shape[:2], 1), target, dtype=torch.long)
         self._freed_taken = 0 if room == 1 else 1
-        # A row under the budget (a short row of a left-padded batch, whose padding slots are dead) fills up: its
-        # live entries are counted on the device in compiled steps, even where the longest row fills the budget.
-        self._growing_room = room > 1 or self.live_range[0] < target
+        # A row under the budget fills up (every row of a prompt shorter than it; a left-padded batch's shorter rows
+        # even where the longest fills it): its live entries are counted on the device in compiled steps.
+        self._growing_room = self.live_range[0] < target
         mark_static(self._freed)
 
     def _room_to_open(self) -> bool:
