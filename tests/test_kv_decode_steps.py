@@ -338,6 +338,27 @@ def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_
     assert [layer.seen for layer in cache.layers] == [prompt.shape[1] + 60] * len(cache.layers)
 
 
+def _rows_by_hand(model, forward, cache, batch, steps: int, swap_after: int | None = None) -> torch.Tensor:
+    """Greedy decoding of a batch by hand: the prompt's pass eager, then each step through ``forward`` with each row at
+    its own position and no mask (as a compiled step is given); with ``swap_after``, the two rows are swapped after
+    that step, as a beam search reorders them. Returns the tokens, ``[rows, steps]``."""
+    positions = batch["attention_mask"].sum(dim=-1, keepdim=True)  # each row's next position
+    with torch.no_grad():
+        logits = model(**batch, past_key_values=cache).logits[:, -1]
+        tokens = []
+        for step in range(steps):
+            token = logits.argmax(dim=-1, keepdim=True)
+            tokens.append(token)
+            column = torch.tensor([batch["input_ids"].shape[1] + step])
+            logits = forward(token, past_key_values=cache, position_ids=positions, cache_position=column).logits
+            logits, positions = logits[:, -1], positions + 1
+            if step == swap_after:
+                swap = torch.tensor([1, 0])
+                cache.reorder_cache(swap)
+                logits, positions = logits[swap], positions[swap]
+    return torch.cat(tokens, dim=-1)
+
+
 @pytest.mark.parametrize(
     ("spare", "kv_bits", "padded"),
     [
@@ -368,16 +389,8 @@ def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_nu
     backend = RecordingBackend()
     cache = CompressedCache(model, **settings)
     forward = torch.compile(model.forward, backend=backend, fullgraph=True)
-    with torch.no_grad():
-        logits = model(**batch, past_key_values=cache).logits[:, -1]
-        compiled = []
-        for step in range(steps):
-            token = logits.argmax(dim=-1, keepdim=True)
-            compiled.append(token)
-            position = batch["attention_mask"].sum(dim=-1, keepdim=True) + step  # each row's own position
-            column = torch.tensor([prompt.shape[1] + step])
-            logits = forward(token, past_key_values=cache, position_ids=position, cache_position=column).logits[:, -1]
-    assert all(torch.equal(ours, theirs) for ours, theirs in zip(compiled, eager, strict=True))
+    compiled = _rows_by_hand(model, forward, cache, batch, steps)
+    assert torch.equal(compiled, torch.cat(eager, dim=-1))
     layer = cache.layers[0]
     assert layer.slots == settings["budget"] + 1  # the room for the whole budget, made by the prompt's pass
     steady = backend.calls[2:]
@@ -414,21 +427,8 @@ def test_rows_reordered_between_compiled_steps_decode_as_eagerly(fresh, padded, 
     runs = []
     for forward in (model.forward, compiled_forward):
         cache = CompressedCache(model, **settings)
-        positions = batch["attention_mask"].sum(dim=-1, keepdim=True)  # each row's next position
-        with torch.no_grad():
-            logits = model(**batch, past_key_values=cache).logits[:, -1]
-            tokens = []
-            for step in range(40):
-                token = logits.argmax(dim=-1, keepdim=True)
-                tokens.append(token)
-                column = torch.tensor([batch["input_ids"].shape[1] + step])
-                logits = forward(token, past_key_values=cache, position_ids=positions, cache_position=column).logits
-                logits, positions = logits[:, -1], positions + 1
-                if step == 20:
-                    swap = torch.tensor([1, 0])
-                    cache.reorder_cache(swap)
-                    logits, positions = logits[swap], positions[swap]
-        runs.append((torch.cat(tokens, dim=-1), [layer.kept_positions() for layer in cache.layers]))
+        tokens = _rows_by_hand(model, forward, cache, batch, 40, swap_after=20)
+        runs.append((tokens, [layer.kept_positions() for layer in cache.layers]))
     (eager, eager_kept), (compiled, compiled_kept) = runs
     assert torch.equal(compiled, eager)
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(compiled_kept, eager_kept, strict=True))

@@ -118,6 +118,27 @@ def test_a_constant_group_decodes_exactly():
     assert torch.equal(quantizer.decode(quantizer.encode(values), torch.float32), values)
 
 
+@pytest.mark.parametrize("widths", [(5, 4), (4, 5), (8, 4), (5, 8), (4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_parts_coded_together_in_other_widths_get_what_each_codes_alone(widths, dtype):
+    """Keys and values coded in one pass (``encode_together``) store exactly what each quantizer codes alone: the
+    same codes, scales and offsets, whatever the two widths; groups with outliers, constant groups and zeros
+    included."""
+    generator = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 3, 5, 64, generator=generator), torch.randn(2, 3, 5, 64, generator=generator)
+    keys[0, 1, 2, 7] = 40.0  # an outlier channel
+    values[1, 0, 3, :32] = -2.5  # a constant group
+    keys[1, 2, 4] = 0.0
+    quantizers = [Quantizer(bits=widths[0], rotated=True), Quantizer(bits=widths[1])]
+    parts = [quantizer.as_coded(part) for quantizer, part in zip(quantizers, (keys, values), strict=True)]
+    together = quantizers[1].encode_together(parts, dtype, quantizers)
+    for quantizer, part, coded in zip(quantizers, (keys, values), together, strict=True):
+        alone = quantizer.encode(part, dtype)
+        assert coded.keys() == alone.keys()
+        for name in alone:
+            assert coded[name].dtype == alone[name].dtype and torch.equal(coded[name], alone[name]), name
+
+
 def _sylvester_free_hadamard(size: int) -> torch.Tensor:
     """The orthonormal Hadamard matrix from its closed form: ``(-1) ** popcount(i & j) / sqrt(size)``."""
     signs = [[(-1) ** bin(i & j).count("1") for j in range(size)] for i in range(size)]

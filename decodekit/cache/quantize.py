@@ -38,6 +38,25 @@ def _rounded(values: torch.Tensor, dtype: torch.dtype, toward: float) -> torch.T
     return torch.where(wrong_side, torch.nextafter(rounded, torch.full_like(rounded, toward)), rounded)
 
 
+# The largest codes of parts coded together in other widths (``Quantizer.encode_together``), by widths and device:
+# made once, outside any compiled step, so that a step reads them as a constant.
+_LEVELS: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+
+
+def _levels(bits: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The largest code of each width in ``bits``, float32 ``[len(bits)]``, made once per widths and device.
+
+    Example:
+        >>> _levels((5, 4), torch.device("cpu")).tolist()
+        [31.0, 15.0]
+    """
+    key = (bits, str(device))
+    made = _LEVELS.get(key)
+    if made is None:
+        made = _LEVELS[key] = torch.tensor([float((1 << width) - 1) for width in bits], device=device)
+    return made
+
+
 def rotation_block(head_dim: int) -> int:
     """The size of the Hadamard blocks that turn a ``head_dim``-channel entry: its largest power-of-two divisor
     (the whole entry for 64 or 128 channels; blocks of 16 for 80).
@@ -143,37 +162,71 @@ class Quantizer:
         return rotate(values.float()) if self.rotated else values.float()
 
     def groups_like(self, other: Quantizer) -> bool:
-        """Whether ``other`` codes in the same width and groups (a turn aside): ``encode_together`` may take both."""
-        return (self.bits, self.group_size) == (other.bits, other.group_size)
+        """Whether ``other`` codes in the same groups (its width and turn aside): ``encode_together`` may take both."""
+        return self.group_size == other.group_size
 
-    def encode_together(self, parts: list[torch.Tensor], dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+    def encode_together(
+        self, parts: list[torch.Tensor], dtype: torch.dtype, widths: list[Quantizer] | None = None
+    ) -> list[dict[str, torch.Tensor]]:
         """The codes of each of ``parts`` (float32 ``[n_i, ..., head_dim]``, the same trailing shape, each already
-        ``as_coded`` by a quantizer of this width and group size), made in one coding pass: entries are coded each
-        on its own, so this is what coding them apart gives, in a third of the operators for two parts.
+        ``as_coded``), made in one coding pass: entries are coded each on its own, so this is what coding them apart
+        gives, in about half the operators for two parts. ``widths``: the quantizer of each part where they code in
+        other widths (the same group size as this one; then every part has the same shape); by default this one.
 
         Example:
             >>> keys, values = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
             >>> together = Quantizer(4).encode_together([keys, values], torch.float32)
             >>> all(torch.equal(together[1][name], Quantizer(4).encode(values)[name]) for name in together[1])
             True
+            >>> apart = Quantizer(4).encode_together([keys, values], torch.float32, [Quantizer(5), Quantizer(4)])
+            >>> all(torch.equal(apart[0][name], Quantizer(5).encode(keys)[name]) for name in apart[0])
+            True
         """
-        coded = self._encode_float(torch.cat(parts), dtype, parts[0].shape[-1])
-        sizes = [part.shape[0] for part in parts]
-        split = {name: torch.split(tensor, sizes) for name, tensor in coded.items()}
-        return [{name: pieces[index] for name, pieces in split.items()} for index in range(len(parts))]
+        bits = [self.bits] if widths is None else [quantizer.bits for quantizer in widths]
+        if len(set(bits)) == 1:
+            same = self if widths is None else widths[0]
+            coded = same._encode_float(torch.cat(parts), dtype, parts[0].shape[-1])
+            sizes = [part.shape[0] for part in parts]
+            split = {name: torch.split(tensor, sizes) for name, tensor in coded.items()}
+            return [{name: pieces[index] for name, pieces in split.items()} for index in range(len(parts))]
+        levels = _levels(tuple(bits), parts[0].device)
+        coded = self._encode_float(torch.stack(parts), dtype, parts[0].shape[-1], levels=levels, packs=False)
+        codes, scales, offsets = (coded[name].unbind(0) for name in ("codes", "scales", "offsets"))
+        nibbles = _packed(coded["codes"], 4).unbind(
+            0
+        )  # the low halves, two per byte (the widths differ: one is 4 or 5)
+        together = []
+        for index, width in enumerate(bits):
+            packed = codes[index] if width == 8 else nibbles[index]
+            if width == 5:  # then the fifth bits
+                packed = torch.cat([packed, _fifth_bits(codes[index])], dim=-1)
+            together.append({"codes": packed, "scales": scales[index], "offsets": offsets[index]})
+        return together
 
-    def _encode_float(self, values: torch.Tensor, dtype: torch.dtype, head_dim: int) -> dict[str, torch.Tensor]:
-        """The codes, scales and offsets of ``values`` (float32, turned already when ``rotated``)."""
+    def _encode_float(
+        self,
+        values: torch.Tensor,
+        dtype: torch.dtype,
+        head_dim: int,
+        *,
+        levels: torch.Tensor | None = None,
+        packs: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """The codes, scales and offsets of ``values`` (float32, turned already when ``rotated``); ``levels``: the
+        largest code of each leading index of ``values`` (``_levels``) where it is not ``self.levels``; ``packs``:
+        whether codes below 8 bits are packed (else one uint8 code per channel)."""
         grouped = values.unflatten(-1, (self.groups(head_dim), self.group_size))
         low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
         # The offset rounded down and the scale up in the storage dtype, so that the stored range still
         # covers every value.
+        largest = self.levels if levels is None else levels.view(-1, *(1,) * (low.dim() - 1))
         offsets = _rounded(low, dtype, -math.inf)
-        scales = _rounded((high - offsets.float()) / self.levels, dtype, math.inf)
+        scales = _rounded((high - offsets.float()) / largest, dtype, math.inf)
         step = scales.float()[..., None]
         codes = ((grouped - offsets.float()[..., None]) / step.clamp(min=torch.finfo(torch.float32).tiny)).round_()
-        codes = codes.clamp_(0, self.levels).to(torch.uint8).flatten(-2)
-        if self.bits < 8:
+        codes = codes.clamp_(0, largest) if levels is None else codes.clamp_(min=0).clamp_(max=largest[..., None])
+        codes = codes.to(torch.uint8).flatten(-2)
+        if self.bits < 8 and packs:
             codes = _packed(codes, self.bits)
         return {"codes": codes, "scales": scales, "offsets": offsets}  # in this order
 
@@ -251,9 +304,14 @@ def _packed(codes: torch.Tensor, bits: int) -> torch.Tensor:
     nibbles = low[..., 0::2] | (low[..., 1::2] << 4)
     if bits == 4:
         return nibbles
+    return torch.cat([nibbles, _fifth_bits(codes)], dim=-1)
+
+
+def _fifth_bits(codes: torch.Tensor) -> torch.Tensor:
+    """The fifth bits of 5-bit ``codes`` (uint8 ``[..., head_dim]``) packed eight per byte (``_FIFTH_BIT_OF``)."""
     fifth = (codes >> 4).unflatten(-1, (-1, 4, 2)).transpose(-1, -2)  # [..., bytes, low or high code, pair]
     placed = fifth << _FIFTH_BIT_OF.to(codes.device)
-    return torch.cat([nibbles, placed.flatten(-2).sum(-1, dtype=torch.uint8)], dim=-1)
+    return placed.flatten(-2).sum(-1, dtype=torch.uint8)
 
 
 def _spread_nibbles(codes: torch.Tensor) -> torch.Tensor:

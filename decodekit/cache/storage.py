@@ -217,13 +217,15 @@ class EntryStorage:
 
     def _encoded(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[tuple | None]:
         """Per part, its codes and the states as coded (``Quantizer.encode_turned``), or None where the part is
-        stored as it is. Keys and values coded alike (but for the keys' turn) are coded in one pass."""
+        stored as it is. Keys and values coded in the same groups (whatever their widths and turns) are coded in one
+        pass."""
         keys_coding, values_coding = (self.quantizers[part] for part in PARTS)
         if keys_coding is None or values_coding is None or not keys_coding.groups_like(values_coding):
             return [None if quantizer is None else quantizer.encode_turned(states, self.storage_dtype)
                     for quantizer, states in ((keys_coding, key_states), (values_coding, value_states))]  # fmt: skip
         turned = [keys_coding.as_coded(key_states), values_coding.as_coded(value_states)]
-        return list(zip(values_coding.encode_together(turned, self.storage_dtype), turned, strict=True))
+        widths = None if keys_coding.bits == values_coding.bits else [keys_coding, values_coding]
+        return list(zip(values_coding.encode_together(turned, self.storage_dtype, widths), turned, strict=True))
 
     def _in_storage_dtype(self, states: torch.Tensor) -> torch.Tensor:
         """``states`` in the storage dtype; a 32-bit value beyond float16's range is held at its largest."""
