@@ -425,6 +425,9 @@ class EntryStorage:
         self._lagging = True
 
     def _fill(self, free, coded, value_norms, positions) -> None:
+        if free.numel() == 1:  # one row and head (a unit of ``HeadsLayer``): one slot, no index to expand
+            self._fill_one(free.view(1), coded, value_norms, positions)
+            return
         slot = free[..., None]
         by_width = {}  # the slot index expanded to each entry width, made once per width
         for name, entry in coded.items():
@@ -439,6 +442,18 @@ class EntryStorage:
         self.live.scatter_(2, slot, True)
         if self._biases is not None:
             self.biases.scatter_(2, slot, 0.0)
+
+    def _fill_one(self, slot, coded, value_norms, positions) -> None:
+        """``_fill`` of a layer of one row and head: every entry written at ``slot`` (``[1]``) along the slots."""
+        for name, entry in coded.items():
+            getattr(self, name).index_copy_(2, slot, entry)
+        self.scores.index_fill_(2, slot, 0.0)
+        if value_norms is not None:
+            self.value_norms.index_copy_(2, slot, value_norms)
+        self.positions.index_copy_(2, slot, positions)
+        self.live.index_fill_(2, slot, True)
+        if self._biases is not None:
+            self.biases.index_fill_(2, slot, 0.0)
 
     def _keep(self, index: torch.Tensor) -> None:
         """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order (at the front of the
