@@ -425,35 +425,28 @@ class EntryStorage:
         self._lagging = True
 
     def _fill(self, free, coded, value_norms, positions) -> None:
-        if free.numel() == 1:  # one row and head (a unit of ``HeadsLayer``): one slot, no index to expand
-            self._fill_one(free.view(1), coded, value_norms, positions)
-            return
-        slot = free[..., None]
+        """Write a decoding step's entries (``coded``, then the bookkeeping) into each row and head's ``free`` slot."""
+        one = free.numel() == 1  # one row and head (a head unit at batch 1): index_copy_ at one slot, nothing expanded
+        slot = free.view(1) if one else free[..., None]
         by_width = {}  # the slot index expanded to each entry width, made once per width
-        for name, entry in coded.items():
-            width = entry.shape[-1]
-            if width not in by_width:
-                by_width[width] = slot[..., None].expand(-1, -1, -1, width)
-            getattr(self, name).scatter_(2, by_width[width], entry)
-        self.scores.scatter_(2, slot, 0.0)
-        if value_norms is not None:
-            self.value_norms.scatter_(2, slot, value_norms)
-        self.positions.scatter_(2, slot, positions)
-        self.live.scatter_(2, slot, True)
-        if self._biases is not None:
-            self.biases.scatter_(2, slot, 0.0)
-
-    def _fill_one(self, slot, coded, value_norms, positions) -> None:
-        """``_fill`` of a layer of one row and head: every entry written at ``slot`` (``[1]``) along the slots."""
-        for name, entry in coded.items():
-            getattr(self, name).index_copy_(2, slot, entry)
-        self.scores.index_fill_(2, slot, 0.0)
-        if value_norms is not None:
-            self.value_norms.index_copy_(2, slot, value_norms)
-        self.positions.index_copy_(2, slot, positions)
-        self.live.index_fill_(2, slot, True)
-        if self._biases is not None:
-            self.biases.index_fill_(2, slot, 0.0)
+        biases = None if self._biases is None else 0.0
+        written = {**coded, "scores": 0.0, "value_norms": value_norms, "positions": positions, "live": True,
+                   "biases": biases}  # fmt: skip
+        for name, entry in written.items():
+            if entry is None:
+                continue
+            target = getattr(self, name)
+            if not isinstance(entry, torch.Tensor) and one:
+                target.index_fill_(2, slot, entry)
+            elif one:
+                target.index_copy_(2, slot, entry)
+            elif not isinstance(entry, torch.Tensor) or entry.dim() == 3:  # bookkeeping: one number per entry
+                target.scatter_(2, slot, entry)
+            else:
+                width = entry.shape[-1]
+                if width not in by_width:
+                    by_width[width] = slot[..., None].expand(-1, -1, -1, width)
+                target.scatter_(2, by_width[width], entry)
 
     def _keep(self, index: torch.Tensor) -> None:
         """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order (at the front of the
