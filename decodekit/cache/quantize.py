@@ -192,9 +192,8 @@ class Quantizer:
         levels = _levels(tuple(bits), parts[0].device)
         coded = self._encode_float(torch.stack(parts), dtype, parts[0].shape[-1], levels=levels, packs=False)
         codes, scales, offsets = (coded[name].unbind(0) for name in ("codes", "scales", "offsets"))
-        nibbles = _packed(coded["codes"], 4).unbind(
-            0
-        )  # the low halves, two per byte (the widths differ: one is 4 or 5)
+        # The low halves, two per byte, which the 4- and 5-bit parts store (the widths differ, so one part is such).
+        nibbles = _packed(coded["codes"], 4).unbind(0)
         together = []
         for index, width in enumerate(bits):
             packed = codes[index] if width == 8 else nibbles[index]

@@ -224,7 +224,7 @@ class EntryStorage:
             return [None if quantizer is None else quantizer.encode_turned(states, self.storage_dtype)
                     for quantizer, states in ((keys_coding, key_states), (values_coding, value_states))]  # fmt: skip
         turned = [keys_coding.as_coded(key_states), values_coding.as_coded(value_states)]
-        widths = None if keys_coding.bits == values_coding.bits else [keys_coding, values_coding]
+        widths = [keys_coding, values_coding]
         return list(zip(values_coding.encode_together(turned, self.storage_dtype, widths), turned, strict=True))
 
     def _in_storage_dtype(self, states: torch.Tensor) -> torch.Tensor:
@@ -436,17 +436,16 @@ class EntryStorage:
             if entry is None:
                 continue
             target = getattr(self, name)
-            if not isinstance(entry, torch.Tensor) and one:
-                target.index_fill_(2, slot, entry)
-            elif one:
-                target.index_copy_(2, slot, entry)
-            elif not isinstance(entry, torch.Tensor) or entry.dim() == 3:  # bookkeeping: one number per entry
-                target.scatter_(2, slot, entry)
-            else:
+            if one:
+                (target.index_copy_ if isinstance(entry, torch.Tensor) else target.index_fill_)(2, slot, entry)
+                continue
+            index = slot  # bookkeeping: one number per entry
+            if isinstance(entry, torch.Tensor) and entry.dim() == 4:  # keys, values, scales: channels per entry
                 width = entry.shape[-1]
                 if width not in by_width:
                     by_width[width] = slot[..., None].expand(-1, -1, -1, width)
-                target.scatter_(2, by_width[width], entry)
+                index = by_width[width]
+            target.scatter_(2, index, entry)
 
     def _keep(self, index: torch.Tensor) -> None:
         """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order (at the front of the
