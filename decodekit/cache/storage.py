@@ -405,6 +405,8 @@ class EntryStorage:
                 base.narrow(2, 0, stored).copy_(old)
             _write(base.narrow(2, stored, new), entry)
             spare[name] = base
+            if reserve and self._marks_static:  # a compiled step may place it whole (_open_room)
+                mark_static(base)
             self._place(name, base.narrow(2, 0, stored + new))
         if reserve:  # kept even when full: the next eviction moves the kept entries to its front
             self._spare = spare
