@@ -15,42 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import time
 
 import torch
 from kv_cache import SHAPES, shaped_model  # benchmarks/ is on sys.path
-from torch.profiler import ProfilerActivity, profile
+from kv_step_profile import decode_profiled
 from transformers import StaticCache
 
 from decodekit.cache import CompressedCache
-
-
-def decode_profiled(model, forward, prompt: torch.Tensor, cache, warm_up: int, tokens: int):
-    """The prompt's pass eager, ``warm_up`` steps through ``forward`` (compiling), then ``tokens`` steps under the
-    profiler; returns the profiler's events and the wall milliseconds per profiled step."""
-    cuda = prompt.is_cuda
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with torch.no_grad():
-        token = model(prompt, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(dim=-1)
-        position = prompt.shape[1]
-
-        def step(token: torch.Tensor, position: int) -> torch.Tensor:
-            ids = torch.tensor([[position]], device=prompt.device)
-            logits = forward(token, past_key_values=cache, position_ids=ids, cache_position=ids[0]).logits
-            return logits[:, -1:].argmax(dim=-1)
-
-        for _ in range(warm_up):
-            token, position = step(token, position), position + 1
-        if cuda:
-            torch.cuda.synchronize()
-        with profile(activities=activities) as profiler:
-            started = time.perf_counter()
-            for _ in range(tokens):
-                token, position = step(token, position), position + 1
-            if cuda:
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - started) / tokens
-    return profiler.events(), wall * 1e3
 
 
 def summarize(name: str, events, wall: float, tokens: int, top: int) -> None:
@@ -69,19 +40,19 @@ def summarize(name: str, events, wall: float, tokens: int, top: int) -> None:
         busy = per_step(sum(event.device_time for event in kernels))
         line += f"   kernels {busy:5.2f} ms ({len(kernels) / tokens:.0f} a step)"
     print(line)
-    by_self = collections.Counter()
-    for event in host:
-        by_self[event.name] += event.self_cpu_time_total
-    print("      host events, self time per step:")
-    for event_name, total in by_self.most_common(top):
-        print(f"         {per_step(total):7.4f} ms  {event_name[:110]}")
+    print_top("host events, self time per step", host, lambda event: event.self_cpu_time_total, tokens, top)
     if kernels:
-        by_kernel = collections.Counter()
-        for event in kernels:
-            by_kernel[event.name] += event.device_time
-        print("      kernels, time per step:")
-        for kernel, total in by_kernel.most_common(top):
-            print(f"         {per_step(total):7.4f} ms  {kernel[:110]}")
+        print_top("kernels, time per step", kernels, lambda event: event.device_time, tokens, top)
+
+
+def print_top(title: str, events, microseconds, tokens: int, top: int) -> None:
+    """The ``top`` names among ``events`` by their summed ``microseconds(event)``, in milliseconds per step."""
+    totals = collections.Counter()
+    for event in events:
+        totals[event.name] += microseconds(event)
+    print(f"      {title}:")
+    for name, total in totals.most_common(top):
+        print(f"         {total / 1e3 / tokens:7.4f} ms  {name[:110]}")
 
 
 def main() -> None:
@@ -100,7 +71,7 @@ def main() -> None:
     plain = copy.deepcopy(model)  # never bound by a CompressedCache
     prompt = torch.randint(0, model.config.vocab_size, (1, args.length), device=device)
     room = args.length + args.warm_up + args.tokens
-    budget = args.length // 4
+    budget = max(args.length // 4, 36)  # never below the sinks and recent window
     torch._dynamo.config.recompile_limit = 64
     caches = {
         f"StaticCache(max_cache_len={room})": (plain, lambda: StaticCache(config=plain.config, max_cache_len=room)),

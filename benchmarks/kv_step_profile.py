@@ -40,9 +40,10 @@ def make_cache(name: str, model, length: int, tokens: int):
     return byte_sized_cache(model)
 
 
-def profiled_step(model, prompt: torch.Tensor, cache, tokens: int) -> tuple[float, float, float]:
-    """Top-level operators, wall milliseconds and kernel milliseconds (NaN off CUDA) per step, over ``tokens``
-    greedy steps after the prompt's pass and 8 steps of warm-up."""
+def decode_profiled(model, forward, prompt: torch.Tensor, cache, warm_up: int, tokens: int):
+    """The prompt's pass eager, ``warm_up`` greedy steps through ``forward`` (``model.forward``, or a compiled
+    forward, which compiles then), then ``tokens`` steps under ``torch.profiler``; returns the profiler's events
+    and the wall milliseconds per profiled step."""
     cuda = prompt.is_cuda
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with torch.no_grad():
@@ -51,9 +52,10 @@ def profiled_step(model, prompt: torch.Tensor, cache, tokens: int) -> tuple[floa
 
         def step(token: torch.Tensor, position: int) -> torch.Tensor:
             ids = torch.tensor([[position]], device=prompt.device)
-            return model(token, past_key_values=cache, position_ids=ids, cache_position=ids[0]).logits.argmax(-1)
+            logits = forward(token, past_key_values=cache, position_ids=ids, cache_position=ids[0]).logits
+            return logits[:, -1:].argmax(dim=-1)
 
-        for _ in range(8):
+        for _ in range(warm_up):
             token, position = step(token, position), position + 1
         if cuda:
             torch.cuda.synchronize()
@@ -64,12 +66,18 @@ def profiled_step(model, prompt: torch.Tensor, cache, tokens: int) -> tuple[floa
             if cuda:
                 torch.cuda.synchronize()
             wall = (time.perf_counter() - started) / tokens
-    events = profiler.events()
+    return profiler.events(), wall * 1e3
+
+
+def profiled_step(model, prompt: torch.Tensor, cache, tokens: int) -> tuple[float, float, float]:
+    """Top-level operators, wall milliseconds and kernel milliseconds (NaN off CUDA) per step, over ``tokens``
+    greedy steps after the prompt's pass and 8 steps of warm-up."""
+    events, wall = decode_profiled(model, model.forward, prompt, cache, 8, tokens)
     operators = sum(1 for event in events if event.name.startswith("aten::") and event.cpu_parent is None)
     kernels = float("nan")
-    if cuda:
+    if prompt.is_cuda:
         kernels = sum(event.device_time for event in events if event.device_type.name == "CUDA") / 1e3 / tokens
-    return operators / tokens, wall * 1e3, kernels
+    return operators / tokens, wall, kernels
 
 
 def main() -> None:
