@@ -80,11 +80,9 @@ class Eviction:
         for name in self.entries:  # the new slots: zeros, so dead (live False), score 0, position 0
             held = getattr(self, name)
             spare[name] = torch.cat([held, held.new_zeros((*held.shape[:2], room, *held.shape[3:]))], dim=2)
-            if self._marks_static:  # the first compiled step of a room filling up places it whole (_open_room)
-                mark_static(spare[name])
             self._place(name, spare[name] if room == 1 else spare[name].narrow(2, 0, stored))
         if room > 1:
-            self._spare, self._room_shared = spare, False
+            self._hold_room(spare, shared=False)
             self._prepare_room(stored, self._seen_now())
         # The list of freed slots: the one dead slot of a full row, to take first; used up otherwise (the steps take
         # the first dead slot), kept so that a compiled eviction writes into it.

@@ -515,9 +515,10 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
         self._room_shared = False  # the operation makes tensors of this layer's own
         if self._has_spare():
             slots = self.slots
+            room = {name: operation(self._spare[name]) for name in self.entries}
             for name in self.entries:
-                self._spare[name] = operation(self._spare[name])
-                self._place(name, self._spare[name].narrow(2, 0, slots))
+                self._place(name, room[name].narrow(2, 0, slots))
+            self._hold_room(room, shared=False)
             names = names[len(self.entries) :]
         for name in names:
             tensor = getattr(self, name)

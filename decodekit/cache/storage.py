@@ -319,6 +319,15 @@ class EntryStorage:
             self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
         return spare is not None
 
+    def _hold_room(self, spare: dict[str, torch.Tensor], shared: bool) -> None:
+        """Keep ``spare`` as the reserved room (``shared``: this layer's slices of the room the layers share). On
+        CUDA its tensors are marked as static addresses here, outside any compiled step: the first compiled step of
+        a room filling up places them whole (``_open_room``), where they can no longer be marked."""
+        self._spare, self._room_shared = spare, shared
+        if self._marks_static:
+            for tensor in spare.values():
+                mark_static(tensor)
+
     def _replace_bookkeeping(self, name: str, value: torch.Tensor | None) -> None:
         """Set the bookkeeping tensor ``name`` (as its property's setter does); the reserved room is given up
         unless ``value`` is a view of its start."""
@@ -405,12 +414,9 @@ class EntryStorage:
                 base.narrow(2, 0, stored).copy_(old)
             _write(base.narrow(2, stored, new), entry)
             spare[name] = base
-            if reserve and self._marks_static:  # a compiled step may place it whole (_open_room)
-                mark_static(base)
             self._place(name, base.narrow(2, 0, stored + new))
         if reserve:  # kept even when full: the next eviction moves the kept entries to its front
-            self._spare = spare
-            self._room_shared = shared and not torch.compiler.is_compiling() and base._base is not None
+            self._hold_room(spare, shared=shared and not torch.compiler.is_compiling() and base._base is not None)
             self._prepare_room(stored + new, self._seen_now() + new)
 
     def _prepare_room(self, filled: int, next_position: int) -> None:
