@@ -138,16 +138,35 @@ def kvpress_python(args) -> Path | None:
     return python
 
 
+def protocol_texts(names: str) -> dict:
+    """The protocol's texts named in ``names`` (comma-separated), in the protocol's order."""
+    chosen = {name.strip() for name in names.split(",") if name.strip()}
+    unknown = chosen - set(PROTOCOL_TEXTS)
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"unknown {sorted(unknown)}; name one or more of {', '.join(PROTOCOL_TEXTS)}"
+            if unknown
+            else "no text named"
+        )
+    return {name: text for name, text in PROTOCOL_TEXTS.items() if name in chosen}
+
+
 def press_rows(args, model, tasks: dict) -> list[dict]:
     """The presses' rows: read from --presses-from, or measured now in kvpress's virtualenv."""
     if args.presses_from:  # only the presses' rows: ours are measured now
-        return [row for row in _read_rows(args.presses_from) if row["method"].startswith("kvpress")]
+        return recorded_press_rows(args.presses_from, tasks["texts"])
     python = kvpress_python(args)
     return [] if python is None else run_presses(python, model, tasks)
 
 
 def _read_rows(path: str) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def recorded_press_rows(path: str, texts) -> list[dict]:
+    """The presses' rows of a recorded run, their perplexities only on ``texts`` (the texts measured now)."""
+    rows = [row for row in _read_rows(path) if row["method"].startswith("kvpress")]
+    return [row for row in rows if "perplexity" not in row or row["task"] in texts]
 
 
 def run_presses(python: Path, model, tasks: dict, chosen: list[str] | None = None) -> list[dict]:
@@ -169,7 +188,7 @@ def byte_press_rows(args, model):
 
     def rows(tasks: dict) -> list[dict]:
         if args.byte_presses_from:
-            return [row for row in _read_rows(args.byte_presses_from) if row["method"].startswith("kvpress")]
+            return recorded_press_rows(args.byte_presses_from, tasks["texts"])
         python = kvpress_python(args)
         if python is None:
             return []
@@ -202,7 +221,7 @@ def summarize(rows: list[dict], full: dict[str, float]) -> dict[str, dict[float,
 
 
 def quality(model, tokenizer, args) -> None:
-    texts = text_tasks(tokenizer, PROTOCOL_TEXTS, args.context_tokens, args.continuation_tokens)
+    texts = text_tasks(tokenizer, args.texts, args.context_tokens, args.continuation_tokens)
     tasks = {
         "ratios": list(RATIOS),
         "texts": {name: {"context": t["context"], "continuation": t["continuation"]} for name, t in texts.items()},
@@ -687,6 +706,12 @@ def main() -> None:
     parser.add_argument("--speed-rounds", type=int, default=1)
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--long-budget", type=int, default=256)
+    parser.add_argument(
+        "--texts",
+        type=protocol_texts,
+        default=PROTOCOL_TEXTS,
+        help=f"quality: the protocol's texts to measure, comma-separated (default: all of {', '.join(PROTOCOL_TEXTS)})",
+    )
     parser.add_argument("--skip-quality", action="store_true", help="measure cost and speed only")
     parser.add_argument("--skip-equal-tokens", action="store_true", help="skip the quality section at equal tokens")
     parser.add_argument("--skip-bytes", action="store_true", help="skip the quality-per-byte section")
@@ -759,7 +784,7 @@ def main() -> None:
     if not (args.skip_quality or args.skip_equal_tokens):
         quality(model, tokenizer, args)
     if not (args.skip_quality or args.skip_bytes):
-        texts = text_tasks(tokenizer, PROTOCOL_TEXTS, args.context_tokens, args.continuation_tokens)
+        texts = text_tasks(tokenizer, args.texts, args.context_tokens, args.continuation_tokens)
         per_byte.run(model, tokenizer, texts, args, byte_press_rows(args, model), verdict)
     if not args.skip_speed:
         prefill_cost(model, tokenizer, args)

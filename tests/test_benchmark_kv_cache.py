@@ -10,7 +10,8 @@ from tests.benchmark_runs import run_benchmark
 
 def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     short = ["--context-tokens", "256", "--continuation-tokens", "32", "--speed-prompt", "256", "--speed-tokens", "4"]
-    short += ["--pass-keys", "1", "--pass-key-filler", "4", "--prefill-tokens", "256", "--prefill-rounds", "1"]
+    short += ["--texts", "gpl3", "--pass-keys", "1", "--pass-key-filler", "4"]  # one text: the recorded
+    short += ["--prefill-tokens", "256", "--prefill-rounds", "1"]  # presses' other texts must be left out
     presses = tmp_path / "presses.jsonl"  # a recorded kvpress run, so that the comparison code runs too
     rows = [{"method": "kvpress SnapKV", "ratio": r, "task": t, "perplexity": 1e9} for r in (0.5, 0.75, 0.9)
             for t in ("gpl3", "argparse.py", "pydoc types", "idle NEWS")]  # fmt: skip
@@ -38,3 +39,17 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     assert "1b. quality per byte" in out and "kvpress KVzip" in out and "decodekit reconstruction 16-bit" in out
     assert "75.0% of the bytes removed, decodekit reconstruction: held" in out and "target <= +0.25%" in out
     assert "vs KVzip's +" in out and "within 25.0%: True" in out and "False)" not in out
+
+
+def test_kv_cache_benchmark_refuses_an_unknown_text_by_name():
+    import subprocess
+    import sys
+
+    from tests.benchmark_runs import BENCHMARKS
+
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "kv_cache.py"), "--texts", "gpl3, no such text"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--texts: unknown ['no such text']; name one or more of gpl3, argparse.py" in result.stderr
