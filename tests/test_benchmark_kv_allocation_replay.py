@@ -1,0 +1,35 @@
+"""The allocation and replay ablations still run, and their masks reproduce the evicting cache (short
+configurations; apart from the other ablations so that pytest-xdist can run them side by side)."""
+
+from __future__ import annotations
+
+from tests.benchmark_runs import run_benchmark
+
+
+def test_the_allocation_ablation_runs_and_its_uniform_row_is_the_cache_itself():
+    out = run_benchmark("kv_allocation.py", "--context-tokens", "256", "--continuation-tokens", "32", "--ratios", "0.5")
+    rows = {line[:30].strip(): line[30:].strip() for line in out.splitlines() if line.startswith("  ")}
+    assert {"uniform", "per layer", "global", "global, layer-normalized"} <= set(rows)
+    assert rows["uniform"] == rows["CompressedCache, evicting"]  # the masks reproduce the evicting cache
+
+
+def test_the_allocation_ablation_on_reconstruction_scores_reproduces_the_global_cache():
+    out = run_benchmark(
+        "kv_allocation.py", "--context-tokens", "256", "--continuation-tokens", "32", "--ratios", "0.75",
+        "--scoring", "reconstruction", "--allocations", "CompressedCache, evicting;layers;uniform",
+    )  # fmt: skip
+    rows = {line[:30].strip(): line[30:].strip() for line in out.splitlines() if line.startswith("  ")}
+    assert "reconstruction scores" in out
+    assert rows["layers"] == rows["CompressedCache, evicting"]  # allocation="global" is the "layers" masks
+    assert rows["layers"] != rows["uniform"]
+
+
+def test_the_replay_ablation_runs_and_its_masks_are_the_evicting_cache():
+    out = run_benchmark(
+        "kv_replay.py", "--context-tokens", "256", "--continuation-tokens", "32", "--ratios", "0.75",
+        "--chunk", "128", "--rows", "plain;KVzip+", "--floors", "0.2", "--with-cache",
+    )  # fmt: skip
+    rows = {(line[2:20].strip(), line[20:27].strip()): line[27:] for line in out.splitlines() if line.startswith("  ")}
+    assert rows["plain", "20%"] == rows["plain", "cache"]
+    assert rows["KVzip+", "20%"] == rows["KVzip+", "cache"]
+    assert rows["plain", "20%"] != rows["KVzip+", "20%"]
