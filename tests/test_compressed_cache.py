@@ -443,24 +443,18 @@ def _observed_modules(model) -> list[torch.nn.Module]:
     return attention + [module.q_proj for module in attention]
 
 
-def test_binding_observes_forward_without_hooks_or_instance_wrappers(fresh):
-    """The attention modules and their query projections keep PyTorch's plain call path (no hook) and their class's
-    forward (a subclass's of the same name, so that a compiled step guards nothing more of them than their class),
-    and unbind gives them their own class back."""
+def test_binding_wraps_forward_without_hooks(fresh):
+    """The attention modules and their query projections keep PyTorch's plain call path (no hook), and
+    unbind gives them their own forward back."""
     model, tokenizer = fresh
     batch = _batch(tokenizer, PROMPTS[:1])
-    observed = _observed_modules(model)
-    classes = [type(module) for module in observed]
     CompressedCache(model, budget=36)
+    observed = _observed_modules(model)
     assert all(not module._forward_hooks and not module._forward_pre_hooks for module in observed)
-    assert all("forward" not in module.__dict__ for module in observed)
-    assert all(
-        type(module) is not cls and isinstance(module, cls) for module, cls in zip(observed, classes, strict=True)
-    )
-    assert all(type(module).__name__ == cls.__name__ for module, cls in zip(observed, classes, strict=True))
+    assert all("forward" in module.__dict__ for module in observed)
     with_cache = _greedy(model, tokenizer, batch, CompressedCache(model, budget=36))
     unbind(model)
-    assert [type(module) for module in observed] == classes
+    assert all("forward" not in module.__dict__ for module in observed)
     assert torch.equal(_greedy(model, tokenizer, batch, CompressedCache(model, budget=36)), with_cache)
 
 

@@ -73,7 +73,7 @@ def _query_projection(module: nn.Module) -> nn.Module:
 
 
 def bind(model: nn.Module, *, replays: bool = False) -> list[nn.Module]:
-    """Observe the forward of ``model``'s attention modules and query projections once, and, for a cache that
+    """Wrap the forward of ``model``'s attention modules and query projections once, and, for a cache that
     ``replays`` the prompt (reconstruction scoring), hook the model's own forward; return its attention modules.
 
     The model's hook is added only for such a cache: it sends every call of the model down PyTorch's hooked
@@ -82,11 +82,12 @@ def bind(model: nn.Module, *, replays: bool = False) -> list[nn.Module]:
     modules = attention_modules(model)
     installed = getattr(model, HOOKS_ATTRIBUTE, None)
     if installed is None:
-        observed = []
+        wrapped = []
         for module in modules:
-            observed.append(_observe(module, _observed_attention))
-            observed.append(_observe(_query_projection(module), _capture_queries))
-        installed = (None, [entry for entry in observed if entry is not None])
+            capture = partial(_capture_queries, module, _queries_maker(module))
+            wrapped.append(_wrap_forward(module, partial(_observed_attention, module)))
+            wrapped.append(_wrap_forward(_query_projection(module), capture))
+        installed = (None, [entry for entry in wrapped if entry is not None])
     if replays and installed[0] is None:
         installed = (model.register_forward_hook(_after_model, with_kwargs=True), installed[1])
     setattr(model, HOOKS_ATTRIBUTE, installed)
@@ -96,23 +97,19 @@ def bind(model: nn.Module, *, replays: bool = False) -> list[nn.Module]:
 def unbind(model: nn.Module) -> None:
     """Undo what ``bind`` installed (a CompressedCache then refuses to run on ``model``).
 
-    A module whose forward was wrapped again since (by another library) keeps decodekit's observer
+    A module whose forward was wrapped again since (by another library) keeps decodekit's wrapper
     inside that one, and still feeds a CompressedCache; every other module gets its forward back.
     """
     installed = getattr(model, HOOKS_ATTRIBUTE, None)
     if installed is None:
         return
-    handle, observed = installed
+    handle, wrapped = installed
     if handle is not None:
         handle.remove()
-    for module, previous, wrapper in observed:
-        if wrapper is None:  # observed through its class
-            if "forward" in module.__dict__:
-                continue  # wrapped again since: ours stays inside, and the module stays marked
-            module.__class__ = previous
-        elif module.__dict__.get("forward") is not wrapper:
-            continue
-        elif previous is None:
+    for module, previous, wrapper in wrapped:
+        if module.__dict__.get("forward") is not wrapper:
+            continue  # wrapped again since: ours stays inside, and the module stays marked
+        if previous is None:
             del module.forward  # the class's own forward again
         else:
             module.forward = previous
@@ -120,39 +117,17 @@ def unbind(model: nn.Module) -> None:
     delattr(model, HOOKS_ATTRIBUTE)
 
 
-def _observe(module: nn.Module, observer: Callable) -> tuple[nn.Module, Any, Any] | None:
-    """Make ``module``'s forward call ``observer(module, forward, *args, **kwargs)``, with ``forward`` the one it
-    had; return what ``unbind`` needs to undo it, or None when the module is observed already.
-
-    A module with its class's forward becomes an instance of a subclass of its class (of the same name) whose
-    forward does that: a compiled step then checks nothing more of it than its class, where a wrapper that the
-    module holds would be checked against the module through every object that holds it (``torch.compile``'s
-    guards, each a Python call at every step). A module whose forward a library wrapped (as accelerate's device
-    hooks do) keeps that wrapper, inside one of ours.
-    """
+def _wrap_forward(module: nn.Module, wrapper) -> tuple[nn.Module, Any, Any] | None:
+    """Make ``module.forward`` call ``wrapper(forward, *args, **kwargs)``, with ``forward`` the one it had (a
+    library's wrapper, as accelerate's device hooks, stays inside); return what ``unbind`` needs to undo it, or
+    None when the module is wrapped already."""
     if getattr(module, WRAPPED_ATTRIBUTE, False):
         return None
     previous = module.__dict__.get("forward")
-    setattr(module, WRAPPED_ATTRIBUTE, True)
-    if previous is None:
-        base = type(module)
-        module.__class__ = _observed_class(base, observer)
-        return module, base, None
-    wrapped = partial(observer, module, previous)
+    wrapped = partial(wrapper, module.forward)
     module.forward = wrapped
+    setattr(module, WRAPPED_ATTRIBUTE, True)
     return module, previous, wrapped
-
-
-@cache
-def _observed_class(base: type, observer: Callable) -> type:
-    """The subclass of ``base`` whose forward is ``observer(self, base's forward bound to self, ...)``."""
-
-    def forward(self, *args, **kwargs):
-        return observer(self, super(observed, self).forward, *args, **kwargs)
-
-    observed = type(base.__name__, (base,), {"forward": forward, "__doc__": base.__doc__})
-    observed.__qualname__ = base.__qualname__
-    return observed
 
 
 def _compressed_cache(kwargs: dict[str, Any]):
@@ -240,11 +215,10 @@ def _left_padding(attention_mask: torch.Tensor | None, batch: int, device: torch
     return leading.to(device=device, dtype=torch.long).expand(batch).clone()
 
 
-# The pass each attention module is in, per thread: (module, layer, observed tokens, (cos, sin)) by the id of its
-# query projection, set before the module runs and taken by the projection's observer, so that the queries are not
-# computed twice.
+# The pass each attention module is in, per thread: (layer, observed tokens, (cos, sin)), set before the
+# module runs and taken by the wrapper of its query projection, so that the queries are not computed twice.
 class _Passes(threading.local):
-    """Per thread, the pending passes by query projection id (a fresh dict in each thread)."""
+    """Per thread, the pending passes by attention module id (a fresh dict in each thread)."""
 
     def __init__(self) -> None:
         self.passes: dict[int, tuple] = {}
@@ -267,7 +241,7 @@ def _observed_attention(module: nn.Module, forward, *args, **kwargs):
     try:
         output = forward(*args, **kwargs)
     finally:
-        _PENDING.passes.pop(id(_query_projection(module)), None)  # not taken if the projection did not run
+        _PENDING.passes.pop(id(module), None)  # the queries were not taken if the projection did not run
     layer.compress(hidden_states.shape[1])
     return output
 
@@ -282,7 +256,7 @@ def _before_attention(module: nn.Module, cache, layer, hidden_states: torch.Tens
     if cache.policy.replay_output_norms and cache.replaying:
         layer.weigh_replay(1 / hidden_states.float().norm(dim=-1).clamp(min=1e-30), _output_grams(module))
     window = length if cache.policy.observation_window is None else min(length, cache.policy.observation_window)
-    _PENDING.passes[id(_query_projection(module))] = (module, layer, window, position_embeddings)
+    _PENDING.passes[id(module)] = (layer, window, position_embeddings)
     first_pass = not layer.is_initialized
     if first_pass:
         pads = _left_padding(kwargs.get("attention_mask"), batch, hidden_states.device)
@@ -303,22 +277,22 @@ def _before_attention(module: nn.Module, cache, layer, hidden_states: torch.Tens
     return _attention_mask(module, visible, hidden_states.dtype)
 
 
-def _capture_queries(projection: nn.Module, forward, *args, **kwargs) -> torch.Tensor:
+def _capture_queries(module: nn.Module, to_queries, forward, *args, **kwargs) -> torch.Tensor:
     """The query projection's forward (``forward``), which also hands the layer of a pending pass the observed
     tokens' query columns, as the module's own projection made them, with their rotation; the layer turns them
     into queries (``to_queries``) when it scores, which a decoding step between evictions does not."""
     output = forward(*args, **kwargs)
     passes = _PENDING.passes
-    pending = passes.pop(id(projection), None) if passes else None
+    pending = passes.pop(id(module), None) if passes else None
     if pending is None:
         return output
-    module, layer, window, (cos, sin) = pending
+    layer, window, (cos, sin) = pending
     if layer.reads_turned_keys:  # the layer's coded keys are read turned: turn the queries alike
         output = _with_turned_queries(module, output, cos, sin)
     observed = output
     if window < observed.shape[1]:
         observed, cos, sin = observed[:, -window:], cos[:, -window:], sin[:, -window:]
-    layer.observe(_query_columns(module, observed), _queries_maker(module), module.scaling, cos, sin)
+    layer.observe(_query_columns(module, observed), to_queries, module.scaling, cos, sin)
     return output
 
 
