@@ -84,7 +84,7 @@ def test_the_grid_names_every_piece():
 def test_every_recipe_is_batch_invariant_on_the_default_model(real):
     model, tokenizer = real
     prompts = ["Name a color.", "Write a long, detailed story about a lighthouse keeper " * 6]
-    result = check(model, tokenizer, prompts, steps=5)
+    result = check(model, tokenizer, prompts, steps=3)  # the tiny models' tests decode longer
     assert result["stable_rows"]
     assert result["findings"] == []
 

@@ -7,7 +7,7 @@ from tests.benchmark_runs import run_benchmark
 
 
 def test_kv_bytes_benchmark_runs_and_prints_its_rows():
-    short = ["--context-tokens", "256", "--continuation-tokens", "32", "--fractions", "0.5", "--bits", "16,8/4"]
+    short = ["--context-tokens", "128", "--continuation-tokens", "16", "--fractions", "0.5", "--bits", "16,8/4"]
     out = run_benchmark("kv_bytes.py", *short)
     rows = [line.split() for line in out.splitlines() if line.lstrip().startswith("50%")]
     assert [row[1] for row in rows] == ["16", "8/4"]

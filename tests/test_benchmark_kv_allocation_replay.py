@@ -7,7 +7,7 @@ from tests.benchmark_runs import run_benchmark
 
 
 def test_the_allocation_ablation_runs_and_its_uniform_row_is_the_cache_itself():
-    out = run_benchmark("kv_allocation.py", "--context-tokens", "256", "--continuation-tokens", "32", "--ratios", "0.5")
+    out = run_benchmark("kv_allocation.py", "--context-tokens", "128", "--continuation-tokens", "16", "--ratios", "0.5")
     rows = {line[:30].strip(): line[30:].strip() for line in out.splitlines() if line.startswith("  ")}
     assert {"uniform", "per layer", "global", "global, layer-normalized"} <= set(rows)
     assert rows["uniform"] == rows["CompressedCache, evicting"]  # the masks reproduce the evicting cache
