@@ -3,6 +3,7 @@ both through ``torch.compile(model.forward, fullgraph=True)``, greedy steps by h
 
     python benchmarks/kv_compiled_profile.py --device cuda --shape llama-1b --length 8192 --mode reduce-overhead
     python benchmarks/kv_compiled_profile.py --length 512 --mode default             # host-bound shape, this CPU
+    python benchmarks/kv_compiled_profile.py --length 512 --skip-guards    # the same, guards not evaluated
 
 For each cache: wall milliseconds per step, the host's time in dynamo's lookup of the step's graph (its guards)
 and in the compiled region, on CUDA the kernels' time per step and kernels run per step, then the host events and
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 from kv_cache import SHAPES, shaped_model  # benchmarks/ is on sys.path
@@ -64,6 +67,12 @@ def main() -> None:
     parser.add_argument("--warm-up", type=int, default=16, help="compiled steps before the profile")
     parser.add_argument("--tokens", type=int, default=64, help="profiled steps")
     parser.add_argument("--top", type=int, default=12, help="host events and kernels listed")
+    parser.add_argument(
+        "--skip-guards",
+        action="store_true",
+        help="profile with guard evaluation skipped (torch.compiler.set_stance(skip_guard_eval_unsafe=True)): "
+        "the step without its graph lookup's guards",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -83,7 +92,8 @@ def main() -> None:
           f"{args.mode!r}, fullgraph; {args.warm_up} steps, then {args.tokens} profiled")  # fmt: skip
     for name, (runs_on, make) in caches.items():
         forward = torch.compile(runs_on.forward, mode=args.mode, fullgraph=True)
-        events, wall = decode_profiled(runs_on, forward, prompt, make(), args.warm_up, args.tokens)
+        stance = partial(torch.compiler.set_stance, skip_guard_eval_unsafe=True) if args.skip_guards else nullcontext
+        events, wall = decode_profiled(runs_on, forward, prompt, make(), args.warm_up, args.tokens, stance)
         summarize(name, events, wall, args.tokens, args.top)
 
 

@@ -16,6 +16,7 @@ around them), and a cache that reads fewer entries cannot decode faster by readi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -40,10 +41,12 @@ def make_cache(name: str, model, length: int, tokens: int):
     return byte_sized_cache(model)
 
 
-def decode_profiled(model, forward, prompt: torch.Tensor, cache, warm_up: int, tokens: int):
+def decode_profiled(
+    model, forward, prompt: torch.Tensor, cache, warm_up: int, tokens: int, profiled=contextlib.nullcontext
+):
     """The prompt's pass eager, ``warm_up`` greedy steps through ``forward`` (``model.forward``, or a compiled
-    forward, which compiles then), then ``tokens`` steps under ``torch.profiler``; returns the profiler's events
-    and the wall milliseconds per profiled step."""
+    forward, which compiles then), then ``tokens`` steps under ``torch.profiler`` and in the context ``profiled()``;
+    returns the profiler's events and the wall milliseconds per profiled step."""
     cuda = prompt.is_cuda
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with torch.no_grad():
@@ -59,7 +62,7 @@ def decode_profiled(model, forward, prompt: torch.Tensor, cache, warm_up: int, t
             token, position = step(token, position), position + 1
         if cuda:
             torch.cuda.synchronize()
-        with profile(activities=activities) as profiler:
+        with profiled(), profile(activities=activities) as profiler:
             started = time.perf_counter()
             for _ in range(tokens):
                 token, position = step(token, position), position + 1
