@@ -37,7 +37,7 @@ from kv_protocol import TUNING_TEXTS, text_tasks
 from torch.nn import functional
 
 from decodekit import load_model
-from decodekit.cache import CompressedCache
+from decodekit.cache import CompressedCache, EvictionPolicy
 from decodekit.cache.allocation import layer_counts
 from decodekit.cache.scoring import PROTECTED
 from decodekit.eval.perplexity import continuation_perplexity as evicting_perplexity
@@ -54,12 +54,16 @@ def _ranked(priority: torch.Tensor, keep: int) -> torch.Tensor:
 def allocate(priorities: list[torch.Tensor], ratio: float, how: str, floor: float) -> list[torch.Tensor]:
     """Per layer, ``[kv_heads, tokens]`` masks of what each head keeps: ``1 - ratio`` of all entries in all."""
     heads, tokens = priorities[0].shape
-    share = math.ceil((1 - ratio) * tokens)  # a head's tokens under the uniform allocation
+    # A head's tokens under the uniform allocation, never under the cache's floor (its sinks and recent window),
+    # which every layer keeps whatever its share, as the cache does.
+    least = min(EvictionPolicy(compression_ratio=ratio).floor, tokens)
+    share = max(math.ceil((1 - ratio) * tokens), least)
     if how == "uniform":
         return [_ranked(priority, share) for priority in priorities]
     if how == "layers":
         counts = layer_counts([priority[None] for priority in priorities], torch.tensor([share]), floor)
-        return [_ranked(priority, int(count)) for priority, count in zip(priorities, counts[:, 0], strict=True)]
+        counts = counts[:, 0].clamp(min=least)
+        return [_ranked(priority, int(count)) for priority, count in zip(priorities, counts, strict=True)]
     protected_floor = math.ceil(floor * share)
     lifted = []  # every head's best ``protected_floor`` entries are kept whatever the ranking
     for priority in priorities:
