@@ -18,3 +18,12 @@ def run_benchmark(script: str, *args: str) -> str:
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
+
+
+def refused_benchmark(script: str, *args: str) -> str:
+    """The standard error of ``benchmarks/<script> <args>``, which must refuse them (exit status 2, argparse's)."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 2, result.stderr
+    return result.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.benchmark_runs import run_benchmark
+from tests.benchmark_runs import refused_benchmark, run_benchmark
 
 
 def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
@@ -42,14 +42,5 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
 
 
 def test_kv_cache_benchmark_refuses_an_unknown_text_by_name():
-    import subprocess
-    import sys
-
-    from tests.benchmark_runs import BENCHMARKS
-
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "kv_cache.py"), "--texts", "gpl3, no such text"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "--texts: unknown ['no such text']; name one or more of gpl3, argparse.py" in result.stderr
+    stderr = refused_benchmark("kv_cache.py", "--texts", "gpl3, no such text")
+    assert "--texts: unknown ['no such text']; name one or more of gpl3, argparse.py" in stderr
