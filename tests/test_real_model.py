@@ -47,9 +47,21 @@ def test_cached_copy_matches_the_gguf_and_reloads_fast(real, tmp_path, monkeypat
     assert time.perf_counter() - start < 30  # generous: the reload reads safetensors, never the GGUF
 
 
-def test_real_conversion_rebuilds_a_corrupted_copy(tmp_path, monkeypatch):
+def test_real_conversion_logs_one_line_and_rebuilds_a_corrupted_copy(tmp_path, monkeypatch):
+    """With stderr a pipe (a log file, CI), the GGUF conversion says what it does once, with no bars; a copy
+    corrupted since is found out and converted again on the next load."""
+    import os
+
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    script = "from decodekit.models import converted_gguf_dir as c, default_gguf_path as p; c(p())"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "\r" not in done.stderr and "%|" not in done.stderr, done.stderr[:500]
+    assert [line for line in done.stderr.splitlines() if line.strip()] == [
+        "decodekit: converting SmolLM2-135M-Instruct.Q4_1.gguf to safetensors (once; later loads reuse it)"
+    ]
     directory = models_module.converted_gguf_dir(models_module.default_gguf_path())
+    assert models_module.is_valid_converted_dir(directory)  # the subprocess's copy, found
     weights = directory / "model.safetensors"
     with weights.open("r+b") as handle:
         handle.seek(weights.stat().st_size // 2)
