@@ -142,12 +142,10 @@ def protocol_texts(names: str) -> dict:
     """The protocol's texts named in ``names`` (comma-separated), in the protocol's order."""
     chosen = {name.strip() for name in names.split(",") if name.strip()}
     unknown = chosen - set(PROTOCOL_TEXTS)
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(
-            f"unknown {sorted(unknown)}; name one or more of {', '.join(PROTOCOL_TEXTS)}"
-            if unknown
-            else "no text named"
-        )
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {sorted(unknown)}; name one or more of {', '.join(PROTOCOL_TEXTS)}")
+    if not chosen:
+        raise argparse.ArgumentTypeError(f"no text named; name one or more of {', '.join(PROTOCOL_TEXTS)}")
     return {name: text for name, text in PROTOCOL_TEXTS.items() if name in chosen}
 
 

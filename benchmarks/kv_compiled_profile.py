@@ -90,9 +90,9 @@ def main() -> None:
     }  # fmt: skip
     print(f"{args.shape}-shaped random model on {device}, {args.length}-token prompt; torch.compile mode "
           f"{args.mode!r}, fullgraph; {args.warm_up} steps, then {args.tokens} profiled")  # fmt: skip
+    stance = partial(torch.compiler.set_stance, skip_guard_eval_unsafe=True) if args.skip_guards else nullcontext
     for name, (runs_on, make) in caches.items():
         forward = torch.compile(runs_on.forward, mode=args.mode, fullgraph=True)
-        stance = partial(torch.compiler.set_stance, skip_guard_eval_unsafe=True) if args.skip_guards else nullcontext
         events, wall = decode_profiled(runs_on, forward, prompt, make(), args.warm_up, args.tokens, stance)
         summarize(name, events, wall, args.tokens, args.top)
 

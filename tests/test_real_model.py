@@ -50,11 +50,9 @@ def test_cached_copy_matches_the_gguf_and_reloads_fast(real, tmp_path, monkeypat
 def test_real_conversion_logs_one_line_and_rebuilds_a_corrupted_copy(tmp_path, monkeypatch):
     """With stderr a pipe (a log file, CI), the GGUF conversion says what it does once, with no bars; a copy
     corrupted since is found out and converted again on the next load."""
-    import os
-
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
     script = "from decodekit.models import converted_gguf_dir as c, default_gguf_path as p; c(p())"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)  # env inherited
     assert done.returncode == 0, done.stderr[-2000:]
     assert "\r" not in done.stderr and "%|" not in done.stderr, done.stderr[:500]
     assert [line for line in done.stderr.splitlines() if line.strip()] == [
