@@ -86,3 +86,44 @@ def test_the_memory_bound_ceiling_counts_each_weight_a_step_reads_once():
     assert weight_bytes_read(untied) == 4 * (2 * per_layer + 16 + 100 * 16)
     assert memory_bound_ceiling(2.0, 1.0, 0.25) == 3.0 / 2.25
     assert memory_bound_ceiling(2.0, 1.0, 1.0) == 1.0
+
+
+def test_the_compiled_bound_runs_and_prints_its_three_rows():
+    out = run_benchmark("kv_compiled_bound.py", "--shape", "tiny", "--length", "64", "--backend", "eager",
+                        "--tokens", "2", "--rounds", "1", "--warm-up", "2")  # fmt: skip
+    assert "x StaticCache" in out and out.count(" ms a step ") == 3
+    assert "eviction_interval=1)" in out and "steps unscored (the bound)" in out
+
+
+def test_the_bounds_unscored_steps_neither_score_nor_keep_their_token_and_leave_other_caches_alone():
+    """The bound's steps write their token into the freed slot, attend to it, and free it again: the prompt's kept
+    entries stay, their scores as the prompt's pass left them but for each step's decay (a step decays the scores as
+    it stores its token), and no step's token is kept. A cache not marked
+    unscored, decoded in the same context, scores and evicts as always (its steps' tokens are kept)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import torch
+    from kv_cache import shaped_model
+    from kv_compiled_bound import unscored_cache, unscored_steps
+
+    from decodekit.cache import CompressedCache
+
+    model = shaped_model("tiny", torch.device("cpu"))
+    prompt = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    steps = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    with unscored_steps(), torch.no_grad():
+        bound, scored = unscored_cache(model, 36), CompressedCache(model, budget=36, eviction_interval=1)
+        for cache in (bound, scored):
+            model(prompt, past_key_values=cache)
+        after_prompt = [(layer.kept_positions().clone(), layer.scores.clone()) for layer in bound.layers]
+        scored_before = [layer.scores.clone() for layer in scored.layers]
+        for step in range(steps.shape[1]):
+            for cache in (bound, scored):
+                model(steps[:, step : step + 1], past_key_values=cache)
+    assert bound.get_seq_length() == scored.get_seq_length() == 69
+    for layer, (positions, scores) in zip(bound.layers, after_prompt, strict=True):
+        assert torch.equal(layer.kept_positions(), positions) and layer.kept == 36
+        kept, decayed = layer.live, scores * layer.policy.score_decay ** steps.shape[1]
+        torch.testing.assert_close(layer.scores[kept], decayed[kept], rtol=1e-6, atol=0)  # nothing added
+    for layer, before in zip(scored.layers, scored_before, strict=True):
+        assert (layer.kept_positions()[..., -1] == 68).all()  # the last step's token is kept
+        assert not torch.equal(layer.scores[..., : before.shape[-1]], before)
