@@ -44,3 +44,20 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
 def test_kv_cache_benchmark_refuses_an_unknown_text_by_name():
     stderr = refused_benchmark("kv_cache.py", "--texts", "gpl3, no such text")
     assert "--texts: unknown ['no such text']; name one or more of gpl3, argparse.py" in stderr
+
+
+def test_kv_cache_benchmark_refuses_texts_that_name_nothing():
+    import argparse
+    import sys
+
+    import pytest
+
+    from tests.benchmark_runs import BENCHMARKS
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from kv_cache import protocol_texts
+
+    for names in ("", " , ,"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"no text named; name one or more of gpl3, argparse\.py"):
+            protocol_texts(names)
+    assert list(protocol_texts("argparse.py, gpl3")) == ["gpl3", "argparse.py"]  # in the protocol's order
