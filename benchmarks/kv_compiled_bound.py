@@ -18,15 +18,14 @@ the model that no CompressedCache bound) the prompt and every step.
 
 from __future__ import annotations
 
-import argparse
-import copy
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
-from kv_cache import SHAPES, loop_decode, shaped_model  # benchmarks/ is on sys.path
+from kv_cache import loop_decode  # benchmarks/ is on sys.path
+from kv_compiled_profile import compiled_step_parser, compiled_step_setup
 from transformers import StaticCache
 
 from decodekit.cache import CompressedCache
@@ -72,11 +71,7 @@ def unscored_cache(model, budget: int) -> CompressedCache:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--shape", default="host-bound", choices=sorted(SHAPES))
-    parser.add_argument("--length", type=int, default=512, help="prompt tokens")
-    parser.add_argument("--mode", default="default", help="torch.compile mode (reduce-overhead: CUDA graphs)")
+    parser = compiled_step_parser(__doc__)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (eager: the graphs uncompiled)")
     parser.add_argument("--tokens", type=int, default=32, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
@@ -91,14 +86,8 @@ def main() -> None:
         help="time with guard evaluation skipped (torch.compiler.set_stance(skip_guard_eval_unsafe=True))",
     )  # fmt: skip
     args = parser.parse_args()
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    model = shaped_model(args.shape, device)
-    plain = copy.deepcopy(model)  # never bound by a CompressedCache
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.length), device=device)
-    budget = max(args.length // 4, 36)  # never below the sinks and recent window
+    model, plain, prompt, budget = compiled_step_setup(args)
     room = args.length + max(args.tokens, args.warm_up)
-    torch._dynamo.config.recompile_limit = 64
     caches = {
         "StaticCache": (plain, lambda: StaticCache(config=plain.config, max_cache_len=room)),
         f"CompressedCache(budget={budget}, eviction_interval=1)": (
@@ -127,7 +116,7 @@ def main() -> None:
     static = medians["StaticCache"]
     guards = "skipped" if args.skip_guards else "evaluated"
     wrapper = ", C++ wrapper" if args.cpp_wrapper else ""
-    print(f"{args.shape}-shaped random model on {device}, {args.length}-token prompt; torch.compile backend "
+    print(f"{args.shape}-shaped random model on {prompt.device}, {args.length}-token prompt; torch.compile backend "
           f"{args.backend!r}, mode {args.mode!r}{wrapper}, fullgraph, guards {guards}; {args.tokens} greedy steps "
           f"a round, median of {args.rounds} interleaved rounds")  # fmt: skip
     for name, rate in medians.items():

@@ -58,12 +58,32 @@ def print_top(title: str, events, microseconds, tokens: int, top: int) -> None:
         print(f"         {total / 1e3 / tokens:7.4f} ms  {name[:110]}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def compiled_step_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark of compiled decoding steps (this one, ``kv_compiled_bound.py``): the device, the
+    model's shape, the prompt's length and ``torch.compile``'s mode."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--shape", default="host-bound", choices=sorted(SHAPES))
     parser.add_argument("--length", type=int, default=512, help="prompt tokens")
     parser.add_argument("--mode", default="default", help="torch.compile mode (reduce-overhead: CUDA graphs)")
+    return parser
+
+
+def compiled_step_setup(args) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, int]:
+    """For ``compiled_step_parser``'s arguments: the random model of ``args.shape`` that the CompressedCaches bind, a
+    copy that none binds (StaticCache's), a random prompt, and the budget (a quarter of the prompt, never below the
+    sinks and recent window). Every variant's graphs count against dynamo's one recompile limit, raised here."""
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = shaped_model(args.shape, device)
+    plain = copy.deepcopy(model)  # never bound by a CompressedCache
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.length), device=device)
+    torch._dynamo.config.recompile_limit = 64
+    return model, plain, prompt, max(args.length // 4, 36)
+
+
+def main() -> None:
+    parser = compiled_step_parser(__doc__)
     parser.add_argument("--warm-up", type=int, default=16, help="compiled steps before the profile")
     parser.add_argument("--tokens", type=int, default=64, help="profiled steps")
     parser.add_argument("--top", type=int, default=12, help="host events and kernels listed")
@@ -74,21 +94,15 @@ def main() -> None:
         "the step without its graph lookup's guards",
     )
     args = parser.parse_args()
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    model = shaped_model(args.shape, device)
-    plain = copy.deepcopy(model)  # never bound by a CompressedCache
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.length), device=device)
+    model, plain, prompt, budget = compiled_step_setup(args)
     room = args.length + args.warm_up + args.tokens
-    budget = max(args.length // 4, 36)  # never below the sinks and recent window
-    torch._dynamo.config.recompile_limit = 64
     caches = {
         f"StaticCache(max_cache_len={room})": (plain, lambda: StaticCache(config=plain.config, max_cache_len=room)),
         f"CompressedCache(budget={budget}, eviction_interval=1)": (
             model, lambda: CompressedCache(model, budget=budget, eviction_interval=1)
         ),
     }  # fmt: skip
-    print(f"{args.shape}-shaped random model on {device}, {args.length}-token prompt; torch.compile mode "
+    print(f"{args.shape}-shaped random model on {prompt.device}, {args.length}-token prompt; torch.compile mode "
           f"{args.mode!r}, fullgraph; {args.warm_up} steps, then {args.tokens} profiled")  # fmt: skip
     stance = partial(torch.compiler.set_stance, skip_guard_eval_unsafe=True) if args.skip_guards else nullcontext
     for name, (runs_on, make) in caches.items():
