@@ -86,6 +86,8 @@ def main() -> None:
         help="time with guard evaluation skipped (torch.compiler.set_stance(skip_guard_eval_unsafe=True))",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.cpp_wrapper and args.backend != "inductor":
+        parser.error(f"--cpp-wrapper: inductor's option; not with --backend {args.backend}")
     model, plain, prompt, budget = compiled_step_setup(args)
     room = args.length + max(args.tokens, args.warm_up)
     caches = {
@@ -96,7 +98,7 @@ def main() -> None:
         "  the same, steps unscored (the bound)": (model, lambda: unscored_cache(model, budget)),
     }  # fmt: skip
     compile_model = partial(torch.compile, fullgraph=True, backend=args.backend)
-    if args.cpp_wrapper:  # (torch.compile takes a mode or options, not both: the mode's options join the wrapper)
+    if args.cpp_wrapper:  # (torch.compile takes a mode or options, not both: the mode's options join the wrapper's)
         compile_model = partial(
             compile_model, options={"cpp_wrapper": True, **torch._inductor.list_mode_options(args.mode)}
         )

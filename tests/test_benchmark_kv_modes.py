@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.benchmark_runs import BENCHMARKS, run_benchmark
+from tests.benchmark_runs import BENCHMARKS, refused_benchmark, run_benchmark
 
 
 def test_kv_cache_benchmark_host_bound_mode_runs():
@@ -98,8 +98,9 @@ def test_the_compiled_bound_runs_and_prints_its_three_rows():
 def test_the_bounds_unscored_steps_neither_score_nor_keep_their_token_and_leave_other_caches_alone():
     """The bound's steps write their token into the freed slot, attend to it, and free it again: the prompt's kept
     entries stay, their scores as the prompt's pass left them but for each step's decay (a step decays the scores as
-    it stores its token), and no step's token is kept. A cache not marked
-    unscored, decoded in the same context, scores and evicts as always (its steps' tokens are kept)."""
+    it stores its token), and no step's token is kept. A cache not marked unscored, decoded in the same context,
+    scores and evicts as always: its steps' tokens are kept, and the prompt's entries it still holds have gained
+    attention beyond that decay."""
     sys.path.insert(0, str(BENCHMARKS))
     import torch
     from kv_cache import shaped_model
@@ -115,15 +116,22 @@ def test_the_bounds_unscored_steps_neither_score_nor_keep_their_token_and_leave_
         for cache in (bound, scored):
             model(prompt, past_key_values=cache)
         after_prompt = [(layer.kept_positions().clone(), layer.scores.clone()) for layer in bound.layers]
-        scored_before = [layer.scores.clone() for layer in scored.layers]
+        scored_before = [(layer.positions.clone(), layer.scores.clone()) for layer in scored.layers]
         for step in range(steps.shape[1]):
             for cache in (bound, scored):
                 model(steps[:, step : step + 1], past_key_values=cache)
     assert bound.get_seq_length() == scored.get_seq_length() == 69
+    decay = bound.layers[0].policy.score_decay ** steps.shape[1]
     for layer, (positions, scores) in zip(bound.layers, after_prompt, strict=True):
         assert torch.equal(layer.kept_positions(), positions) and layer.kept == 36
-        kept, decayed = layer.live, scores * layer.policy.score_decay ** steps.shape[1]
-        torch.testing.assert_close(layer.scores[kept], decayed[kept], rtol=1e-6, atol=0)  # nothing added
-    for layer, before in zip(scored.layers, scored_before, strict=True):
+        kept = layer.live
+        torch.testing.assert_close(layer.scores[kept], scores[kept] * decay, rtol=1e-6, atol=0)  # nothing added
+    for layer, (positions, scores) in zip(scored.layers, scored_before, strict=True):
         assert (layer.kept_positions()[..., -1] == 68).all()  # the last step's token is kept
-        assert not torch.equal(layer.scores[..., : before.shape[-1]], before)
+        same = layer.live & (layer.positions == positions)  # slots still holding the prompt's entry
+        assert same.any() and not torch.allclose(layer.scores[same], scores[same] * decay, rtol=1e-6, atol=0)
+
+
+def test_the_compiled_bound_refuses_the_cpp_wrapper_without_inductor():
+    stderr = refused_benchmark("kv_compiled_bound.py", "--cpp-wrapper", "--backend", "eager")
+    assert "--cpp-wrapper: inductor's option; not with --backend eager" in stderr
