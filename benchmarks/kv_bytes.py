@@ -7,7 +7,8 @@ the cache and the continuation scored over what it kept, as the protocol does. P
 bytes the cache held after each pass (its ``memory_bytes()``, as a fraction of the full 16-bit
 cache's), the tokens it kept, and the perplexity rise over the full cache, per text and mean.
 
-    python benchmarks/kv_bytes.py [--texts tuning|tuning2|protocol] [--fractions 0.5,0.25,0.1] [--bits 16,8,4]
+    python benchmarks/kv_bytes.py [--texts tuning|tuning2|protocol] [--only NAMES] [--fractions 0.5,0.25,0.1]
+        [--bits 16,8,4]
     python benchmarks/kv_bytes.py --scoring reconstruction --allocation heads --ratios 0.5,0.75,0.9 --bits model
     python benchmarks/kv_bytes.py --scoring reconstruction --replay "KVzip's replay"  # a kv_replay.py row
     python benchmarks/kv_bytes.py --scoring reconstruction --ratios 0.5,0.75,0.9 --bits model --presses KVzip
@@ -24,7 +25,7 @@ import math
 import statistics
 
 import torch
-from kv_protocol import TEXT_SETS, text_tasks
+from kv_protocol import add_text_arguments, chosen_texts, text_tasks
 from kv_replay import chosen_rows
 from torch.nn import functional
 
@@ -67,7 +68,7 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--texts", choices=sorted(TEXT_SETS), default="tuning")
+    add_text_arguments(parser)
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--fractions", default="0.5,0.25,0.1", help="memory sizes, fractions of a full 16-bit cache")
@@ -87,9 +88,9 @@ def main() -> None:
     parser.add_argument("--presses", help="also these kvpress presses, comma-separated (KVzip, SnapKV, ...)")
     parser.add_argument("--kvpress-python", help="python of a virtualenv that has kvpress installed")
     args = parser.parse_args()
+    texts = chosen_texts(parser, args)
     torch.manual_seed(0)
     model, tokenizer = load_model()
-    texts = TEXT_SETS[args.texts]
     tasks = text_tasks(tokenizer, texts, args.context_tokens, args.continuation_tokens)
     full = {name: measure(model, task, None, {}, args.scoring)["perplexity"] for name, task in tasks.items()}
     widths = args.bits.split(",")

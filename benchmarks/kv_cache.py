@@ -66,7 +66,7 @@ from pathlib import Path
 import _kv_per_byte as per_byte
 import torch
 from _timing import verdict  # benchmarks/ is on sys.path when a script in it runs
-from kv_protocol import PROTOCOL_TEXTS, encoded_pass_keys, run_tasks, text_tasks
+from kv_protocol import PROTOCOL_TEXTS, encoded_pass_keys, run_tasks, text_tasks, texts_named
 from torch._dynamo.utils import counters
 from transformers import (
     DynamicCache,
@@ -140,13 +140,7 @@ def kvpress_python(args) -> Path | None:
 
 def protocol_texts(names: str) -> dict:
     """The protocol's texts named in ``names`` (comma-separated), in the protocol's order."""
-    chosen = {name.strip() for name in names.split(",") if name.strip()}
-    unknown = chosen - set(PROTOCOL_TEXTS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {sorted(unknown)}; name one or more of {', '.join(PROTOCOL_TEXTS)}")
-    if not chosen:
-        raise argparse.ArgumentTypeError(f"no text named; name one or more of {', '.join(PROTOCOL_TEXTS)}")
-    return {name: text for name, text in PROTOCOL_TEXTS.items() if name in chosen}
+    return texts_named(names, PROTOCOL_TEXTS)
 
 
 def press_rows(args, model, tasks: dict) -> list[dict]:

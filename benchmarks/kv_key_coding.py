@@ -16,8 +16,8 @@ copies; the continuation is then scored over them in one pass. The schemes:
 - ``per channel, N-token groups`` (KIVI's key coding): a scale and offset per channel over each N
   consecutive tokens, which a cache that evicts single tokens cannot keep (shown for reference).
 
-    python benchmarks/kv_key_coding.py [--part keys|values] [--texts tuning|tuning2|protocol] [--group 32]
-        [--schemes "rotated, groups of 32;rotated, groups of 32, 5 bits"]
+    python benchmarks/kv_key_coding.py [--part keys|values] [--texts tuning|tuning2|protocol] [--only NAMES]
+        [--group 32] [--schemes "rotated, groups of 32;rotated, groups of 32, 5 bits"]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
-from kv_protocol import TEXT_SETS, text_tasks
+from kv_protocol import add_text_arguments, chosen_texts, text_tasks
 from torch.nn import functional
 from transformers import DynamicCache
 
@@ -118,14 +118,14 @@ def perplexity(model, task: dict, part: str, code: Callable | None) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("keys", "values"), default="keys")
-    parser.add_argument("--texts", choices=sorted(TEXT_SETS), default="tuning")
+    add_text_arguments(parser)
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--group", type=int, default=32, help="channels per group of the per-token schemes")
     parser.add_argument("--schemes", help="names of the schemes to run, separated by semicolons (default: all)")
     args = parser.parse_args()
+    texts = chosen_texts(parser, args)
     model, tokenizer = load_model()
-    texts = TEXT_SETS[args.texts]
     tasks = text_tasks(tokenizer, texts, args.context_tokens, args.continuation_tokens)
     coding = schemes(args.group)
     if args.schemes:

@@ -11,6 +11,7 @@ PROTOCOL_TEXTS: the figures the benchmark reports are never the ones the default
 
 from __future__ import annotations
 
+import argparse
 import random
 import sysconfig
 from collections.abc import Callable
@@ -59,6 +60,41 @@ SECOND_TUNING_TEXTS: dict[str, tuple[str, Callable[[], str]]] = {
 }
 # The sets a benchmark's ``--texts`` names.
 TEXT_SETS = {"tuning": TUNING_TEXTS, "tuning2": SECOND_TUNING_TEXTS, "protocol": PROTOCOL_TEXTS}
+
+
+def texts_named(names: str, texts: dict) -> dict:
+    """The texts of ``texts`` named in ``names`` (comma-separated), in their set's order; an argparse type's
+    error names the unknown ones and what may be named.
+
+    Example:
+        >>> list(texts_named("inspect.py", TUNING_TEXTS))
+        ['inspect.py']
+    """
+    chosen = {name.strip() for name in names.split(",") if name.strip()}
+    unknown = chosen - set(texts)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {sorted(unknown)}; name one or more of {', '.join(texts)}")
+    if not chosen:
+        raise argparse.ArgumentTypeError(f"no text named; name one or more of {', '.join(texts)}")
+    return {name: text for name, text in texts.items() if name in chosen}
+
+
+def add_text_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--texts``, a set of texts (the tuning texts by default), and ``--only``, some texts of it by name."""
+    parser.add_argument("--texts", choices=sorted(TEXT_SETS), default="tuning")
+    parser.add_argument("--only", help="of the set, the texts to measure, comma-separated (default: all)")
+
+
+def chosen_texts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The texts that ``add_text_arguments``' options chose; a name not in the set ends the script by argparse."""
+    texts = TEXT_SETS[args.texts]
+    if args.only is None:
+        return texts
+    try:
+        return texts_named(args.only, texts)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--only: {error}")
+
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = (

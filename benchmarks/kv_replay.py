@@ -30,7 +30,7 @@ import statistics
 
 import torch
 from kv_allocation import allocate, masked_perplexity, scored_prompt
-from kv_protocol import TUNING_TEXTS, text_tasks
+from kv_protocol import TUNING_TEXTS, text_tasks, texts_named
 
 from decodekit import load_model
 from decodekit.cache import CompressedCache
@@ -86,13 +86,17 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
+    parser.add_argument(
+        "--texts", type=lambda names: texts_named(names, TUNING_TEXTS), default=TUNING_TEXTS,
+        help=f"the tuning texts to measure, comma-separated (default: all of {', '.join(TUNING_TEXTS)})",
+    )  # fmt: skip
     parser.add_argument("--floors", default="0.2,0", help="per-head floors, shares of the even share")
     parser.add_argument("--rows", help="the rows to measure, separated by ';' (default: all)")
     parser.add_argument("--chunk", type=int, default=2048, help="prompt tokens per replayed chunk")
     parser.add_argument("--with-cache", action="store_true", help="also run the evicting cache itself, per row")
     args = parser.parse_args()
     model, tokenizer = load_model()
-    tasks = text_tasks(tokenizer, TUNING_TEXTS, args.context_tokens, args.continuation_tokens)
+    tasks = text_tasks(tokenizer, args.texts, args.context_tokens, args.continuation_tokens)
     ratios = [float(value) for value in args.ratios.split(",")]
     floors = [float(value) for value in args.floors.split(",")]
     try:

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.benchmark_runs import refused_benchmark, run_benchmark
 
 
 def test_kv_bytes_benchmark_runs_and_prints_its_rows():
-    short = ["--context-tokens", "128", "--continuation-tokens", "16", "--fractions", "0.5", "--bits", "16,8/4"]
+    short = ["--only", "inspect.py", "--context-tokens", "128", "--continuation-tokens", "16", "--fractions", "0.5"]
+    short += ["--bits", "16,8/4"]
     out = run_benchmark("kv_bytes.py", *short)
     rows = [line.split() for line in out.splitlines() if line.lstrip().startswith("50%")]
     assert [row[1] for row in rows] == ["16", "8/4"]
@@ -19,7 +22,9 @@ def test_kv_key_coding_benchmark_refuses_an_unknown_scheme_by_name():
 
 
 def test_kv_key_coding_benchmark_prints_a_row_per_scheme():
-    out = run_benchmark("kv_key_coding.py", "--context-tokens", "128", "--continuation-tokens", "16")
+    short = ["--only", "inspect.py", "--context-tokens", "128", "--continuation-tokens", "16"]
+    out = run_benchmark("kv_key_coding.py", *short)
+    assert out.splitlines()[1].split() == ["scheme", "inspect.py", "mean", "worst"]  # the one text named
     rows = {line[:44].strip() for line in out.splitlines() if line.rstrip().endswith("%")}
     assert {"rotated, groups of 32", "plain, groups of 32", "channel magnitude, groups of 32"} <= rows
     assert {"rotated in blocks of 32, groups of 32", "rotated in blocks of 16, groups of 32"} <= rows
@@ -31,10 +36,26 @@ def test_kv_key_coding_benchmark_prints_a_row_per_scheme():
 def test_kv_key_coding_benchmark_runs_the_named_schemes_on_the_second_tuning_texts():
     schemes = "rotated, groups of 32;rotated, groups of 32, 5 bits"
     short = ["--context-tokens", "128", "--continuation-tokens", "16", "--texts", "tuning2", "--schemes", schemes]
-    out = run_benchmark("kv_key_coding.py", *short)
+    out = run_benchmark("kv_key_coding.py", *short, "--only", "typing.py, gpl2")
     rows = [line[:44].strip() for line in out.splitlines() if line.rstrip().endswith("%")]
     assert rows == schemes.split(";")
-    assert out.startswith("tuning2 texts") and "typing.py" in out
+    assert out.startswith("tuning2 texts") and out.splitlines()[1].split()[1:3] == ["typing.py", "gpl2"]
+
+
+def test_a_benchmarks_texts_are_named_from_its_set_and_unknown_names_are_refused():
+    import argparse
+    import sys
+
+    from tests.benchmark_runs import BENCHMARKS
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from kv_protocol import SECOND_TUNING_TEXTS, TUNING_TEXTS, texts_named
+
+    assert list(texts_named("gpl2 ,typing.py", SECOND_TUNING_TEXTS)) == ["typing.py", "gpl2"]  # the set's order
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown \['typing.py'\]; name one or more of pydoc data"):
+        texts_named("inspect.py,typing.py", TUNING_TEXTS)
+    with pytest.raises(argparse.ArgumentTypeError, match="no text named; name one or more of pydoc strings"):
+        texts_named(" , ", SECOND_TUNING_TEXTS)
 
 
 def test_the_retrieval_benchmark_runs_and_prints_its_table():

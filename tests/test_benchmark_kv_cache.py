@@ -9,7 +9,7 @@ from tests.benchmark_runs import refused_benchmark, run_benchmark
 
 
 def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
-    short = ["--context-tokens", "256", "--continuation-tokens", "32", "--speed-prompt", "256", "--speed-tokens", "4"]
+    short = ["--context-tokens", "128", "--continuation-tokens", "16", "--speed-prompt", "256", "--speed-tokens", "4"]
     short += ["--texts", "gpl3", "--pass-keys", "1", "--pass-key-filler", "4"]  # one text: the recorded
     short += ["--prefill-tokens", "256", "--prefill-rounds", "1"]  # presses' other texts must be left out
     presses = tmp_path / "presses.jsonl"  # a recorded kvpress run, so that the comparison code runs too
@@ -22,7 +22,7 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
             for t in ("gpl3", "argparse.py", "pydoc types", "idle NEWS")]  # fmt: skip
     rows += [{"method": "kvpress KVzip", "ratio": r, "task": "pass key", "accuracy": 0.5} for r in (0.5, 0.75)]
     byte_presses.write_text("\n".join(json.dumps(row) for row in rows))
-    short += ["--byte-shares", "0.5,0.75", "--retrieval-tasks", "1", "--retrieval-tokens", "200"]
+    short += ["--byte-shares", "0.75", "--retrieval-tasks", "1", "--retrieval-tokens", "150"]
     short += ["--byte-presses-from", str(byte_presses)]
     out = run_benchmark("kv_cache.py", *short, "--long-tokens", "8", "--presses-from", str(presses))
     assert "decodekit default" in out and "decodekit reconstruction" in out and "kvpress SnapKV" in out

@@ -47,10 +47,22 @@ def test_cached_copy_matches_the_gguf_and_reloads_fast(real, tmp_path, monkeypat
     assert time.perf_counter() - start < 30  # generous: the reload reads safetensors, never the GGUF
 
 
-def test_real_conversion_logs_one_line_and_rebuilds_a_corrupted_copy(tmp_path, monkeypatch):
-    """With stderr a pipe (a log file, CI), the GGUF conversion says what it does once, with no bars; a copy
-    corrupted since is found out and converted again on the next load."""
+def test_real_conversion_finds_a_corrupted_copy_and_rebuilds_it_logging_one_line(real, tmp_path, monkeypatch):
+    """A copy corrupted since its conversion is found out and converted again; with stderr a pipe (a log file,
+    CI), the conversion says what it does once, with no bars. (The copy is the session's own, so that the test
+    pays for one conversion.)"""
+    import shutil
+
+    converted = models_module.converted_gguf_dir(models_module.default_gguf_path())  # the session's copy
     monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    directory = tmp_path / converted.name
+    shutil.copytree(converted, directory)
+    assert models_module.converted_gguf_dir(models_module.default_gguf_path()) == directory  # found, not converted
+    weights = directory / "model.safetensors"
+    with weights.open("r+b") as handle:
+        handle.seek(weights.stat().st_size // 2)
+        handle.write(b"\x00\x01\x02\x03")
+    assert not models_module.is_valid_converted_dir(directory)
     script = "from decodekit.models import converted_gguf_dir as c, default_gguf_path as p; c(p())"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)  # env inherited
     assert done.returncode == 0, done.stderr[-2000:]
@@ -58,13 +70,6 @@ def test_real_conversion_logs_one_line_and_rebuilds_a_corrupted_copy(tmp_path, m
     assert [line for line in done.stderr.splitlines() if line.strip()] == [
         "decodekit: converting SmolLM2-135M-Instruct.Q4_1.gguf to safetensors (once; later loads reuse it)"
     ]
-    directory = models_module.converted_gguf_dir(models_module.default_gguf_path())
-    assert models_module.is_valid_converted_dir(directory)  # the subprocess's copy, found
-    weights = directory / "model.safetensors"
-    with weights.open("r+b") as handle:
-        handle.seek(weights.stat().st_size // 2)
-        handle.write(b"\x00\x01\x02\x03")
-    assert not models_module.is_valid_converted_dir(directory)
+    assert models_module.is_valid_converted_dir(directory)  # rebuilt in place
     model, _ = models_module.load_model()
-    assert models_module.is_valid_converted_dir(directory)
     assert model.config.num_hidden_layers == 30
