@@ -128,30 +128,30 @@ def check(model, tokenizer, prompts: list[str], cases: list[Case] | None = None,
     ]
     findings: list[Finding] = []
     for case in cases:
-        kwargs = case.build(model, batch, indices)
-        batched_scores = _first_step_scores(
-            _generate(model, tokenizer, batch, kwargs, steps=1, scores=True), len(prompts), case.beams
-        )
-        batched_tokens = _generate(
-            model, tokenizer, batch, _greedy_kwargs(case.build(model, batch, indices)), steps=steps, scores=False
-        ).sequences
+        batched_scores, batched_tokens = _scores_and_tokens(model, tokenizer, case, batch, indices, steps)
         for row in stable:
             single = singles[row]
-            alone_scores = _first_step_scores(
-                _generate(model, tokenizer, single, case.build(model, single, [row]), steps=1, scores=True),
-                1,
-                case.beams,
-            )[0]
-            if not _close(batched_scores[row], alone_scores):
+            alone_scores, alone_tokens = _scores_and_tokens(model, tokenizer, case, single, [row], steps)
+            if not _close(batched_scores[row], alone_scores[0]):
                 findings.append(Finding(case.name, row, "first-step scores differ"))
-            greedy = _greedy_kwargs(case.build(model, single, [row]))
-            alone_tokens = _generate(model, tokenizer, single, greedy, steps=steps, scores=False).sequences
             per_request = batched_tokens.shape[0] // len(prompts)
             if not _same_tokens(
                 batched_tokens[row * per_request, width:], alone_tokens[0, single["input_ids"].shape[1] :], tokenizer
             ):
                 findings.append(Finding(case.name, row, "greedy tokens differ"))
     return {"findings": findings, "stable_rows": stable}
+
+
+def _scores_and_tokens(model, tokenizer, case: Case, batch, rows: list[int], steps: int):
+    """The recipe's processed scores of the first step (per request) and the sequences of its greedy run. A recipe
+    that decodes greedily anyway gives both in one run; a sampling recipe's scores come from a one-step run of its
+    own, since its greedy run leaves out the sampling warpers."""
+    kwargs = case.build(model, batch, rows)
+    greedy = _greedy_kwargs(case.build(model, batch, rows))
+    greedy_anyway = not kwargs.get("do_sample") and not any(key in kwargs for key in SAMPLING_KEYS)
+    output = _generate(model, tokenizer, batch, greedy, steps=steps, scores=greedy_anyway)
+    scored = output if greedy_anyway else _generate(model, tokenizer, batch, kwargs, steps=1, scores=True)
+    return _first_step_scores(scored, len(rows), case.beams), output.sequences
 
 
 def _same_tokens(batched: torch.Tensor, alone: torch.Tensor, tokenizer) -> bool:

@@ -107,3 +107,30 @@ def test_the_cache_near_its_floor_is_batch_invariant_on_the_default_model(real):
     result = check(model, tokenizer, prompts, cases, steps=12)
     assert len(result["stable_rows"]) == 3
     assert result["findings"] == []
+
+
+class _BatchSizeBias:
+    """A processor that is not batch-invariant on purpose: it raises token ``10 + batch size`` far above the rest."""
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, 10 + input_ids.shape[0]] += 1e4
+        return scores
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy recipe", "sampling recipe"])
+def test_the_harness_flags_a_recipe_that_depends_on_the_batch(fresh_tiny, sampling):
+    """Both paths of the harness (a greedy recipe's scores read from its greedy run, a sampling recipe's from a run
+    of its own) find the scores and the tokens that differ."""
+    from transformers import LogitsProcessorList
+
+    def build(model, batch, rows):
+        kwargs = {"do_sample": sampling, "logits_processor": LogitsProcessorList([_BatchSizeBias()])}
+        return {**kwargs, "temperature": 0.9, "top_k": 0, "top_p": 1.0} if sampling else kwargs
+
+    model, tokenizer = fresh_tiny
+    result = check(model, tokenizer, PROMPT_SETS[0], [Case("biased", build)], steps=2)
+    assert result["stable_rows"]
+    found = {(finding.row, finding.what) for finding in result["findings"]}
+    for row in result["stable_rows"]:
+        assert {(row, "first-step scores differ"), (row, "greedy tokens differ")} <= found
