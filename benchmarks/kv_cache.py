@@ -532,7 +532,9 @@ def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
     torch._dynamo.config.recompile_limit = 64
     modes = [mode for mode in args.gpu_compile_modes.split(",") if mode]
     device = next(model.parameters()).device
-    print(f"\ncompiled decoding: torch.compile(model.forward, fullgraph=True) in modes {', '.join(modes)}; "
+    backend = args.gpu_compile_backend
+    how = f"in modes {', '.join(modes)}" if backend == "inductor" else f"with backend {backend}"
+    print(f"\ncompiled decoding: torch.compile(model.forward, fullgraph=True) {how}; "
           f"{args.gpu_tokens} greedy steps by hand, median of {args.gpu_rounds} after a compiling run")  # fmt: skip
     print(f"   {'length':>7s} {'cache':44s}{'mode':>16s}{'tok/s':>9s}{'vs Static':>10s}{'cache MiB':>11s}")
     for length in lengths:
@@ -558,8 +560,9 @@ def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
             # the stored entries), for each of which CUDA graphs would record anew: those rows run without them.
             multi_step = "eviction_interval=1" not in name and name != "StaticCache"
             for mode in ("eager", *(mode for mode in modes if not (multi_step and mode == "reduce-overhead"))):
-                forward = runs_on.forward if mode == "eager" else torch.compile(runs_on.forward, mode=mode,
-                                                                                fullgraph=True)  # fmt: skip
+                options = compile_options(mode, args)
+                compiled = mode != "eager"
+                forward = torch.compile(runs_on.forward, fullgraph=True, **options) if compiled else runs_on.forward
                 try:
                     loop_decode(runs_on, forward, prompt, make(), 16)  # compiles (four graphs at most), warms up
                     rates, cache = [], None
@@ -576,7 +579,13 @@ def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
                 counters.clear()
         for (name, mode), (rate, size) in results.items():
             static = results.get(("StaticCache", mode), (float("nan"), 0))[0]
-            print(f"   {length:7d} {name:44s}{mode:>16s}{rate:9.1f}{rate / static:9.2f}x{size:11.1f}")
+            label = mode if mode == "eager" or backend == "inductor" else f"backend={backend}"
+            print(f"   {length:7d} {name:44s}{label:>16s}{rate:9.1f}{rate / static:9.2f}x{size:11.1f}")
+
+
+def compile_options(mode: str, args) -> dict:
+    """``torch.compile``'s options for a compiled row: inductor in ``mode``, or ``--gpu-compile-backend``."""
+    return {"mode": mode} if args.gpu_compile_backend == "inductor" else {"backend": args.gpu_compile_backend}
 
 
 def gpu_mode(args, device: torch.device) -> None:
@@ -737,6 +746,11 @@ def main() -> None:
              "(default: 'default,reduce-overhead' on CUDA, none elsewhere)",
     )  # fmt: skip
     parser.add_argument(
+        "--gpu-compile-backend", default="inductor",
+        help="GPU mode: torch.compile's backend for compiled decoding; another than inductor (eager, aot_eager: "
+             "to check the section's code without inductor's compile time) takes the one mode 'default'",
+    )  # fmt: skip
+    parser.add_argument(
         "--gpu-eager", action=argparse.BooleanOptionalAction, default=True,
         help="GPU mode: the eager table (prefill, memory, decoding through generate)",
     )  # fmt: skip
@@ -763,6 +777,9 @@ def main() -> None:
     device = torch.device(args.device)
     if args.gpu_compile_modes is None:
         args.gpu_compile_modes = "default,reduce-overhead" if device.type == "cuda" else ""
+    if args.gpu_compile_backend != "inductor" and args.gpu_compile_modes not in ("", "default"):
+        parser.error(f"--gpu-compile-modes: with --gpu-compile-backend {args.gpu_compile_backend} only 'default' "
+                     f"(inductor's modes); got {args.gpu_compile_modes!r}")  # fmt: skip
     unknown = {row.strip() for row in args.gpu_compiled_caches.split(",")} - set(COMPILED_ROWS)
     if unknown:
         raise SystemExit(f"--gpu-compiled-caches: unknown {sorted(unknown)}; choose from {', '.join(COMPILED_ROWS)}")

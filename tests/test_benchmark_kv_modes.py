@@ -17,7 +17,8 @@ def test_kv_cache_benchmark_host_bound_mode_runs():
 
 
 def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
-    tiny = ["--shape", "tiny", "--lengths", "256,512", "--gpu-tokens", "4", "--device", "cpu"]
+    tiny = ["--shape", "tiny", "--lengths", "256,512", "--gpu-tokens", "4", "--device", "cpu", "--gpu-rounds", "1"]
+    tiny += ["--gpu-decode-rounds", "1"]
     out = run_benchmark("kv_cache.py", *tiny)
     assert "CompressedCache observation_window=64" in out and "DynamicCache" in out
     assert "CompressedCache eviction_interval=8" in out and "compiled decoding" not in out  # none asked on a CPU
@@ -27,17 +28,26 @@ def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
 
 
 def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
+    """The section's code, compiled by dynamo's eager backend (inductor compiling these steps is tested in
+    tests/test_kv_decode_steps.py; here it would add minutes of compiling on a machine with a cold cache)."""
     out = run_benchmark("kv_cache.py", "--shape", "tiny", "--lengths", "256", "--gpu-tokens", "4", "--gpu-rounds", "1",
-               "--device", "cpu", "--no-gpu-eager", "--gpu-compile-modes", "default")  # fmt: skip
+               "--device", "cpu", "--no-gpu-eager", "--gpu-compile-modes", "default",
+               "--gpu-compile-backend", "eager")  # fmt: skip
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("256 ")]
     assert [(row[1], row[-4]) for row in rows] == [
-        ("StaticCache", "eager"), ("StaticCache", "default"), ("CompressedCache(budget=64,", "eager"),
-        ("CompressedCache(budget=64,", "default"), ("CompressedCache(budget=64),", "eager"),
-        ("CompressedCache(budget=64),", "default"), ("CompressedCache(budget=64,", "eager"),
-        ("CompressedCache(budget=64,", "default"),
+        ("StaticCache", "eager"), ("StaticCache", "backend=eager"), ("CompressedCache(budget=64,", "eager"),
+        ("CompressedCache(budget=64,", "backend=eager"), ("CompressedCache(budget=64),", "eager"),
+        ("CompressedCache(budget=64),", "backend=eager"), ("CompressedCache(budget=64,", "eager"),
+        ("CompressedCache(budget=64,", "backend=eager"),
     ]  # fmt: skip
     assert "eviction_interval=1)" in out and "default interval" in out and "eviction_interval=1, kv_bits=4)" in out
     assert "failed" not in out
+
+
+def test_kv_cache_benchmark_refuses_inductors_modes_with_another_backend():
+    stderr = refused_benchmark("kv_cache.py", "--shape", "tiny", "--gpu-compile-backend", "eager",
+                               "--gpu-compile-modes", "default,reduce-overhead")  # fmt: skip
+    assert "--gpu-compile-modes: with --gpu-compile-backend eager only 'default'" in stderr
 
 
 def test_kv_cache_benchmark_refuses_an_unknown_compiled_row():
