@@ -29,7 +29,7 @@ def test_kv_cache_benchmark_gpu_mode_runs_on_cpu_with_a_tiny_shape():
 
 def test_kv_cache_benchmark_gpu_mode_compiled_section_runs_on_cpu():
     """The section's code, compiled by dynamo's eager backend (inductor compiling these steps is tested in
-    tests/test_kv_decode_steps.py; here it would add minutes of compiling on a machine with a cold cache)."""
+    tests/test_kv_compiled_steps.py; here it would add minutes of compiling on a machine with a cold cache)."""
     out = run_benchmark("kv_cache.py", "--shape", "tiny", "--lengths", "256", "--gpu-tokens", "4", "--gpu-rounds", "1",
                "--device", "cpu", "--no-gpu-eager", "--gpu-compile-modes", "default",
                "--gpu-compile-backend", "eager")  # fmt: skip

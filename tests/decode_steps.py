@@ -1,0 +1,34 @@
+"""Decoding by hand for the cache's step tests: the prompt they share, and greedy steps after its pass."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def prompt_batch(tokenizer, rows: int = 1, padded: bool = False) -> dict[str, torch.Tensor]:
+    """``rows`` copies of a 186-token prompt, or (``padded``) it and its first half, left-padded."""
+    text = "The class statement creates a new class object and binds it to a name. " * 6
+    texts = [text, text[: len(text) // 2]] if padded else [text] * rows
+    return tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+
+
+def decode_by_hand(model, cache, batch, steps: int, recorder: TorchDispatchMode | None = None) -> list[torch.Tensor]:
+    """Greedy decoding by hand; the steps after the prompt's pass run under ``recorder``.
+    Returns each step's chosen tokens."""
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(**batch, past_key_values=cache).logits[:, -1]
+        chosen = []
+        for _ in range(steps):
+            token = logits.argmax(dim=-1, keepdim=True)
+            chosen.append(token)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            positions = (mask.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+            step = {"input_ids": token, "attention_mask": mask, "position_ids": positions, "past_key_values": cache}
+            if recorder is None:
+                logits = model(**step).logits[:, -1]
+            else:
+                with recorder:
+                    logits = model(**step).logits[:, -1]
+    return chosen

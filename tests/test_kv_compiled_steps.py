@@ -1,0 +1,456 @@
+"""CompressedCache decoding steps under torch.compile: one graph or a few, no recompilation, the numbers a step
+takes, and the tokens of eager decoding (apart from tests/test_kv_decode_steps.py so that pytest-xdist can run the
+two files side by side)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit.cache import CompressedCache
+from decodekit.cache.layer import CompressedLayer
+from tests.decode_steps import decode_by_hand, prompt_batch
+from tests.tiny import build_model
+
+
+@pytest.fixture
+def fresh(tiny):
+    _, tokenizer = tiny
+    return build_model(tokenizer), tokenizer
+
+
+def _compiled_decoding(
+    model, forward, cache, prompt: torch.Tensor, steps: int, warmup: int = 3, regions: set | None = None
+) -> tuple[list[int], int, int]:
+    """Greedy decoding of ``steps`` tokens through ``forward``; returns the tokens and the number of graphs
+    dynamo had made after ``warmup`` steps and at the end. ``regions``, when given, receives the names of the
+    compiled regions (graphs) the steps after ``warmup`` ran, as the profiler records them."""
+    from torch._dynamo.utils import counters
+
+    with torch.no_grad():
+        token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+        tokens, graphs_after_warmup, profiler = [], 0, None
+        for step in range(steps):
+            if step == warmup:
+                graphs_after_warmup = counters["stats"]["unique_graphs"]
+                if regions is not None:
+                    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                    profiler.__enter__()
+            position = torch.tensor([[prompt.shape[1] + step]], device=prompt.device)
+            logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits
+            token = logits[:, -1:].argmax(dim=-1)
+            tokens.append(int(token))
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            regions.update(event.name for event in profiler.events() if event.name.startswith("Torch-Compiled Region"))
+    return tokens, graphs_after_warmup, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_decoding_has_one_graph_and_matches_eager(fresh, backend):
+    """Under ``torch.compile(model.forward, fullgraph=True)`` (a graph break would raise), decoding with one
+    eviction per step compiles once more after the first step (the position count turns symbolic) and then
+    never again over 200 steps, and picks the tokens eager decoding picks."""
+    model, tokenizer = fresh
+    prompt = prompt_batch(tokenizer)["input_ids"]
+    settings = {"budget": 48, "eviction_interval": 1}
+    eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=200)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cache = CompressedCache(model, **settings)
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    compiled, after_warmup, at_end = _compiled_decoding(model, forward, cache, prompt, steps=200)
+    assert cache.kept_tokens == 48 and cache.get_seq_length() == prompt.shape[1] + 200  # every step evicted
+    assert after_warmup == at_end <= 2
+    assert compiled == eager
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_decoding_at_the_default_interval_runs_two_graphs(fresh, backend):
+    """With the default eviction interval (8 at this budget), the steps between evictions write their queries at the
+    index held in a tensor, so that every count runs one graph: after the first interval dynamo makes no new graph over
+    200 steps, at most four in all, within dynamo's default recompile limit (two made while the keys' length and the
+    count of waiting steps were still specialized), the last intervals run two of them, and the tokens are eager
+    decoding's. (The layers evict one by one in the compiled step: comparing data pointers,
+    which the joint eviction checks its shared room with, cannot be traced.)"""
+    model, tokenizer = fresh
+    prompt = prompt_batch(tokenizer)["input_ids"]
+    interval = CompressedCache(model, budget=48).policy.eviction_interval
+    assert interval == 8
+    eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, budget=48), prompt, steps=200)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cache = CompressedCache(model, budget=48)
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    regions = set()
+    compiled, after_warmup, at_end = _compiled_decoding(
+        model, forward, cache, prompt, 200, warmup=200 - 3 * interval, regions=regions
+    )
+    assert cache.get_seq_length() == prompt.shape[1] + 200 and cache.kept_tokens <= 48
+    assert after_warmup == at_end <= 4
+    assert compiled == eager
+    # Past the first intervals two graphs run: the steps between evictions (the one after an eviction included) and
+    # the eviction; the graphs made while values were still specialized are not run again.
+    assert len(regions) == 2, regions
+
+
+class RecordingBackend:
+    """A ``torch.compile`` backend that runs each graph as dynamo made it and records, for every call, which graph
+    ran, the numbers (not tensors) it was given, and how many tensors it returned (numbers it returns, such as the
+    layers' host-side counts, are no memory a CUDA graph would overwrite)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, tuple, int]] = []
+        self.graphs = 0
+        self.reads = 0  # values read from tensors inside the graphs (``item``): a sync that CUDA graphs cannot hold
+
+    def __deepcopy__(self, memo):  # (transformers' CompileConfig copies its options; the records must stay here)
+        return self
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs):
+        index, self.graphs = self.graphs, self.graphs + 1
+        reading = ("item", torch.ops.aten._local_scalar_dense.default)
+        self.reads += sum(node.target in reading for node in graph.graph.nodes)
+
+        def run(*args):
+            numbers = tuple(value for value in args if not isinstance(value, torch.Tensor))
+            result = graph.forward(*args)
+            returned = sum(isinstance(value, torch.Tensor) for value in result)
+            self.calls.append((index, numbers, returned))
+            return result
+
+        return run
+
+
+@pytest.mark.parametrize(("budget", "kv_bits"), [("floor", None), (48, None), (48, 4), ("floor", 8)])
+def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_the_logits_alone(
+    fresh, budget, kv_bits
+):
+    """CUDA graphs (``torch.compile(..., mode="reduce-overhead")``) record a graph anew for each new value of a number
+    the graph takes, and a replay overwrites what the graph returned before. With one eviction per step and a fixed
+    budget, the steps past the first two run one graph, given the same numbers at every step (the tokens seen are
+    counted on the device inside compiled steps, the freed slots written in place), which returns the logits alone;
+    the host reads the count back after the steps, and the tokens are eager decoding's; down to a budget of the sinks
+    and the recent window alone, and with keys and values coded in 4 or 8 bits (whose turned queries' matrix a step
+    makes for all layers, kept eagerly but not from a compiled step, which would return it)."""
+    model, tokenizer = fresh
+    prompt = prompt_batch(tokenizer)["input_ids"]
+    if budget == "floor":
+        budget = CompressedCache(model, budget=48).policy.floor
+    settings = {"budget": budget, "eviction_interval": 1, "kv_bits": kv_bits}
+    eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=60)
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    cache = CompressedCache(model, **settings)
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    compiled, _, _ = _compiled_decoding(model, forward, cache, prompt, steps=60)
+    assert compiled == eager
+    steady = backend.calls[2:]
+    assert len(steady) == 58
+    assert len({graph for graph, _, _ in steady}) == 1
+    assert len({numbers for _, numbers, _ in steady}) == 1
+    assert {returned for _, _, returned in steady} == {1}
+    assert backend.reads == 0  # no value read back inside a graph
+    assert all(layer._seen_on_device for layer in cache.layers)  # counted on the device until read
+    assert cache.get_seq_length() == prompt.shape[1] + 60
+    assert [layer.seen for layer in cache.layers] == [prompt.shape[1] + 60] * len(cache.layers)
+
+
+def _rows_by_hand(model, forward, cache, batch, steps: int, swap_after: int | None = None) -> torch.Tensor:
+    """Greedy decoding of a batch by hand: the prompt's pass eager, then each step through ``forward`` with each row at
+    its own position and no mask (as a compiled step is given); with ``swap_after``, the two rows are swapped after
+    that step, as a beam search reorders them. Returns the tokens, ``[rows, steps]``."""
+    positions = batch["attention_mask"].sum(dim=-1, keepdim=True)  # each row's next position
+    with torch.no_grad():
+        logits = model(**batch, past_key_values=cache).logits[:, -1]
+        tokens = []
+        for step in range(steps):
+            token = logits.argmax(dim=-1, keepdim=True)
+            tokens.append(token)
+            column = torch.tensor([batch["input_ids"].shape[1] + step])
+            logits = forward(token, past_key_values=cache, position_ids=positions, cache_position=column).logits
+            logits, positions = logits[:, -1], positions + 1
+            if step == swap_after:
+                swap = torch.tensor([1, 0])
+                cache.reorder_cache(swap)
+                logits, positions = logits[swap], positions[swap]
+    return torch.cat(tokens, dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("spare", "kv_bits", "padded"),
+    [
+        (0, None, False), (1, None, False), (14, None, False), (80, None, False), (14, 4, False), (14, None, True),
+        (0, None, True), (-40, None, True), (-40, 4, True),
+    ],
+)  # fmt: skip
+def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_numbers(fresh, spare, kv_bits, padded):
+    """With a prompt shorter than the budget, the prompt's pass makes the room for the whole budget (``budget + 1``
+    slots, as StaticCache makes ``max_cache_len``), the steps fill its dead slots and then evict one token each:
+    past the first two compiled steps one graph runs, given the same numbers at every step (the live entries are
+    counted on the device while the room fills) and returning the logits alone, through the step that fills the
+    budget and the evictions after it; the tokens are eager decoding's (whose steps append into that room), and the
+    host's counts, read after the steps, are the live entries. ``spare``: the budget's slots the prompt leaves
+    unfilled (0: none, the prompt fills the budget; 1: the room holds one dead slot besides the freed one; 80: more
+    than the steps fill, so no step evicts); with keys and values in 4 bits too, and for a left-padded batch (whose
+    second row holds half the tokens, so that it fills up even where the first fills the budget, or overflows it:
+    -40, a budget between the rows' lengths, where the prompt's eviction leaves the second row fewer dead slots
+    than its padding)."""
+    model, tokenizer = fresh
+    batch = prompt_batch(tokenizer, rows=2, padded=padded)
+    prompt = batch["input_ids"]
+    settings = {"budget": prompt.shape[1] + spare, "eviction_interval": 1, "kv_bits": kv_bits}
+    steps = 60
+    eager_cache = CompressedCache(model, **settings)
+    eager = decode_by_hand(model, eager_cache, batch, steps)
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    cache = CompressedCache(model, **settings)
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    compiled = _rows_by_hand(model, forward, cache, batch, steps)
+    assert torch.equal(compiled, torch.cat(eager, dim=-1))
+    layer = cache.layers[0]
+    assert layer.slots == settings["budget"] + 1  # the room for the whole budget, made by the prompt's pass
+    steady = backend.calls[2:]
+    assert len({graph for graph, _, _ in steady}) == 1
+    assert len({numbers for _, numbers, _ in steady}) == 1
+    assert {returned for _, _, returned in steady} == {1}
+    assert backend.reads == 0
+    kept = [min(length + steps, settings["budget"]) for length in batch["attention_mask"].sum(dim=-1).tolist()]
+    assert [layer.live_range for layer in cache.layers] == [(min(kept), max(kept))] * len(cache.layers)
+    assert [layer.live_range for layer in eager_cache.layers] == [(min(kept), max(kept))] * len(cache.layers)
+    assert cache.kept_tokens == eager_cache.kept_tokens
+    # The same tokens kept, wherever their slots: eager steps append into the room, compiled ones opened it (and
+    # fill a padded row's padding slots first).
+    for ours, theirs in zip(cache.layers, eager_cache.layers, strict=True):
+        assert torch.equal(ours.kept_positions(), theirs.kept_positions())
+
+
+@pytest.mark.parametrize(("padded", "budget"), [(False, 48), (False, 200), (True, 146)])
+def test_rows_reordered_between_compiled_steps_decode_as_eagerly(fresh, padded, budget):
+    """Rows reordered between compiled steps (as a beam search by hand reorders them: transformers' own beam search
+    runs its steps uncompiled) decode as eager steps do, over a prompt longer than the budget, under a budget longer
+    than the prompt while the rows fill its room (their live entries counted on the device), and for a left-padded
+    batch under a budget between its rows' lengths. A reorder costs one graph more at most (the step after it takes
+    the first dead slot, the reorder having used up the list of freed slots; a room the steps fill is then read
+    through a view), and the steps after it settle on one graph."""
+    model, tokenizer = fresh
+    batch = prompt_batch(tokenizer, rows=2, padded=padded)
+    if not padded:  # two different rows, so that swapping them changes what each decodes
+        batch["input_ids"][1, -20:] = batch["input_ids"][1, -20:].flip(0)
+    settings = {"budget": budget, "eviction_interval": 1}
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    compiled_forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    runs = []
+    for forward in (model.forward, compiled_forward):
+        cache = CompressedCache(model, **settings)
+        tokens = _rows_by_hand(model, forward, cache, batch, 40, swap_after=20)
+        runs.append((tokens, [layer.kept_positions() for layer in cache.layers]))
+    (eager, eager_kept), (compiled, compiled_kept) = runs
+    assert torch.equal(compiled, eager)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(compiled_kept, eager_kept, strict=True))
+    graphs = [graph for graph, _, _ in backend.calls]
+    assert len(graphs) == 40 and len(set(graphs[2:21])) == 1 and len(set(graphs[23:])) == 1 and max(graphs) <= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize(("kv_bits", "budget"), [(None, 48), (4, 48), (None, 200)])
+def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits, budget):
+    """On CUDA, ``torch.compile(mode="reduce-overhead")`` captures the steps of a cache that evicts one token per step
+    in CUDA graphs: none is skipped (the tensors the steps write into are marked as static addresses), graphs are
+    recorded for the first steps only, not one per step, and the tokens are eager decoding's; with keys and values
+    in 4 bits too, and under a budget longer than the 186-token prompt, which the steps fill."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    _, tokenizer = tiny
+    model = build_model(tokenizer).cuda()
+    prompt = prompt_batch(tokenizer)["input_ids"].cuda()
+    settings = {"budget": budget, "eviction_interval": 1, "kv_bits": kv_bits}
+    eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=40)
+    torch._dynamo.reset()
+    counters.clear()
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    compiled, _, _ = _compiled_decoding(model, forward, CompressedCache(model, **settings), prompt, steps=40)
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    recorded = int(repr(manager.graph_counter).removeprefix("count(").removesuffix(")"))
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert 1 <= recorded <= 4
+    assert compiled == eager
+
+
+@pytest.mark.parametrize(
+    ("padded", "kv_bits", "budget"),
+    [
+        (False, None, 48), (True, None, 48), (False, 4, 48), (False, None, 200), (False, 4, 200), (True, None, 200),
+        (False, None, 186), (True, None, 186), (True, None, 146),
+    ],
+)  # fmt: skip
+def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(fresh, monkeypatch, padded, kv_bits, budget):
+    """``model.generate(..., compile_config=...)`` compiles the decoding steps of a cache that evicts one token per
+    step under a budget in tokens (it reports itself compileable, as a StaticCache does): no graph break, two graphs,
+    the later steps given the same numbers and returning the logits alone, and the tokens of eager ``generate``, for
+    one row and a padded batch, for one row with keys and values in 4 bits, and under a budget longer than the
+    186-token prompt, which the steps fill (the live entries counted on the device: generate's own preparation of
+    each step reads no count back), or as long as it, or between a padded batch's rows' lengths, where only its
+    shorter row fills up."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, tokenizer = fresh
+    batch = prompt_batch(tokenizer, padded=padded)
+    settings = {"budget": budget, "eviction_interval": 1, "kv_bits": kv_bits}
+    greedy = {"max_new_tokens": 60, "do_sample": False}
+    assert CompressedCache(model, **settings).is_compileable
+    eager = model.generate(**batch, past_key_values=CompressedCache(model, **settings), disable_compile=True, **greedy)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = RecordingBackend()
+    config = CompileConfig(backend=backend, mode=None, fullgraph=True)
+    config._compile_all_devices = True  # (generate compiles on accelerators only, unless told)
+    recounts = []  # the host's counts of live entries read back from the device, between the steps
+    recount = CompressedLayer._recount
+    monkeypatch.setattr(CompressedLayer, "_recount", lambda layer: recounts.append(1) or recount(layer))
+    cache = CompressedCache(model, **settings)
+    compiled = model.generate(**batch, past_key_values=cache, compile_config=config, **greedy)
+    monkeypatch.undo()
+    shortest = int(batch["attention_mask"].sum(dim=-1).min())
+    assert batch["input_ids"].shape[1] == 186 and shortest == (93 if padded else 186)
+    if budget > shortest:  # some row fills up
+        assert not recounts and all(layer._live_counts_stale for layer in cache.layers)
+    assert torch.equal(compiled, eager)
+    assert len(backend.calls) == 59 and backend.graphs == 2  # every step but the prompt's pass, compiled
+    assert not counters["graph_break"]
+    assert len({numbers for _, numbers, _ in backend.calls[2:]}) == 1
+    assert {returned for _, _, returned in backend.calls[2:]} == {1}
+    assert backend.reads == 0
+
+
+def test_only_one_eviction_per_step_under_a_token_budget_is_compileable(fresh):
+    """``generate`` compiles a cache only where it reports itself compileable: at longer intervals, and under targets
+    that grow with the tokens seen, a step's graph takes numbers that change from step to step."""
+    model, _ = fresh
+    assert CompressedCache(model, budget=48, eviction_interval=1).is_compileable
+    assert CompressedCache(model, budget=48, eviction_interval=1, kv_bits=8).is_compileable
+    assert not CompressedCache(model, budget=48).is_compileable
+    assert not CompressedCache(model, budget=48, eviction_interval=2).is_compileable
+    assert not CompressedCache(model, compression_ratio=0.5, eviction_interval=1).is_compileable
+    assert not CompressedCache(model, memory_fraction=0.25).is_compileable
+
+
+def test_compiled_steps_without_positions_take_them_from_the_count_on_the_device(fresh):
+    """A compiled step called without positions (the model derives them from ``get_seq_length``, which inside the
+    step is the count held on the device, as transformers' StaticLayer returns its own) compiles without a graph
+    break and without reading the count back inside its graph, and decodes eager decoding's tokens."""
+    model, tokenizer = fresh
+    prompt = prompt_batch(tokenizer)["input_ids"]
+
+    def decode(forward) -> tuple[list[int], int]:
+        cache, tokens = CompressedCache(model, budget=48, eviction_interval=1), []
+        with torch.no_grad():
+            token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+            for _ in range(40):
+                token = forward(token, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+                tokens.append(int(token))
+        return tokens, cache.get_seq_length()
+
+    eager = decode(model.forward)
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    assert decode(torch.compile(model.forward, backend=backend, fullgraph=True)) == eager
+    assert eager[1] == prompt.shape[1] + 40
+    assert backend.graphs == 2 and backend.reads == 0
+
+
+def test_compiled_steps_after_a_crop_return_the_logits_alone(fresh):
+    """A crop between compiled steps (as assisted generation makes) leaves dead slots: with one eviction per step under
+    a budget in tokens the storage keeps its ``budget + 1`` slots, the next steps fill the dead ones, and the list of
+    freed slots is used up, not dropped, so that the next eviction writes into it. No step returns a tensor the cache
+    then holds (a CUDA graph overwrites what it returned when it runs again), and the tokens are eager decoding's."""
+    model, tokenizer = fresh
+    prompt = prompt_batch(tokenizer)["input_ids"]
+
+    def decode(forward) -> tuple[list[int], list[int]]:
+        cache, tokens, slots = CompressedCache(model, budget=48, eviction_interval=1), [], []
+        with torch.no_grad():
+            token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+            for step in range(30):
+                if step == 12:  # forget the last two tokens and feed them again
+                    cache.crop(-2)
+                    for again in tokens[-2:]:
+                        forward(torch.tensor([[again]]), past_key_values=cache)
+                token = forward(token, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+                tokens.append(int(token))
+                slots.append(cache.layers[0].slots)
+        return tokens, slots
+
+    eager, slots = decode(model.forward)
+    assert set(slots) == {49}
+    torch._dynamo.reset()
+    backend = RecordingBackend()
+    assert decode(torch.compile(model.forward, backend=backend, fullgraph=True))[0] == eager
+    assert {returned for _, _, returned in backend.calls} == {1}
+
+
+def test_compiled_and_eager_steps_evicting_at_every_step_keep_one_count(fresh):
+    """Eager steps count the tokens seen on the host, compiled ones on the device: a decoding that switches between
+    the two (the host reading the count between them) keeps one count, with eager decoding's tokens, positions and
+    scores."""
+    model, tokenizer = fresh
+    prompt = prompt_batch(tokenizer)["input_ids"]
+    settings = {"budget": 40, "eviction_interval": 1}
+    compiled_forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    chosen = {2, 3, 4, 5, 9, 20, 21, 22, 23, 24, 25, 30, 31}  # the steps that run compiled
+
+    def decode(cache, mixed: bool) -> list[int]:
+        tokens = []
+        with torch.no_grad():
+            token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+            for step in range(36):
+                forward = compiled_forward if mixed and step in chosen else model.forward
+                length = cache.get_seq_length() if step in (10, 26) else None  # the host reads the count back
+                position = torch.tensor([[length if length is not None else prompt.shape[1] + len(tokens)]])
+                logits = forward(token, past_key_values=cache, position_ids=position, cache_position=position[0])
+                token = logits.logits[:, -1:].argmax(dim=-1)
+                tokens.append(int(token))
+        return tokens
+
+    reference = CompressedCache(model, **settings)
+    eager = decode(reference, mixed=False)
+    torch._dynamo.reset()
+    cache = CompressedCache(model, **settings)
+    assert decode(cache, mixed=True) == eager
+    assert cache.get_seq_length() == reference.get_seq_length() == prompt.shape[1] + 36
+    for layer, expected in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(layer.scores, expected.scores)
+        torch.testing.assert_close(layer.positions, expected.positions)
+        torch.testing.assert_close(layer.live, expected.live)
+
+
+def test_decoding_switching_between_compiled_and_eager_steps_between_evictions_matches_eager(fresh):
+    """Steps waiting for their scoring are kept as they come eagerly and in tensors inside a compiled step: a decoding
+    that switches between the two within an interval (and one that compiles only some intervals) scores the steps
+    in their order, as eager decoding does (same tokens, same scores). The eager steps give the layers slices of one
+    shared room, which the first compiled step (through AOTAutograd, which regenerates aliased inputs) replaces."""
+    model, tokenizer = fresh
+    prompt = prompt_batch(tokenizer)["input_ids"]
+    reference = CompressedCache(model, budget=48)
+    eager, _, _ = _compiled_decoding(model, model.forward, reference, prompt, steps=60)
+    torch._dynamo.reset()
+    compiled_forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    switches = iter([3, 4, 5, 11, 12, 19, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 50])  # steps that run compiled
+    chosen = set(switches)
+    step = 0
+
+    def forward(*args, **kwargs):
+        nonlocal step
+        step += 1
+        return (compiled_forward if step - 1 in chosen else model.forward)(*args, **kwargs)
+
+    cache = CompressedCache(model, budget=48)
+    mixed, _, _ = _compiled_decoding(model, forward, cache, prompt, steps=60)
+    assert mixed == eager
+    for layer, expected in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(layer.scores, expected.scores)
+        torch.testing.assert_close(layer.positions, expected.positions)
