@@ -60,7 +60,7 @@ def test_a_benchmarks_texts_are_named_from_its_set_and_unknown_names_are_refused
 
 def test_the_retrieval_benchmark_runs_and_prints_its_table():
     out = run_benchmark(
-        "kv_retrieval.py", "--count", "2", "--context-tokens", "300", "--ratios", "0.5", "--scorings", "attention"
+        "kv_retrieval.py", "--count", "1", "--context-tokens", "300", "--ratios", "0.5", "--scorings", "attention"
     )
     assert "natural-prose contexts" in out
     assert "single key  attention" in out and "multi key   attention" in out
