@@ -85,14 +85,16 @@ def _generate(model, tokenizer, batch, kwargs, *, steps: int, scores: bool):
             pad_token_id=tokenizer.pad_token_id,
             return_dict_in_generate=True,
             output_scores=scores,
+            output_logits=scores,
             **kwargs,
         )
 
 
-def _first_step_scores(output, requests: int, beams: int) -> torch.Tensor:
-    """Per request, the processed scores of the first step (beam 0: every beam is alike at step 1)."""
-    first = output.scores[0]
-    return first.view(requests, beams, -1)[:, 0].float()
+def _first_step_scores(output, requests: int, beams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per request, the processed scores and the raw logits of the first step (beam 0: every beam is alike at
+    step 1)."""
+    processed, raw = output.scores[0], output.logits[0]
+    return processed.view(requests, beams, -1)[:, 0].float(), raw.view(requests, beams, -1)[:, 0].float()
 
 
 def _greedy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -128,11 +130,14 @@ def check(model, tokenizer, prompts: list[str], cases: list[Case] | None = None,
     ]
     findings: list[Finding] = []
     for case in cases:
-        batched_scores, batched_tokens = _scores_and_tokens(model, tokenizer, case, batch, indices, steps)
+        (batched_scores, batched_raw), batched_tokens = _scores_and_tokens(
+            model, tokenizer, case, batch, indices, steps
+        )
         for row in stable:
             single = singles[row]
-            alone_scores, alone_tokens = _scores_and_tokens(model, tokenizer, case, single, [row], steps)
-            if not _close(batched_scores[row], alone_scores[0]):
+            (alone_scores, alone_raw), alone_tokens = _scores_and_tokens(model, tokenizer, case, single, [row], steps)
+            noisy = not torch.equal(batched_raw[row], alone_raw[0])
+            if not _close(batched_scores[row], alone_scores[0], noisy=noisy):
                 findings.append(Finding(case.name, row, "first-step scores differ"))
             per_request = batched_tokens.shape[0] // len(prompts)
             if not _same_tokens(
@@ -160,7 +165,14 @@ def _same_tokens(batched: torch.Tensor, alone: torch.Tensor, tokenizer) -> bool:
     return torch.equal(batched[:length], alone) and bool((batched[length:] == tokenizer.pad_token_id).all())
 
 
-def _close(batched: torch.Tensor, alone: torch.Tensor) -> bool:
-    same_filter = torch.equal(batched.isinf(), alone.isinf())
-    finite = batched.isfinite()
-    return same_filter and torch.allclose(batched[finite], alone[finite], atol=1e-4, rtol=1e-4)
+def _close(batched: torch.Tensor, alone: torch.Tensor, *, noisy: bool = False) -> bool:
+    """Whether a row's processed scores batched and alone agree: the same tokens filtered out, the same values
+    for the others. Where the model's raw logits already differ (``noisy``: padding changed their rounding), a
+    filter's threshold can fall between two nearly tied tokens either way, so one token in or out is forgiven
+    there; a processor that reads another row's state moves values or more tokens."""
+    filtered_batched, filtered_alone = batched.isinf(), alone.isinf()
+    flipped = int((filtered_batched != filtered_alone).sum())
+    if flipped > (1 if noisy else 0):
+        return False
+    kept = ~(filtered_batched | filtered_alone)
+    return torch.allclose(batched[kept], alone[kept], atol=1e-4, rtol=1e-4)
