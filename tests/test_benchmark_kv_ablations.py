@@ -8,6 +8,7 @@ import pytest
 from tests.benchmark_runs import refused_benchmark, run_benchmark
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_kv_bytes_benchmark_runs_and_prints_its_rows():
     short = ["--only", "inspect.py", "--context-tokens", "128", "--continuation-tokens", "16", "--fractions", "0.5"]
     short += ["--bits", "16,8/4"]
@@ -21,6 +22,7 @@ def test_kv_key_coding_benchmark_refuses_an_unknown_scheme_by_name():
     assert "--schemes: unknown ['no such scheme', 'rotated']" in stderr
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_kv_key_coding_benchmark_prints_a_row_per_scheme():
     short = ["--only", "inspect.py", "--context-tokens", "128", "--continuation-tokens", "16"]
     out = run_benchmark("kv_key_coding.py", *short)
@@ -33,6 +35,7 @@ def test_kv_key_coding_benchmark_prints_a_row_per_scheme():
     assert len(rows) == 12
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_kv_key_coding_benchmark_runs_the_named_schemes_on_the_second_tuning_texts():
     schemes = "rotated, groups of 32;rotated, groups of 32, 5 bits"
     short = ["--context-tokens", "128", "--continuation-tokens", "16", "--texts", "tuning2", "--schemes", schemes]
@@ -58,6 +61,7 @@ def test_a_benchmarks_texts_are_named_from_its_set_and_unknown_names_are_refused
         texts_named(" , ", SECOND_TUNING_TEXTS)
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_the_retrieval_benchmark_runs_and_prints_its_table():
     out = run_benchmark(
         "kv_retrieval.py", "--count", "1", "--context-tokens", "300", "--ratios", "0.5", "--scorings", "attention"

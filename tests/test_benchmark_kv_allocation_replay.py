@@ -3,12 +3,15 @@ configurations; apart from the other ablations so that pytest-xdist can run them
 
 from __future__ import annotations
 
+import pytest
+
 from tests.benchmark_runs import run_benchmark
 
 # 128-token contexts of one tuning text: what the tests check holds per text.
 ONE_TEXT = ("--texts", "inspect.py", "--context-tokens", "128", "--continuation-tokens", "16")
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_the_allocation_ablation_runs_and_its_uniform_row_is_the_cache_itself():
     out = run_benchmark("kv_allocation.py", *ONE_TEXT, "--ratios", "0.5")
     rows = {line[:30].strip(): line[30:].strip() for line in out.splitlines() if line.startswith("  ")}
@@ -17,6 +20,7 @@ def test_the_allocation_ablation_runs_and_its_uniform_row_is_the_cache_itself():
     assert rows["uniform"] == rows["CompressedCache, evicting"]  # the masks reproduce the evicting cache
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_the_allocation_ablation_on_reconstruction_scores_reproduces_the_global_cache():
     out = run_benchmark(
         "kv_allocation.py", *ONE_TEXT, "--ratios", "0.5",
@@ -28,6 +32,7 @@ def test_the_allocation_ablation_on_reconstruction_scores_reproduces_the_global_
     assert rows["layers"] != rows["uniform"]
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_the_replay_ablation_runs_and_its_masks_are_the_evicting_cache():
     """Also at 75% evicted of 128 tokens, where the share (32 tokens) is under the cache's floor (36), which the
     masks keep as the cache does."""

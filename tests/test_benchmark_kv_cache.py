@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.benchmark_runs import refused_benchmark, run_benchmark
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     short = ["--context-tokens", "128", "--continuation-tokens", "16", "--speed-prompt", "256", "--speed-tokens", "4"]
     short += ["--texts", "gpl3", "--pass-keys", "1", "--pass-key-filler", "4"]  # one text: the recorded
@@ -49,8 +52,6 @@ def test_kv_cache_benchmark_refuses_an_unknown_text_by_name():
 def test_kv_cache_benchmark_refuses_texts_that_name_nothing():
     import argparse
     import sys
-
-    import pytest
 
     from tests.benchmark_runs import BENCHMARKS
 

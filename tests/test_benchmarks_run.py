@@ -3,6 +3,8 @@ asserted here)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.benchmark_runs import run_benchmark
 
 
@@ -14,12 +16,14 @@ def test_processor_benchmark_runs_and_prints_its_ratios():
     assert all(f"{name} " in out for name in ("Top-H", "typical", "epsilon", "eta"))
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_beam_search_benchmark_runs_and_prints_its_ratio():
     out = run_benchmark("beam_search.py", "--rounds", "1", "--max-new-tokens", "4")
     assert "decodekit / built-in time" in out
     assert "outputs identical: True" in out
 
 
+@pytest.mark.slow  # the benchmark loads the default model
 def test_eval_benchmark_runs_and_prints_its_ratio():
     out = run_benchmark("eval.py", "--rounds", "1", "--texts", "6", "--batch-size", "3")
     assert "decodekit / canonical tokens/s" in out
