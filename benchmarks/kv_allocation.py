@@ -33,7 +33,7 @@ import math
 import statistics
 
 import torch
-from kv_protocol import TUNING_TEXTS, text_tasks, texts_named
+from kv_protocol import add_tuning_texts_argument, text_tasks
 from torch.nn import functional
 
 from decodekit import load_model
@@ -149,10 +149,7 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
-    parser.add_argument(
-        "--texts", type=lambda names: texts_named(names, TUNING_TEXTS), default=TUNING_TEXTS,
-        help=f"the tuning texts to measure, comma-separated (default: all of {', '.join(TUNING_TEXTS)})",
-    )  # fmt: skip
+    add_tuning_texts_argument(parser)
     parser.add_argument("--floor", type=float, default=0.2, help="each head keeps at least this share of its own")
     parser.add_argument("--scoring", choices=("attention", "reconstruction"), default="attention")
     parser.add_argument(

@@ -79,6 +79,14 @@ def texts_named(names: str, texts: dict) -> dict:
     return {name: text for name, text in texts.items() if name in chosen}
 
 
+def add_tuning_texts_argument(parser: argparse.ArgumentParser) -> None:
+    """``--texts``: the tuning texts to measure, by name (all of them by default); ``args.texts`` is their dict."""
+    parser.add_argument(
+        "--texts", type=lambda names: texts_named(names, TUNING_TEXTS), default=TUNING_TEXTS,
+        help=f"the tuning texts to measure, comma-separated (default: all of {', '.join(TUNING_TEXTS)})",
+    )  # fmt: skip
+
+
 def add_text_arguments(parser: argparse.ArgumentParser) -> None:
     """``--texts``, a set of texts (the tuning texts by default), and ``--only``, some texts of it by name."""
     parser.add_argument("--texts", choices=sorted(TEXT_SETS), default="tuning")

@@ -30,7 +30,7 @@ import statistics
 
 import torch
 from kv_allocation import allocate, masked_perplexity, scored_prompt
-from kv_protocol import TUNING_TEXTS, text_tasks, texts_named
+from kv_protocol import add_tuning_texts_argument, text_tasks
 
 from decodekit import load_model
 from decodekit.cache import CompressedCache
@@ -86,10 +86,7 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
-    parser.add_argument(
-        "--texts", type=lambda names: texts_named(names, TUNING_TEXTS), default=TUNING_TEXTS,
-        help=f"the tuning texts to measure, comma-separated (default: all of {', '.join(TUNING_TEXTS)})",
-    )  # fmt: skip
+    add_tuning_texts_argument(parser)
     parser.add_argument("--floors", default="0.2,0", help="per-head floors, shares of the even share")
     parser.add_argument("--rows", help="the rows to measure, separated by ';' (default: all)")
     parser.add_argument("--chunk", type=int, default=2048, help="prompt tokens per replayed chunk")
