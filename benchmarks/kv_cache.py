@@ -560,9 +560,7 @@ def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
             # the stored entries), for each of which CUDA graphs would record anew: those rows run without them.
             multi_step = "eviction_interval=1" not in name and name != "StaticCache"
             for mode in ("eager", *(mode for mode in modes if not (multi_step and mode == "reduce-overhead"))):
-                options = compile_options(mode, args)
-                compiled = mode != "eager"
-                forward = torch.compile(runs_on.forward, fullgraph=True, **options) if compiled else runs_on.forward
+                forward = runs_on.forward if mode == "eager" else compiled_forward(runs_on, mode, backend)
                 try:
                     loop_decode(runs_on, forward, prompt, make(), 16)  # compiles (four graphs at most), warms up
                     rates, cache = [], None
@@ -583,9 +581,10 @@ def gpu_compiled(plain, model, args, lengths: list[int]) -> None:
             print(f"   {length:7d} {name:44s}{label:>16s}{rate:9.1f}{rate / static:9.2f}x{size:11.1f}")
 
 
-def compile_options(mode: str, args) -> dict:
-    """``torch.compile``'s options for a compiled row: inductor in ``mode``, or ``--gpu-compile-backend``."""
-    return {"mode": mode} if args.gpu_compile_backend == "inductor" else {"backend": args.gpu_compile_backend}
+def compiled_forward(model, mode: str, backend: str):
+    """``model.forward`` compiled for a row of the compiled table: by inductor in ``mode``, or by ``backend``."""
+    options = {"mode": mode} if backend == "inductor" else {"backend": backend}
+    return torch.compile(model.forward, fullgraph=True, **options)
 
 
 def gpu_mode(args, device: torch.device) -> None:
