@@ -161,17 +161,18 @@ def _rows_by_hand(model, forward, cache, batch, steps: int, swap_after: int | No
     its own position and no mask (as a compiled step is given); with ``swap_after``, the two rows are swapped after
     that step, as a beam search reorders them. Returns the tokens, ``[rows, steps]``."""
     positions = batch["attention_mask"].sum(dim=-1, keepdim=True)  # each row's next position
+    device = positions.device
     with torch.no_grad():
         logits = model(**batch, past_key_values=cache).logits[:, -1]
         tokens = []
         for step in range(steps):
             token = logits.argmax(dim=-1, keepdim=True)
             tokens.append(token)
-            column = torch.tensor([batch["input_ids"].shape[1] + step])
+            column = torch.tensor([batch["input_ids"].shape[1] + step], device=device)
             logits = forward(token, past_key_values=cache, position_ids=positions, cache_position=column).logits
             logits, positions = logits[:, -1], positions + 1
             if step == swap_after:
-                swap = torch.tensor([1, 0])
+                swap = torch.tensor([1, 0], device=device)
                 cache.reorder_cache(swap)
                 logits, positions = logits[swap], positions[swap]
     return torch.cat(tokens, dim=-1)
@@ -278,6 +279,33 @@ def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits,
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert 1 <= recorded <= 4
     assert compiled == eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize(("padded", "budget"), [(False, 48), (False, 200), (True, 146)])
+def test_cuda_graphs_replay_compiled_steps_after_rows_are_reordered(tiny, padded, budget):
+    """On CUDA, rows reordered between steps captured in CUDA graphs (a beam search's reorder rebuilds the room the
+    steps write into) decode as eager steps do: no graph is skipped for mutated inputs (the rebuilt room is marked
+    as a static address too), and a few graphs are recorded, not one per step."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    _, tokenizer = tiny
+    model = build_model(tokenizer).cuda()
+    batch = {name: tensor.cuda() for name, tensor in prompt_batch(tokenizer, rows=2, padded=padded).items()}
+    if not padded:  # two different rows, so that swapping them changes what each decodes
+        batch["input_ids"][1, -20:] = batch["input_ids"][1, -20:].flip(0)
+    settings = {"budget": budget, "eviction_interval": 1}
+    eager = _rows_by_hand(model, model.forward, CompressedCache(model, **settings), batch, 40, swap_after=20)
+    torch._dynamo.reset()
+    counters.clear()
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    compiled = _rows_by_hand(model, forward, CompressedCache(model, **settings), batch, 40, swap_after=20)
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    recorded = int(repr(manager.graph_counter).removeprefix("count(").removesuffix(")"))
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert 1 <= recorded <= 6
+    assert torch.equal(compiled, eager)
 
 
 @pytest.mark.parametrize(
