@@ -7,7 +7,7 @@ setup:  ## create .venv and install decodekit, its dev tools and the default mod
 	bash scripts/setup.sh $(VENV)
 
 test:  ## the whole suite, real-model tests included, on every core (at most 4 workers)
-	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile
 
 test-fast:  ## unit tests on tiny in-process models only
 	$(BIN)/python -m pytest -m "not slow"

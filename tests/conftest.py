@@ -26,31 +26,6 @@ if not torch.cuda.is_available():
 
 from tests.tiny import save_tiny_model
 
-# ``make test`` hands whole files to its workers (pytest-xdist's ``--dist loadfile``) in collection order
-# (``--no-loadscope-reorder``; xdist would order them by their number of tests), so the slowest files are collected
-# first, heaviest first: a long file started last would leave the other workers idle while it runs. Measured with
-# ``--durations=0`` and an empty inductor cache (a fresh machine's); a file not named here follows in pytest's order.
-SLOWEST_FILES = (
-    "test_kv_compiled_steps.py",
-    "test_batch_invariance.py",
-    "test_benchmark_kv_cache.py",
-    "test_benchmark_kv_modes.py",
-    "test_benchmark_kv_ablations.py",
-    "test_real_model.py",
-    "test_benchmarks_run.py",
-    "test_benchmark_kv_allocation_replay.py",
-    "test_real_beam_search.py",
-    "test_readme.py",
-    "test_eval_runner.py",
-    "test_kv_heads.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Collect the files of ``SLOWEST_FILES`` first, in its order (each file's tests keep theirs)."""
-    rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
