@@ -180,6 +180,8 @@ def main() -> None:
         help="reconstruction caches' matched_layers (the first layers whose kept entries are refit; default: the "
              "cache's)",
     )  # fmt: skip
+    parser.add_argument("--kv-bits", type=int, help="the caches' kv_bits (default: the cache's choice)")
+    parser.add_argument("--key-bits", type=int, help="the caches' key_bits (default: the cache's choice)")
     args = parser.parse_args()
     kinds = [kind.strip() for kind in args.kinds.split(",")]
     if unknown := [kind for kind in kinds if kind not in KINDS]:
@@ -203,6 +205,7 @@ def main() -> None:
                 options = {"replay": args.replay} if scoring == "reconstruction" else {}
                 if scoring == "reconstruction" and args.matched_layers is not None:
                     options["matched_layers"] = args.matched_layers
+                options.update({name: bits for name in ("kv_bits", "key_bits") if (bits := getattr(args, name))})
                 make = partial(CompressedCache, model, scoring=scoring, **{size: ratio}, **options)
                 hits = answer_tasks(model, tokenizer, tasks, make)
                 kept = sum(h and f for h, f in zip(hits, full, strict=True)) / max(sum(full), 1)
@@ -210,6 +213,7 @@ def main() -> None:
             method = f"{scoring}, {args.replay}" if scoring == "reconstruction" else scoring
             if scoring == "reconstruction" and args.matched_layers is not None:
                 method += f", matched {args.matched_layers}"
+            method += "".join(f", {name} {bits}" for name in ("kv_bits", "key_bits") if (bits := getattr(args, name)))
             print(f"  {kind:12s}{method:34s}{sum(full):8d}{''.join(f'{cell:>8s}' for cell in cells)}", flush=True)
         print(f"  ({kind}: {time.perf_counter() - started:.0f} s)")
 
