@@ -64,7 +64,8 @@ def test_a_benchmarks_texts_are_named_from_its_set_and_unknown_names_are_refused
 @pytest.mark.slow  # the benchmark loads the default model
 def test_the_retrieval_benchmark_runs_and_prints_its_table():
     out = run_benchmark(
-        "kv_retrieval.py", "--count", "1", "--context-tokens", "300", "--ratios", "0.5", "--scorings", "attention"
-    )
+        "kv_retrieval.py", "--count", "1", "--context-tokens", "300", "--ratios", "0.5", "--scorings", "attention",
+        "--kv-bits", "8",
+    )  # fmt: skip
     assert "natural-prose contexts" in out
-    assert "single key  attention" in out and "multi key   attention" in out
+    assert "single key  attention, kv_bits 8" in out and "multi key   attention, kv_bits 8" in out
