@@ -186,6 +186,7 @@ def main() -> None:
     kinds = [kind.strip() for kind in args.kinds.split(",")]
     if unknown := [kind for kind in kinds if kind not in KINDS]:
         parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS)}")
+    widths = {name: bits for name in ("kv_bits", "key_bits") if (bits := getattr(args, name))}
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     size = "memory_fraction" if args.memory_fractions else "compression_ratio"
@@ -205,7 +206,7 @@ def main() -> None:
                 options = {"replay": args.replay} if scoring == "reconstruction" else {}
                 if scoring == "reconstruction" and args.matched_layers is not None:
                     options["matched_layers"] = args.matched_layers
-                options.update({name: bits for name in ("kv_bits", "key_bits") if (bits := getattr(args, name))})
+                options.update(widths)
                 make = partial(CompressedCache, model, scoring=scoring, **{size: ratio}, **options)
                 hits = answer_tasks(model, tokenizer, tasks, make)
                 kept = sum(h and f for h, f in zip(hits, full, strict=True)) / max(sum(full), 1)
@@ -213,7 +214,7 @@ def main() -> None:
             method = f"{scoring}, {args.replay}" if scoring == "reconstruction" else scoring
             if scoring == "reconstruction" and args.matched_layers is not None:
                 method += f", matched {args.matched_layers}"
-            method += "".join(f", {name} {bits}" for name in ("kv_bits", "key_bits") if (bits := getattr(args, name)))
+            method += "".join(f", {name} {bits}" for name, bits in widths.items())
             print(f"  {kind:12s}{method:34s}{sum(full):8d}{''.join(f'{cell:>8s}' for cell in cells)}", flush=True)
         print(f"  ({kind}: {time.perf_counter() - started:.0f} s)")
 

@@ -156,6 +156,23 @@ def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_
     assert [layer.seen for layer in cache.layers] == [prompt.shape[1] + 60] * len(cache.layers)
 
 
+def _two_rows(tokenizer, padded: bool) -> dict[str, torch.Tensor]:
+    """Two rows of the prompt, or (``padded``) it and its first half, left-padded; two unpadded rows differ in their
+    last 20 tokens, so that swapping them changes what each decodes."""
+    batch = prompt_batch(tokenizer, rows=2, padded=padded)
+    if not padded:
+        batch["input_ids"][1, -20:] = batch["input_ids"][1, -20:].flip(0)
+    return batch
+
+
+def _cuda_graphs_recorded() -> int:
+    """How many CUDA graphs inductor's CUDA-graph trees have recorded on the current device."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    return int(repr(manager.graph_counter).removeprefix("count(").removesuffix(")"))
+
+
 def _rows_by_hand(model, forward, cache, batch, steps: int, swap_after: int | None = None) -> torch.Tensor:
     """Greedy decoding of a batch by hand: the prompt's pass eager, then each step through ``forward`` with each row at
     its own position and no mask (as a compiled step is given); with ``swap_after``, the two rows are swapped after
@@ -236,9 +253,7 @@ def test_rows_reordered_between_compiled_steps_decode_as_eagerly(fresh, padded, 
     the first dead slot, the reorder having used up the list of freed slots; a room the steps fill is then read
     through a view), and the steps after it settle on one graph."""
     model, tokenizer = fresh
-    batch = prompt_batch(tokenizer, rows=2, padded=padded)
-    if not padded:  # two different rows, so that swapping them changes what each decodes
-        batch["input_ids"][1, -20:] = batch["input_ids"][1, -20:].flip(0)
+    batch = _two_rows(tokenizer, padded)
     settings = {"budget": budget, "eviction_interval": 1}
     torch._dynamo.reset()
     backend = RecordingBackend()
@@ -263,7 +278,6 @@ def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits,
     recorded for the first steps only, not one per step, and the tokens are eager decoding's; with keys and values
     in 4 bits too, and under a budget longer than the 186-token prompt, which the steps fill."""
     from torch._dynamo.utils import counters
-    from torch._inductor import cudagraph_trees
 
     _, tokenizer = tiny
     model = build_model(tokenizer).cuda()
@@ -274,8 +288,7 @@ def test_cuda_graphs_replay_compiled_steps_evicting_at_every_step(tiny, kv_bits,
     counters.clear()
     forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     compiled, _, _ = _compiled_decoding(model, forward, CompressedCache(model, **settings), prompt, steps=40)
-    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
-    recorded = int(repr(manager.graph_counter).removeprefix("count(").removesuffix(")"))
+    recorded = _cuda_graphs_recorded()
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert 1 <= recorded <= 4
     assert compiled == eager
@@ -288,21 +301,17 @@ def test_cuda_graphs_replay_compiled_steps_after_rows_are_reordered(tiny, padded
     steps write into) decode as eager steps do: no graph is skipped for mutated inputs (the rebuilt room is marked
     as a static address too), and a few graphs are recorded, not one per step."""
     from torch._dynamo.utils import counters
-    from torch._inductor import cudagraph_trees
 
     _, tokenizer = tiny
     model = build_model(tokenizer).cuda()
-    batch = {name: tensor.cuda() for name, tensor in prompt_batch(tokenizer, rows=2, padded=padded).items()}
-    if not padded:  # two different rows, so that swapping them changes what each decodes
-        batch["input_ids"][1, -20:] = batch["input_ids"][1, -20:].flip(0)
+    batch = {name: tensor.cuda() for name, tensor in _two_rows(tokenizer, padded).items()}
     settings = {"budget": budget, "eviction_interval": 1}
     eager = _rows_by_hand(model, model.forward, CompressedCache(model, **settings), batch, 40, swap_after=20)
     torch._dynamo.reset()
     counters.clear()
     forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     compiled = _rows_by_hand(model, forward, CompressedCache(model, **settings), batch, 40, swap_after=20)
-    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
-    recorded = int(repr(manager.graph_counter).removeprefix("count(").removesuffix(")"))
+    recorded = _cuda_graphs_recorded()
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert 1 <= recorded <= 6
     assert torch.equal(compiled, eager)
