@@ -186,7 +186,7 @@ def main() -> None:
     kinds = [kind.strip() for kind in args.kinds.split(",")]
     if unknown := [kind for kind in kinds if kind not in KINDS]:
         parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS)}")
-    widths = {name: bits for name in ("kv_bits", "key_bits") if (bits := getattr(args, name))}
+    widths = {name: bits for name in ("kv_bits", "key_bits") if (bits := getattr(args, name)) is not None}
     torch.set_grad_enabled(False)
     model, tokenizer = load_model()
     size = "memory_fraction" if args.memory_fractions else "compression_ratio"
