@@ -5,9 +5,10 @@ Eager passes count on the host, Python numbers. Compiled decoding steps under a 
 on the device instead, in a 0-d int64 tensor updated in place, as transformers' StaticLayer keeps its
 ``cumulative_length``: a number that changed at every step would be an input of the step's graph, and CUDA graphs
 (``torch.compile(mode="reduce-overhead")``) record a graph anew for each new value of one. The host reads the count
-back once, outside any step, when it next needs it. Compiled steps that fill a room made for the whole budget (a
-prompt shorter than the budget: ``Eviction._grows_in_graph``) leave the live entries counted by ``live`` alone, and
-the host counts them again from it when it next reads them.
+back once, outside any step, when it next needs it; the prompt's pass (or a crop) writes the host's count there, so
+that the first compiled step runs the graph of every later one. Compiled steps that fill a room made for the whole
+budget (a prompt shorter than the budget: ``Eviction._grows_in_graph``) leave the live entries counted by ``live``
+alone, and the host counts them again from it when it next reads them.
 
 ``SeenCount`` and ``LiveCount`` are mixins of ``CompressedLayer``, which calls ``_start_count`` when it is made.
 """
@@ -47,14 +48,27 @@ class SeenCount:
 
     @seen.setter
     def seen(self, value: int) -> None:
-        self._seen, self._seen_on_device, self._seen_device_current = value, False, False
+        self._seen, self._seen_on_device = value, False
+        self._sync_device_count()
+
+    def _sync_device_count(self) -> None:
+        """Give the device's count the host's, outside any compiled step (where the layer counts on the device), so
+        that the next compiled step finds it current and runs the graph every later step runs: a pass of several
+        tokens (a prompt) or a count set by hand (crop, reset) does this; an eager decoding step does not, to stay one
+        operator lighter, and a compiled step after it starts from the host's count in a graph of its own."""
+        self._seen_device_current = False
+        if self._seen_device is not None and not torch.compiler.is_compiling():
+            self._seen_device.fill_(self._seen)
+            self._seen_device_current = True
 
     def _seen_now(self) -> int | torch.Tensor:
         """``seen`` as the code of a decoding step uses it: inside a compiled step that counts on the device, the
         0-d tensor (the host's number lags there), else the number."""
+        if self._seen_device_current and torch.compiler.is_compiling():
+            return self._seen_device
         if not self._seen_on_device:
             return self._seen
-        return self._seen_device if torch.compiler.is_compiling() else self.seen
+        return self.seen
 
     def _add_seen(self, new: int) -> None:
         """Count ``new`` more tokens seen: on the device inside a compiled step that counts there, else on the host."""
@@ -67,7 +81,10 @@ class SeenCount:
             self.seen = self.seen + new
         else:
             self._seen += new
-            self._seen_device_current = False
+            if new > 1:
+                self._sync_device_count()
+            else:
+                self._seen_device_current = False
 
 
 class LiveCount:
