@@ -322,7 +322,7 @@ def test_cuda_graphs_replay_compiled_steps_after_rows_are_reordered(tiny, padded
 @pytest.mark.parametrize(
     ("padded", "kv_bits", "budget", "graphs"),
     [
-        (False, None, 48, 1), (True, None, 48, 2), (False, 4, 48, 1), (False, None, 200, 2), (False, 4, 200, 2),
+        (False, None, 48, 1), (True, None, 48, 1), (False, 4, 48, 1), (False, None, 200, 2), (False, 4, 200, 2),
         (True, None, 200, 2), (False, None, 186, 1), (True, None, 186, 1), (True, None, 146, 1),
     ],
 )  # fmt: skip
@@ -335,9 +335,9 @@ def test_generate_compiles_the_steps_of_a_cache_evicting_at_every_step(
     padded batch, for one row with keys and values in 4 bits, and under a budget longer than the 186-token prompt,
     which the steps fill (the live entries counted on the device: generate's own preparation of each step reads no
     count back), or as long as it, or between a padded batch's rows' lengths, where only its shorter row fills up.
-    Every step runs one graph (the prompt's pass leaves the device's count of tokens seen current), but where the
-    first step opens the room the steps fill (a budget longer than the prompt) or takes the freed slot a padded
-    batch's pass left, which costs that step a graph of its own."""
+    Every step runs one graph (the prompt's pass leaves the device's count of tokens seen current; a padded batch's
+    first step searches for its dead slot, as its later steps do), but where the first step opens the room the steps
+    fill (a budget longer than the prompt), which costs that step a graph of its own."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 

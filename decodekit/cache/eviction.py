@@ -85,9 +85,12 @@ class Eviction:
             self._hold_room(spare, shared=False)
             self._prepare_room(stored, self._seen_now())
         # The list of freed slots: the one dead slot of a full row, to take first; used up otherwise (the steps take
-        # the first dead slot), kept so that a compiled eviction writes into it.
+        # the first dead slot), kept so that a compiled eviction writes into it. Rows of several paddings evict apart,
+        # keeping no list, so their later steps search for the dead slot: where every row is full, that is the slot
+        # the list would give, and the first step searches too, running the graph of the steps after it.
         self._freed = self._live.new_full((*self._live.shape[:2], 1), target, dtype=torch.long)
-        self._freed_taken = 0 if room == 1 else 1
+        searched = len(self.live_by_group) > 1 and self.live_range[0] == target
+        self._freed_taken = 0 if room == 1 and not searched else 1
         # A row under the budget fills up (every row of a prompt shorter than it; a left-padded batch's shorter rows
         # even where the longest fills it): its live entries are counted on the device in compiled steps.
         self._growing_room = self.live_range[0] < target
