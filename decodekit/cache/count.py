@@ -66,9 +66,7 @@ class SeenCount:
         0-d tensor (the host's number lags there), else the number."""
         if self._seen_device_current and torch.compiler.is_compiling():
             return self._seen_device
-        if not self._seen_on_device:
-            return self._seen
-        return self.seen
+        return self.seen  # (compiled steps that counted on the device left it current: the branch above)
 
     def _add_seen(self, new: int) -> None:
         """Count ``new`` more tokens seen: on the device inside a compiled step that counts there, else on the host."""
