@@ -51,7 +51,11 @@ def test_compiled_decoding_has_one_graph_and_matches_eager(fresh, backend):
     """Under ``torch.compile(model.forward, fullgraph=True)`` (a graph break would raise), decoding with one
     eviction per step compiles one graph at the first step (the prompt's pass leaves the count of tokens seen on the
     device current, as the steps keep it) and never again over 200 steps, and picks the tokens eager decoding
-    picks."""
+    picks. Inductor writes each step's entries and evictions into the layers' tensors in place: its code allocates no
+    tensor of a layer's keys or values' shape (a ``scatter_`` into them would be a new copy, written back, at every
+    step)."""
+    from torch._inductor.utils import run_and_get_code
+
     model, tokenizer = fresh
     prompt = prompt_batch(tokenizer)["input_ids"]
     settings = {"budget": 48, "eviction_interval": 1}
@@ -60,10 +64,20 @@ def test_compiled_decoding_has_one_graph_and_matches_eager(fresh, backend):
     torch._dynamo.utils.counters.clear()
     cache = CompressedCache(model, **settings)
     forward = torch.compile(model.forward, backend=backend, fullgraph=True)
-    compiled, after_warmup, at_end = _compiled_decoding(model, forward, cache, prompt, steps=200)
+    (compiled, after_warmup, at_end), codes = run_and_get_code(
+        _compiled_decoding, model, forward, cache, prompt, steps=200
+    )
     assert cache.kept_tokens == 48 and cache.get_seq_length() == prompt.shape[1] + 200  # every step evicted
     assert after_warmup == at_end == 1
     assert compiled == eager
+    if backend == "inductor":
+        assert len(codes) == 1
+        shapes = {tuple(layer.keys.shape) for layer in cache.layers} | {
+            tuple(layer.values.shape) for layer in cache.layers
+        }
+        assert shapes == {(1, model.config.num_key_value_heads, 49, model.config.head_dim)}
+        for shape in shapes:
+            assert f"empty_strided_cpu({shape}" not in codes[0]
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])

@@ -14,7 +14,7 @@ import torch
 
 from decodekit.cache.policy import Allocated
 from decodekit.cache.scoring import best_in_slot_order
-from decodekit.cache.storage import mark_static
+from decodekit.cache.storage import mark_static, write_slots
 
 
 class Eviction:
@@ -132,7 +132,7 @@ class Eviction:
         first dead slot. Nothing here depends on a count the host keeps."""
         victims = self._lowest_ranked_live(1)
         over = self.live.sum(dim=-1, keepdim=True) > self._fixed_target()
-        self.live.scatter_(2, victims, over.logical_not())
+        write_slots(self.live, victims, over.logical_not())
 
     def _lowest_ranked_live(self, count: int) -> torch.Tensor:
         """The slots of each row and head's ``count`` lowest-ranked live entries, ``[batch, kv_heads, count]``. One
@@ -184,7 +184,7 @@ class Eviction:
         if uniform and in_place:
             # Every row drops its ``bound`` lowest-ranked entries, in place; the next tokens take their slots.
             victims = self._lowest_ranked_live(bound)
-            self.live.scatter_(2, victims, False)
+            write_slots(self.live, victims, False)
             self._remember_freed(victims)
             return
         self._forget_freed()
@@ -197,7 +197,7 @@ class Eviction:
             lowest = torch.where(self.live, priority, math.inf).topk(bound, dim=-1, largest=False)
             rank = torch.arange(bound, device=priority.device)
             stays = self.live.gather(2, lowest.indices) & (rank < (live_count - keep)).logical_not()
-            self.live.scatter_(2, lowest.indices, stays)
+            write_slots(self.live, lowest.indices, stays)
             return
         ranked = torch.where(self.live, priority, -math.inf).topk(keep_most, dim=-1).indices
         stays = torch.arange(keep_most, device=priority.device) < keep

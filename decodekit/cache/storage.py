@@ -154,6 +154,30 @@ def decoded_part(
     return quantizer.decode(coded, dtype, turn_back=not turned, out=out)
 
 
+def write_slots(target: torch.Tensor, slots: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
+    """Write ``entry`` into each row and head's ``slots`` of ``target`` (``[batch, kv_heads, slots, ...]``):
+    ``target[b, h, slots[b, h, i]] = entry[b, h, i]``, ``slots`` ``[batch, kv_heads, n]``, ``entry`` a tensor of
+    ``slots``' shape (with ``target``'s trailing dimensions) or one value.
+
+    Inside a compiled step the write is an ``index_put_``, which inductor does in place; it makes a ``scatter_`` on a
+    graph's input a new tensor, copied back into the input, so that every step would copy the whole layer twice.
+
+        >>> live = torch.ones(1, 2, 4, dtype=torch.bool)
+        >>> write_slots(live, torch.tensor([[[3], [0]]]), False)
+        >>> live.int().tolist()
+        [[[1, 1, 1, 0], [0, 1, 1, 1]]]
+    """
+    if torch.compiler.is_compiling():
+        batch, heads = slots.shape[:2]
+        rows = torch.arange(batch, device=slots.device).view(-1, 1, 1)
+        columns = torch.arange(heads, device=slots.device).view(1, -1, 1)
+        target[rows, columns, slots] = entry
+        return
+    if isinstance(entry, torch.Tensor) and entry.dim() > slots.dim():
+        slots = slots.view(*slots.shape, *(1,) * (entry.dim() - slots.dim())).expand_as(entry)
+    target.scatter_(2, slots, entry)
+
+
 def _write(target: torch.Tensor, entry: torch.Tensor | float | bool) -> None:
     """Fill ``target`` with ``entry``: a tensor (broadcast) or one value."""
     if isinstance(entry, torch.Tensor):
@@ -446,6 +470,9 @@ class EntryStorage:
             target = getattr(self, name)
             if one:
                 (target.index_copy_ if isinstance(entry, torch.Tensor) else target.index_fill_)(2, slot, entry)
+                continue
+            if torch.compiler.is_compiling():
+                write_slots(target, slot, entry)  # in place (a scatter_ would copy the whole tensor)
                 continue
             index = slot  # bookkeeping: one number per entry
             if isinstance(entry, torch.Tensor) and entry.dim() == 4:  # keys, values, scales: channels per entry
