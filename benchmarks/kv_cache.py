@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import _kv_per_byte as per_byte
@@ -473,12 +474,26 @@ def loop_decode(model, forward, prompt: torch.Tensor, cache, new_tokens: int) ->
     return new_tokens / (time.perf_counter() - started)
 
 
+def own_compiled(module: torch.nn.Module, tag: str, **options):
+    """``torch.compile(module.forward, **options)`` through a copy of the forward function with a code object of its
+    own, named ``tag``. Dynamo keeps its graphs per code object, and every model's ``forward`` shares one (as does the
+    automatic dynamic shapes' record, by the code's name): variants compiled side by side in one process would check
+    each other's guards at every step, before their own, and a full cache's growing keys would have the next
+    variant's shapes compiled dynamic. Compiled this way, each runs as a program that decodes with one cache type."""
+    function = module.forward.__func__
+    code = function.__code__
+    own = types.FunctionType(
+        code.replace(co_name=f"{code.co_name}_{tag}"), function.__globals__, function.__name__,
+        function.__defaults__, function.__closure__,
+    )  # fmt: skip
+    own.__kwdefaults__ = function.__kwdefaults__
+    return torch.compile(types.MethodType(own, module), **options)
+
+
 def compiled_mode(plain, model, prompt: torch.Tensor, budget: int, args) -> None:
     """Eager and ``torch.compile(model.forward)`` (inductor) decoding, by hand, for DynamicCache and StaticCache (on
     ``plain``, a copy of the model that decodekit never bound) and CompressedCache evicting one token per step (the
     setting that compiles to one graph) or at its default interval (four graphs)."""
-    # Every variant's graphs count against one limit: they are graphs of the same code (the model's forward).
-    torch._dynamo.config.recompile_limit = 64
     # Steps decoded once through each compiled forward before any timing: past the first eviction at the default
     # interval, whose step after an eviction compiles a graph of its own.
     warm_up = 16
@@ -494,16 +509,16 @@ def compiled_mode(plain, model, prompt: torch.Tensor, budget: int, args) -> None
         ),
     }  # fmt: skip
     forwards = {
-        id(runs_on): {"eager": runs_on.forward, "compiled": torch.compile(runs_on.forward, fullgraph=True)}
-        for runs_on in (plain, model)
+        name: {"eager": runs_on.forward, "compiled": own_compiled(runs_on, f"variant{index}", fullgraph=True)}
+        for index, (name, (runs_on, _)) in enumerate(caches.items())
     }
-    for runs_on, make in caches.values():  # compile (and warm up) before any timing
-        loop_decode(runs_on, forwards[id(runs_on)]["compiled"], prompt, make(), warm_up)
+    for name, (runs_on, make) in caches.items():  # compile (and warm up) before any timing
+        loop_decode(runs_on, forwards[name]["compiled"], prompt, make(), warm_up)
     rates = {(name, mode): [] for name in caches for mode in ("eager", "compiled")}
     for _ in range(args.host_rounds):
         for (name, mode), values in rates.items():
             runs_on, make = caches[name]
-            values.append(loop_decode(runs_on, forwards[id(runs_on)][mode], prompt, make(), args.host_tokens))
+            values.append(loop_decode(runs_on, forwards[name][mode], prompt, make(), args.host_tokens))
     medians = {key: statistics.median(values) for key, values in rates.items()}
     static = medians[("StaticCache", "compiled")]
     print(f"compiled: torch.compile(model.forward, fullgraph=True), inductor; the same prompt, {args.host_tokens} "

@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
-from kv_cache import loop_decode  # benchmarks/ is on sys.path
+from kv_cache import loop_decode, own_compiled  # benchmarks/ is on sys.path
 from kv_compiled_profile import compiled_step_parser, compiled_step_setup
 from transformers import StaticCache
 
@@ -97,23 +97,25 @@ def main() -> None:
         ),
         "  the same, steps unscored (the bound)": (model, lambda: unscored_cache(model, budget)),
     }  # fmt: skip
-    compile_model = partial(torch.compile, fullgraph=True, backend=args.backend)
+    compile_model = partial(own_compiled, fullgraph=True, backend=args.backend)
     if args.cpp_wrapper:  # (torch.compile takes a mode or options, not both: the mode's options join the wrapper's)
         compile_model = partial(
             compile_model, options={"cpp_wrapper": True, **torch._inductor.list_mode_options(args.mode)}
         )
     elif args.backend == "inductor":
         compile_model = partial(compile_model, mode=args.mode)
-    forwards = {id(runs_on): compile_model(runs_on.forward) for runs_on in (plain, model)}
+    forwards = {
+        name: compile_model(runs_on, f"variant{index}") for index, (name, (runs_on, _)) in enumerate(caches.items())
+    }
     stance = partial(torch.compiler.set_stance, skip_guard_eval_unsafe=True) if args.skip_guards else nullcontext
     rates = {name: [] for name in caches}
     with unscored_steps():
-        for runs_on, make in caches.values():  # compile before any timing
-            loop_decode(runs_on, forwards[id(runs_on)], prompt, make(), args.warm_up)
+        for name, (runs_on, make) in caches.items():  # compile before any timing
+            loop_decode(runs_on, forwards[name], prompt, make(), args.warm_up)
         for _ in range(args.rounds):
             for name, (runs_on, make) in caches.items():
                 with stance():
-                    rates[name].append(loop_decode(runs_on, forwards[id(runs_on)], prompt, make(), args.tokens))
+                    rates[name].append(loop_decode(runs_on, forwards[name], prompt, make(), args.tokens))
     medians = {name: statistics.median(values) for name, values in rates.items()}
     static = medians["StaticCache"]
     guards = "skipped" if args.skip_guards else "evaluated"
