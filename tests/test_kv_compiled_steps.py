@@ -80,6 +80,28 @@ def test_compiled_decoding_has_one_graph_and_matches_eager(fresh, backend):
             assert f"empty_strided_cpu({shape}" not in codes[0]
 
 
+def test_compiled_steps_of_coded_entries_decode_each_layer_once_and_write_in_place(fresh):
+    """With keys and values coded in 4 bits, a compiled step (inductor) decodes each layer's keys and values for
+    attention, and writes the step's exact entries into those decoded copies in place: its code allocates at most two
+    tensors of a layer's decoded keys' shape per layer, for the keys and values decoded (a ``scatter_`` into a decoded
+    copy made it anew, one more copy per write: four per layer), and its tokens are eager decoding's."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, tokenizer = fresh
+    prompt = prompt_batch(tokenizer)["input_ids"]
+    settings = {"budget": 48, "eviction_interval": 1, "kv_bits": 4}
+    eager, _, _ = _compiled_decoding(model, model.forward, CompressedCache(model, **settings), prompt, steps=30)
+    torch._dynamo.reset()
+    cache = CompressedCache(model, **settings)
+    forward = torch.compile(model.forward, backend="inductor", fullgraph=True)
+    (compiled, _, _), codes = run_and_get_code(_compiled_decoding, model, forward, cache, prompt, steps=30)
+    assert compiled == eager
+    assert len(codes) == 1
+    config = model.config
+    decoded = f"empty_strided_cpu({(1, config.num_key_value_heads, 49, config.head_dim)}"
+    assert codes[0].count(decoded) <= 2 * config.num_hidden_layers
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_compiled_decoding_at_the_default_interval_runs_two_graphs(fresh, backend):
     """With the default eviction interval (8 at this budget), the steps between evictions write their queries at the

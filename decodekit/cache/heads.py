@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicLayer
 
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.policy import EvictionPolicy
-from decodekit.cache.storage import CODING, PARTS, decoded_part, storage_bytes
+from decodekit.cache.storage import CODING, PARTS, decoded_part, storage_bytes, write_slots
 
 
 class HeadsLayer(DynamicLayer):
@@ -203,9 +203,8 @@ class HeadsLayer(DynamicLayer):
             for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
                 unit.write_ring(unit_keys, unit_values)
         if self._step_slots is not None:  # the step's own keys and values, exact, for every head at once
-            slot = self._step_slots[..., None, None].expand(-1, -1, 1, keys.shape[-1])
-            keys.scatter_(2, slot, read_keys.to(keys.dtype))
-            values.scatter_(2, slot, value_states.to(values.dtype))
+            write_slots(keys, self._step_slots[..., None], read_keys.to(keys.dtype))
+            write_slots(values, self._step_slots[..., None], value_states.to(values.dtype))
         else:
             for unit, (unit_keys, unit_values) in zip(self.units, own_parts, strict=True):
                 unit.write_pass_exact(unit_keys, unit_values)

@@ -285,9 +285,8 @@ class EntryStorage:
             new = key_states.shape[2]
             keys[:, :, -new:], values[:, :, -new:] = key_states, value_states
         else:
-            slot = free[..., None, None].expand(-1, -1, 1, keys.shape[-1])
-            keys.scatter_(2, slot, key_states)
-            values.scatter_(2, slot, value_states)
+            write_slots(keys, free[..., None], key_states)
+            write_slots(values, free[..., None], value_states)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored keys and values in the cache's dtype, ``[batch, kv_heads, slots, head_dim]``, as attention
@@ -317,7 +316,7 @@ class EntryStorage:
         into, out_of = latest[..., None].expand(-1, -1, -1, head_dim), ring_slot[..., None].expand(-1, -1, -1, head_dim)
         for decoded, recent in ((keys, self.recent_keys), (values, self.recent_values)):
             exact = recent.gather(2, out_of).to(self.dtype)
-            decoded.scatter_(2, into, torch.where(held, exact, decoded.gather(2, into)))
+            write_slots(decoded, latest, torch.where(held, exact, decoded.gather(2, into)))
 
     def _decoded(self, part: str) -> torch.Tensor:
         """The stored ``part`` ("keys" or "values") decoded to the cache's dtype (ring aside)."""
