@@ -171,6 +171,8 @@ def write_slots(target: torch.Tensor, slots: torch.Tensor, entry: torch.Tensor |
         batch, heads = slots.shape[:2]
         rows = torch.arange(batch, device=slots.device).view(-1, 1, 1)
         columns = torch.arange(heads, device=slots.device).view(1, -1, 1)
+        if not isinstance(entry, torch.Tensor):  # made on the target's device: no CPU constant in a CUDA graph
+            entry = torch.full((), entry, dtype=target.dtype, device=target.device)
         target[rows, columns, slots] = entry
         return
     if isinstance(entry, torch.Tensor) and entry.dim() > slots.dim():
