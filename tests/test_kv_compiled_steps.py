@@ -100,13 +100,14 @@ def test_compiled_steps_of_coded_entries_decode_each_layer_once_and_write_in_pla
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_compiled_decoding_at_the_default_interval_runs_two_graphs(fresh, backend):
+def test_compiled_decoding_at_the_default_interval_runs_three_graphs(fresh, backend):
     """With the default eviction interval (8 at this budget), the steps between evictions write their queries at the
     index held in a tensor, so that every count runs one graph: after the first interval dynamo makes no new graph over
-    200 steps, at most four in all, within dynamo's default recompile limit (two made while the keys' length and the
-    count of waiting steps were still specialized), the last intervals run two of them, and the tokens are eager
-    decoding's. (The layers evict one by one in the compiled step: comparing data pointers,
-    which the joint eviction checks its shared room with, cannot be traced.)"""
+    200 steps, at most four in all, within dynamo's default recompile limit, the last intervals run three of them (the
+    eviction's, the step after it, compiled while the count of waiting steps was still specialized at 0, and the steps
+    after that), the first step's graph (made while the keys' length was specialized, its eviction with one step
+    waiting) is not run again, and the tokens are eager decoding's. (The layers evict one by one in the compiled step:
+    comparing data pointers, which the joint eviction checks its shared room with, cannot be traced.)"""
     model, tokenizer = fresh
     prompt = prompt_batch(tokenizer)["input_ids"]
     interval = CompressedCache(model, budget=48).policy.eviction_interval
@@ -123,9 +124,7 @@ def test_compiled_decoding_at_the_default_interval_runs_two_graphs(fresh, backen
     assert cache.get_seq_length() == prompt.shape[1] + 200 and cache.kept_tokens <= 48
     assert after_warmup == at_end <= 4
     assert compiled == eager
-    # Past the first intervals two graphs run: the steps between evictions (the one after an eviction included) and
-    # the eviction; the graphs made while values were still specialized are not run again.
-    assert len(regions) == 2, regions
+    assert len(regions) == 3 and "Torch-Compiled Region: 0/0" not in regions, regions
 
 
 class RecordingBackend:
@@ -509,8 +508,9 @@ def test_compiled_and_eager_steps_evicting_at_every_step_keep_one_count(fresh):
 def test_decoding_switching_between_compiled_and_eager_steps_between_evictions_matches_eager(fresh):
     """Steps waiting for their scoring are kept as they come eagerly and in tensors inside a compiled step: a decoding
     that switches between the two within an interval (and one that compiles only some intervals) scores the steps
-    in their order, as eager decoding does (same tokens, same scores). The eager steps give the layers slices of one
-    shared room, which the first compiled step (through AOTAutograd, which regenerates aliased inputs) replaces."""
+    in their order, as eager decoding does (same tokens, the same entries with the same scores). The eager steps
+    give the layers slices of one shared room, which the first compiled step (through AOTAutograd, which regenerates
+    aliased inputs) replaces."""
     model, tokenizer = fresh
     prompt = prompt_batch(tokenizer)["input_ids"]
     reference = CompressedCache(model, budget=48)
@@ -530,5 +530,8 @@ def test_decoding_switching_between_compiled_and_eager_steps_between_evictions_m
     mixed, _, _ = _compiled_decoding(model, forward, cache, prompt, steps=60)
     assert mixed == eager
     for layer, expected in zip(cache.layers, reference.layers, strict=True):
-        torch.testing.assert_close(layer.scores, expected.scores)
-        torch.testing.assert_close(layer.positions, expected.positions)
+        # The same entries with the same scores, in position order (an eviction where fewer steps wait than entries
+        # go keeps slot order, one where they all wait fills the victims' slots: the layouts may differ).
+        mine, theirs = layer.positions.sort(dim=-1), expected.positions.sort(dim=-1)
+        assert torch.equal(mine.values, theirs.values)
+        torch.testing.assert_close(layer.scores.gather(2, mine.indices), expected.scores.gather(2, theirs.indices))

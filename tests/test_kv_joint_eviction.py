@@ -183,3 +183,66 @@ def test_other_families_evict_together_as_alone(counted, family):
         for name in ("keys", "values", "positions", "live"):
             assert torch.equal(mine[name], theirs[name]), name
         torch.testing.assert_close(mine["scores"], theirs["scores"])
+
+
+# settings: whether an eviction's victims can all take the waiting steps' tokens (its last slots, all recent tokens)
+FILLS = {
+    "budget": ({"budget": 64, "eviction_interval": 8}, True),
+    "recent window as long as the interval": ({"budget": 64, "eviction_interval": 8, "recent_tokens": 8}, True),
+    "interval past the recent window": ({"budget": 64, "eviction_interval": 9, "recent_tokens": 8}, False),
+    "budget at the floor": ({"budget": 36, "eviction_interval": 2}, True),  # one unprotected entry per row goes
+    "ratio": ({"compression_ratio": 0.5, "eviction_interval": 8}, True),  # a growing target: fewer go than wait
+}
+
+
+def _live_by_position(layer) -> dict[str, torch.Tensor]:
+    """Each row and head's live entries in position order: what the layer keeps, wherever it keeps it."""
+    order = layer.positions.masked_fill(~layer.live, -1).argsort(dim=-1, stable=True)[..., -layer.kept :]
+    per_entry = {"positions": layer.positions, "scores": layer.scores, "value_norms": layer.value_norms}
+    taken = {name: tensor.gather(2, order) for name, tensor in per_entry.items()}
+    for name in ("keys", "values"):
+        tensor = getattr(layer, name)
+        taken[name] = tensor.gather(2, order[..., None].expand(-1, -1, -1, tensor.shape[-1]))
+    return taken
+
+
+@pytest.mark.parametrize("case", list(FILLS))
+def test_the_waiting_steps_fill_the_victims_slots_and_keep_what_slot_order_keeps(fresh, monkeypatch, case):
+    """Where every victim sits before the waiting steps' tokens (``victims_precede_newest``), those tokens move into
+    the victims' slots instead of every kept entry moving forward: the same entries stay, at other slots (the oracle
+    is the same cache keeping slot order), two rows of other tokens at once, together and alone."""
+    from decodekit.cache import storage
+    from decodekit.cache.policy import EvictionPolicy
+
+    model, _ = fresh
+    settings, fills = FILLS[case]
+    ids = torch.randint(3, model.config.vocab_size, (2, 120), generator=torch.Generator().manual_seed(2))
+    moves = []
+    for module in (joint, storage):
+        real = module.move_tail_into
+        monkeypatch.setattr(module, "move_tail_into", lambda *args, real=real: moves.append(1) or real(*args))
+
+    def decode(cache) -> torch.Tensor:
+        chosen = []
+        with torch.no_grad():
+            token = model(ids, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+            for _ in range(40):
+                chosen.append(token)
+                token = model(token, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+        return torch.cat(chosen, dim=1)
+
+    runs = {}
+    for order in ("filled", "slot order"):
+        if order == "slot order":
+            monkeypatch.setattr(EvictionPolicy, "victims_precede_newest", lambda self, drop, newest, keep: False)
+        moves.clear()
+        cache = CompressedCache(model, **settings)
+        runs[order] = (decode(cache), [_live_by_position(layer) for layer in cache.layers], len(moves))
+    (tokens, kept, filled), (oracle_tokens, oracle_kept, _) = runs["filled"], runs["slot order"]
+    assert (filled > 0) == fills
+    assert torch.equal(tokens, oracle_tokens)
+    for mine, theirs in zip(kept, oracle_kept, strict=True):
+        assert torch.equal(mine["positions"], theirs["positions"])  # the same tokens stay
+        # (their keys and values to rounding: attention sums the entries in another order, and later layers see it)
+        for name in ("keys", "values", "scores", "value_norms"):
+            torch.testing.assert_close(mine[name], theirs[name])

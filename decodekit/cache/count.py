@@ -99,7 +99,7 @@ class LiveCount:
 
     @live_by_group.setter
     def live_by_group(self, value: dict) -> None:
-        self._live_by_group, self._live_counts_stale = value, False
+        self._live_by_group, self._live_counts_stale, self._live_added = value, False, 0
 
     @property
     def live_range(self) -> tuple[int, int]:
@@ -109,10 +109,21 @@ class LiveCount:
 
     @live_range.setter
     def live_range(self, value: tuple[int, int]) -> None:
-        self._live_range, self._live_counts_stale = value, False
+        self._live_range, self._live_counts_stale, self._live_added = value, False, 0
+
+    def _add_live(self, new: int) -> None:
+        """Count ``new`` more live entries in every row (a pass appended or filled a slot in each): added to the
+        counts when they are next read, as decoding steps between evictions read none."""
+        self._live_added += new
 
     def _count_live_again(self) -> None:
-        """Outside a compiled step, count the live entries again after compiled steps left the counts stale."""
+        """Outside a compiled step, count the live entries again after compiled steps left the counts stale; add the
+        entries counted since the counts were last read."""
         if self._live_counts_stale and not torch.compiler.is_compiling():
             self._live_counts_stale = False
             self._recount()
+        elif self._live_added:
+            added, self._live_added = self._live_added, 0
+            self._live_by_group = {group: live + added for group, live in self._live_by_group.items()}
+            least, most = self._live_range
+            self._live_range = (least + added, most + added)

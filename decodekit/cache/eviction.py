@@ -219,22 +219,23 @@ class Eviction:
         self._freed_taken = 0
 
     def keep_best(self, keep: int) -> None:
-        """Decoding with spare room: keep each row's ``keep`` best-ranked entries at the front, in slot order; the
-        next tokens go after them without a mask for dead slots."""
+        """Decoding with spare room: keep each row's ``keep`` best-ranked entries in the first ``keep`` slots; the
+        next tokens go after them without a mask for dead slots. Where every entry that goes precedes the waiting
+        steps' tokens (``EvictionPolicy.victims_precede_newest``), those tokens take the slots of the entries that
+        go; else the kept entries move forward in slot order."""
+        drop = self.slots - keep
+        newest = len(self._pending)  # the waiting steps' tokens: the last slots (read before they are scored)
         priority = self._priority()
         if self.live_range[0] < self.slots:  # a row holds dead slots
             priority = torch.where(self.live, priority, -math.inf)
-        self._keep(best_in_slot_order(priority, keep))
+        if self.policy.victims_precede_newest(drop, newest, keep) and self._room_is_contiguous():
+            self._fill_victims_slots(priority.topk(drop, dim=-1, largest=False).indices)
+        else:
+            self._keep(best_in_slot_order(priority, keep))
         if self._has_room_for_step(self.dtype) and self._may_defer_scoring():
             # The next steps append to the room with their scoring waiting, as after any step that did: they need
             # not check again (and a compiled step after an eviction runs the graph of every other step).
             self._plain_steps, self._plain_view = self._plain_steps_left(), self.keys
-
-    def _add_live(self, new: int) -> None:
-        """Count ``new`` more live entries in every row (a pass appended or filled a slot in each)."""
-        self.live_by_group = {group: live + new for group, live in self.live_by_group.items()}
-        least, most = self.live_range
-        self.live_range = (least + new, most + new)
 
     def _set_live_counts(self, live_by_group: dict[tuple[int, Allocated | None], int]) -> None:
         """Record each group's live count, the least and most padding, and the least and most count."""

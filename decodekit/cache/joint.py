@@ -19,7 +19,7 @@ import torch
 
 from decodekit.cache.rotary import rotate
 from decodekit.cache.scoring import best_in_slot_order, protect, waiting_attention
-from decodekit.cache.storage import PARTS, prepare_room, slot_rows, take_slots
+from decodekit.cache.storage import PARTS, move_tail_into, prepare_room, slot_rows, take_slots
 
 CompressedLayer = Any  # a decodekit.cache.layer.CompressedLayer (not imported: that module imports this one)
 
@@ -132,7 +132,8 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
     """Evict every layer (all alike, see ``SharedRoom._together``) down to ``keep`` entries per row and KV head
     at once, on the shared tensors ``bases`` (``[layers, batch, kv_heads, room, ...]`` per entry kind): score
     the waiting steps, rank (sinks and recent tokens first, then score times value norm), keep the best at the
-    front in slot order and prepare the room after them, as each layer's ``keep_best`` would."""
+    front (the waiting steps' tokens filling the victims' slots where they all stay, else in slot order) and prepare
+    the room after them, as each layer's ``keep_best`` would."""
     first = layers[0]
     policy, slots, seen = first.policy, first.slots, first.seen
     steps, decay = len(first._pending), policy.score_decay
@@ -163,10 +164,17 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
         priority = torch.where(bases["_live"].narrow(3, 0, slots), priority, -math.inf)
     else:  # every slot of the room is live (the unfilled ones were prepared so) and stays so: nothing to move
         moved = {name: base for name, base in bases.items() if name != "_live"}
-    index = best_in_slot_order(priority, keep)  # [layers, batch, kv_heads, keep]
-    rows = slot_rows(index, bases["keys"].shape[3])  # every entry kind has the same room
-    for base in moved.values():
-        base.narrow(3, 0, keep).copy_(take_slots(base, index, rows))
+    room = bases["keys"].shape[3]  # every entry kind has the same room
+    if policy.victims_precede_newest(slots - keep, steps, keep):  # the waiting steps' tokens fill the victims' slots
+        victims = priority.topk(slots - keep, dim=-1, largest=False).indices
+        rows = slot_rows(victims, room)
+        for base in moved.values():
+            move_tail_into(base, 3, keep, rows)
+    else:
+        index = best_in_slot_order(priority, keep)  # [layers, batch, kv_heads, keep]
+        rows = slot_rows(index, room)
+        for base in moved.values():
+            base.narrow(3, 0, keep).copy_(take_slots(base, index, rows))
     prepare_room(moved, 3, keep, seen)
     for layer in layers:
         layer._pending.clear()

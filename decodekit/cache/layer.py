@@ -175,6 +175,9 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
         # of which the attributes above are views of the first ``slots`` entries (see ``_append``).
         self._spare: dict[str, torch.Tensor] | None = None
         self._room_shared = False  # whether that room is this layer's slice of the room shared by the layers
+        # Eager decoding steps' views of that room, by the slots stored before the step: where the step's entry goes
+        # and the grown entries, per entry kind (the same at every interval, made once per room).
+        self._step_views: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         # The keys and values the layer placed itself, weakly (``_place``): anything else was put there from outside.
         self._placed: dict[str, weakref.ref | None] = {}
         # Decoding steps in the spare room whose attention is not yet in the scores: their queries with
@@ -556,7 +559,7 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
         self.seen = max(self.seen + tokens_to_remove, 0)
         self.live &= self.positions < self.seen
         self._forget_freed()
-        self._spare = None  # its room was prepared for the positions after the forgotten tokens
+        self._give_up_room()  # it was prepared for the positions after the forgotten tokens
         self._recount()
 
     def reset(self) -> None:
@@ -569,7 +572,8 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
         for name in (*CODING, *EXACT, "recent_positions"):
             setattr(self, name, None)
         self._queries = self._free = None
-        self._spare, self._room_shared = None, False
+        self._give_up_room()
+        self._room_shared = False
         self._placed = {}
         self._lagging = False
         self._freed, self._freed_taken = None, 0

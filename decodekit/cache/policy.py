@@ -296,6 +296,21 @@ class EvictionPolicy:
         """
         return self.eviction_interval == 1 and self.budget is not None
 
+    def victims_precede_newest(self, drop: int, newest: int, keep: int) -> bool:
+        """Whether an eviction of ``drop`` entries per row down to ``keep``, whose last ``newest`` slots hold the
+        newest tokens in order, takes no victim from its last ``drop`` slots: those are recent tokens (protected), and
+        the slots before them hold at least ``drop`` entries that are not (``keep`` covers the sinks and recent tokens).
+        The kept entries after the victims can then fill their slots (``storage.move_tail_into``).
+
+        Example:
+            >>> policy = EvictionPolicy(budget=128, sink_tokens=4, recent_tokens=32)
+            >>> policy.victims_precede_newest(8, 8, 121), policy.victims_precede_newest(8, 7, 121)
+            (True, False)
+            >>> policy.victims_precede_newest(40, 40, 121), policy.victims_precede_newest(8, 8, 30)
+            (False, False)
+        """
+        return 0 < drop <= min(newest, self.recent_tokens) and keep >= self.sink_tokens + self.recent_tokens
+
     @property
     def sized_in_bytes(self) -> bool:
         """Whether the size is a number of bytes (``memory_fraction`` or ``max_bytes``)."""

@@ -117,6 +117,25 @@ def take_slots(tensor: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | N
     return tensor.reshape(rows.numel() // count * slots, -1).index_select(0, rows).view(*lead, count, *trailing)
 
 
+def move_tail_into(tensor: torch.Tensor, dim: int, start: int, rows: torch.Tensor) -> None:
+    """Move the ``n`` entries from slot ``start`` on of a contiguous ``tensor`` (``[*lead, slots, *trailing]``, its
+    slots along ``dim``) into the slots ``rows`` names (``slot_rows`` of an ``[*lead, n]`` index over all its
+    ``slots``), in place: the entry in slot ``start + j`` of each row goes to that row's ``j``-th slot. An eviction
+    whose ``n`` victims all sit before ``start`` and whose ``n`` entries after it all stay fills the victims' slots so,
+    moving ``n`` entries per row instead of every kept one.
+
+    Example:
+        >>> slots = torch.arange(12.0).view(2, 6)  # 5 stored: each row keeps 3, slots 3 and 4 go where 2 went
+        >>> move_tail_into(slots, 1, 3, slot_rows(torch.tensor([[0, 2], [1, 0]]), 6))
+        >>> slots[:, :3].tolist()
+        [[3.0, 1.0, 4.0], [10.0, 9.0, 8.0]]
+    """
+    count = rows.numel() // tensor.shape[:dim].numel()
+    tail = tensor.narrow(dim, start, count).clone(memory_format=torch.contiguous_format)
+    entries = tensor.view(tensor.shape[: dim + 1].numel(), -1)  # (a view: the writes land in ``tensor``)
+    entries.index_copy_(0, rows, tail.view(rows.numel(), -1))
+
+
 def prepare_room(spare: dict[str, torch.Tensor], dim: int, filled: int, next_position: int | torch.Tensor) -> None:
     """Give the spare room's entries (slots along ``dim`` of each tensor in ``spare``), from slot ``filled`` on,
     what the next tokens will have: live, score 0, consecutive positions from ``next_position``. Their keys,
@@ -341,14 +360,26 @@ class EntryStorage:
         spare = self._spare
         if spare is not None and not (self._was_placed("keys", self.keys) and self._was_placed("values", self.values)):
             self._catch_up()  # the bookkeeping views first cover the steps appended to the room
-            self._spare = spare = None  # the tensors were replaced (rows reordered, a replay...)
+            self._give_up_room()  # the tensors were replaced (rows reordered, a replay...)
+            return False
         return spare is not None
+
+    def _give_up_room(self) -> None:
+        """Hold no spare room (nor the steps' views of it)."""
+        self._spare = None
+        self._step_views = {}
+
+    def _room_is_contiguous(self) -> bool:
+        """Whether the layer holds spare room whose tensors are each one contiguous block (not a head's slice of a
+        larger one), so that entries can move within it by slot rows (``move_tail_into``)."""
+        return self._has_spare() and all(self._spare[name].is_contiguous() for name in self.entries)
 
     def _hold_room(self, spare: dict[str, torch.Tensor], shared: bool) -> None:
         """Keep ``spare`` as the reserved room (``shared``: this layer's slices of the room the layers share). On
         CUDA its tensors are marked as static addresses here, outside any compiled step: the first compiled step of
         a room filling up places them whole (``_open_room``), where they can no longer be marked."""
         self._spare, self._room_shared = spare, shared
+        self._step_views = {}
         if self._marks_static:
             for tensor in spare.values():
                 mark_static(tensor)
@@ -361,7 +392,7 @@ class EntryStorage:
             mark_static(value)
         spare = self._spare
         if spare is not None and name in spare and (value is None or not _views_from_start(value, spare[name])):
-            self._spare = None
+            self._give_up_room()
 
     def _place(self, name: str, tensor: torch.Tensor | None) -> None:
         """Set the per-entry tensor ``name``; keys and values are remembered as placed by the layer (``_has_spare``),
@@ -418,7 +449,7 @@ class EntryStorage:
                 _write(base.narrow(2, stored, new), entry)
                 self._place(name, base.narrow(2, 0, stored + new))
             return
-        self._spare = None
+        self._give_up_room()
         fixed = self._fixed_target()
         room = reserved_room(self.policy.eviction_interval, grows=fixed is None)
         capacity = stored + new
@@ -450,12 +481,24 @@ class EntryStorage:
     def _append_to_prepared_room(self, coded: dict[str, torch.Tensor]) -> None:
         """One decoding step whose scoring waits: only its key and value (as stored) are written, and only their
         views extended; the bookkeeping views follow when read (``_catch_up``)."""
-        stored, spare = self.keys.shape[-2], self._spare
+        stored = self.keys.shape[-2]
         for name, entry in coded.items():
-            base = spare[name]
-            base.narrow(2, stored, 1).copy_(entry)
-            self._place(name, base.narrow(2, 0, stored + 1))
+            slot, grown = self._step_view(name, stored)
+            slot.copy_(entry)
+            self._place(name, grown)
         self._lagging = True
+
+    def _step_view(self, name: str, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The spare room's slot after ``stored`` entries of kind ``name``, and its first ``stored + 1`` entries: made
+        once per room in eager steps (the intervals between evictions repeat them), anew in a compiled step."""
+        if torch.compiler.is_compiling():
+            base = self._spare[name]
+            return base.narrow(2, stored, 1), base.narrow(2, 0, stored + 1)
+        views = self._step_views.setdefault(stored, {})
+        if name not in views:
+            base = self._spare[name]
+            views[name] = (base.narrow(2, stored, 1), base.narrow(2, 0, stored + 1))
+        return views[name]
 
     def _fill(self, free, coded, value_norms, positions) -> None:
         """Write a decoding step's entries (``coded``, then the bookkeeping) into each row and head's ``free`` slot."""
@@ -482,6 +525,19 @@ class EntryStorage:
                     by_width[width] = slot[..., None].expand(-1, -1, -1, width)
                 index = by_width[width]
             target.scatter_(2, index, entry)
+
+    def _fill_victims_slots(self, victims: torch.Tensor) -> None:
+        """Keep every entry but ``victims`` (``[batch, kv_heads, n]`` slots, all before the last ``n``) in the spare
+        room, the last ``n`` entries taking the victims' slots (``move_tail_into``), and prepare the room after them."""
+        self._forget_freed()
+        self._score_pending()
+        keep = self.slots - victims.shape[2]
+        rows = slot_rows(victims, self._spare["keys"].shape[2])
+        for name in self.entries:
+            room = self._spare[name]
+            move_tail_into(room, 2, keep, rows)
+            self._place(name, room.narrow(2, 0, keep))
+        self._prepare_room(keep, self._seen_now())
 
     def _keep(self, index: torch.Tensor) -> None:
         """Keep the entries at ``index`` ([batch, kv_heads, n] slots), in that order (at the front of the
