@@ -251,32 +251,29 @@ def test_plain_steps_change_nothing(fresh, monkeypatch, case):
 
 
 @pytest.mark.parametrize("case", ["budget", "ratio", "padded rows"])
-def test_steps_views_of_the_room_made_once_change_nothing(fresh, monkeypatch, case):
-    """Eager steps between evictions reuse their views of the reserved room (``_step_view``) from one interval to
-    the next: decoding equals decoding that makes them anew at every step, through a crop, a beam reorder and keys
-    replaced from outside (each gives up or replaces the room)."""
+def test_views_of_the_room_made_once_change_nothing(fresh, monkeypatch, case):
+    """Eager steps and evictions reuse their views of the reserved room (``_room_view``) from one interval to the
+    next: decoding equals decoding that makes them anew each time, through a crop, a beam reorder and keys replaced
+    from outside (each gives up or replaces the room)."""
     from decodekit.cache.storage import EntryStorage
 
     model, tokenizer = fresh
     kwargs, rows, padded = CASES[case]
     batch = prompt_batch(tokenizer, rows or 2, padded)
     reused = []
-    real = EntryStorage._step_view
+    real = EntryStorage._room_view
 
-    def recording(self, name, stored):
-        reused.append(stored in self._step_views and name in self._step_views[stored])
-        return real(self, name, stored)
+    def recording(self, name, start, length):
+        reused.append((name, start, length) in self._room_views)
+        return real(self, name, start, length)
 
-    monkeypatch.setattr(EntryStorage, "_step_view", recording)
+    monkeypatch.setattr(EntryStorage, "_room_view", recording)
     cache = CompressedCache(model, **kwargs)
     tokens = _decode_with_interruptions(model, cache, batch, steps=30)
     assert any(reused) or padded  # (a padded batch's steps score at once: no room, no views)
-
-    def made_anew(self, name, stored):
-        base = self._spare[name]
-        return base.narrow(2, stored, 1), base.narrow(2, 0, stored + 1)
-
-    monkeypatch.setattr(EntryStorage, "_step_view", made_anew)
+    monkeypatch.setattr(
+        EntryStorage, "_room_view", lambda self, name, start, length: self._spare[name].narrow(2, start, length)
+    )
     fresh_views = CompressedCache(model, **kwargs)
     assert torch.equal(tokens, _decode_with_interruptions(model, fresh_views, batch, steps=30))
     _assert_same_state(cache, fresh_views)
@@ -299,7 +296,7 @@ def test_reset_lets_go_of_every_tensor(fresh):
     cache = CompressedCache(model, budget=64, eviction_interval=8)
     decode_by_hand(model, cache, prompt_batch(tokenizer), steps=11)  # the 9th step evicted, two plain steps followed
     assert cache.layers[0]._plain_steps > 0
-    assert _tensors_held(cache.layers[0]._step_views)  # (what reset must let go of)
+    assert _tensors_held(cache.layers[0]._room_views)  # (what reset must let go of)
     cache.reset()
     for layer in cache.layers:
         assert [name for name, value in vars(layer).items() if _tensors_held(value)] == []

@@ -180,7 +180,7 @@ def evict_together(layers: list[CompressedLayer], bases: dict[str, torch.Tensor]
         layer._pending.clear()
         layer._forget_freed()
         for name in PARTS:  # the bookkeeping views follow when read (``_catch_up``)
-            layer._place(name, layer._spare[name].narrow(2, 0, keep))
+            layer._place(name, layer._room_view(name, 0, keep))
         layer._lagging = True
         # The next steps append to the room with their scoring waiting, as after any step that did (all live, none
         # waiting, room after the kept entries): they need not check again.

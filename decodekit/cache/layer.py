@@ -175,9 +175,9 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
         # of which the attributes above are views of the first ``slots`` entries (see ``_append``).
         self._spare: dict[str, torch.Tensor] | None = None
         self._room_shared = False  # whether that room is this layer's slice of the room shared by the layers
-        # Eager decoding steps' views of that room, by the slots stored before the step: where the step's entry goes
-        # and the grown entries, per entry kind (the same at every interval, made once per room).
-        self._step_views: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Views of that room eager steps and evictions place, by entry kind, first slot and length (the same at every
+        # interval, made once per room: ``_room_view``).
+        self._room_views: dict[tuple[str, int, int], torch.Tensor] = {}
         # The keys and values the layer placed itself, weakly (``_place``): anything else was put there from outside.
         self._placed: dict[str, weakref.ref | None] = {}
         # Decoding steps in the spare room whose attention is not yet in the scores: their queries with

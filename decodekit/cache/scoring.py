@@ -55,12 +55,12 @@ def rank_fractions(values: torch.Tensor, live: torch.Tensor | None = None) -> to
 @lru_cache(maxsize=64)
 def _step_tensors(steps: int, group: int, decay: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """For scoring ``steps`` waiting decoding steps at once (``CompressedLayer._score_pending``): ``[steps, steps]``,
-    True where step t may not see step u's token (u > t), and ``[steps, 1]``, the weight of step t's attention
-    (``decay ** (steps - 1 - t)``) over the ``group`` query heads that share a KV head. Built once per shape and
-    device (read only)."""
+    True where step t may not see step u's token (u > t), and ``[1, group * steps]``, the weight of step t's attention
+    (``decay ** (steps - 1 - t)``) over the ``group`` query heads that share a KV head, for each query head and step
+    in that order. Built once per shape and device (read only)."""
     later = torch.ones(steps, steps, dtype=torch.bool, device=device).triu_(1)
     exponents = torch.arange(steps - 1, -1, -1, dtype=torch.float64, device=device)
-    return later, (decay**exponents / group).to(torch.float32)[:, None]
+    return later, (decay**exponents / group).to(torch.float32).repeat(group)[None, :]
 
 
 def waiting_attention(
@@ -95,7 +95,8 @@ def waiting_attention(
     step_tensors = _step_tensors.__wrapped__ if torch.compiler.is_compiling() else _step_tensors
     later, weights = step_tensors(steps, group, decay, logits.device)
     logits[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
-    return logits.softmax(dim=-1).mul_(weights).sum(dim=(-3, -2))
+    probabilities = logits.softmax(dim=-1).view(*lead, kv_heads, group * steps, visible)
+    return torch.matmul(weights, probabilities).squeeze(-2)  # each step's, weighted, summed over heads and steps
 
 
 def best_in_slot_order(priority: torch.Tensor, keep: int) -> torch.Tensor:

@@ -224,7 +224,7 @@ class EntryStorage:
             self._lagging = False
             slots = self.slots
             for name in self.bookkeeping:
-                setattr(self, name, self._spare[name].narrow(2, 0, slots))
+                setattr(self, name, self._room_view(name, 0, slots))
 
     @property
     def slots(self) -> int:
@@ -367,7 +367,7 @@ class EntryStorage:
     def _give_up_room(self) -> None:
         """Hold no spare room (nor the steps' views of it)."""
         self._spare = None
-        self._step_views = {}
+        self._room_views = {}
 
     def _room_is_contiguous(self) -> bool:
         """Whether the layer holds spare room whose tensors are each one contiguous block (not a head's slice of a
@@ -379,7 +379,7 @@ class EntryStorage:
         CUDA its tensors are marked as static addresses here, outside any compiled step: the first compiled step of
         a room filling up places them whole (``_open_room``), where they can no longer be marked."""
         self._spare, self._room_shared = spare, shared
-        self._step_views = {}
+        self._room_views = {}
         if self._marks_static:
             for tensor in spare.values():
                 mark_static(tensor)
@@ -489,16 +489,19 @@ class EntryStorage:
         self._lagging = True
 
     def _step_view(self, name: str, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The spare room's slot after ``stored`` entries of kind ``name``, and its first ``stored + 1`` entries: made
-        once per room in eager steps (the intervals between evictions repeat them), anew in a compiled step."""
+        """The spare room's slot after ``stored`` entries of kind ``name``, and its first ``stored + 1`` entries."""
+        return self._room_view(name, stored, 1), self._room_view(name, 0, stored + 1)
+
+    def _room_view(self, name: str, start: int, length: int) -> torch.Tensor:
+        """The spare room's ``length`` slots from ``start`` for entries of kind ``name``: made once per room in eager
+        steps (the intervals between evictions repeat them), anew in a compiled step."""
         if torch.compiler.is_compiling():
-            base = self._spare[name]
-            return base.narrow(2, stored, 1), base.narrow(2, 0, stored + 1)
-        views = self._step_views.setdefault(stored, {})
-        if name not in views:
-            base = self._spare[name]
-            views[name] = (base.narrow(2, stored, 1), base.narrow(2, 0, stored + 1))
-        return views[name]
+            return self._spare[name].narrow(2, start, length)
+        key = (name, start, length)
+        view = self._room_views.get(key)
+        if view is None:
+            view = self._room_views[key] = self._spare[name].narrow(2, start, length)
+        return view
 
     def _fill(self, free, coded, value_norms, positions) -> None:
         """Write a decoding step's entries (``coded``, then the bookkeeping) into each row and head's ``free`` slot."""
@@ -536,7 +539,7 @@ class EntryStorage:
         for name in self.entries:
             room = self._spare[name]
             move_tail_into(room, 2, keep, rows)
-            self._place(name, room.narrow(2, 0, keep))
+            self._place(name, self._room_view(name, 0, keep))
         self._prepare_room(keep, self._seen_now())
 
     def _keep(self, index: torch.Tensor) -> None:
