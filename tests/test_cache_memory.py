@@ -81,9 +81,10 @@ def test_memory_bytes_equals_every_storage_the_cache_can_reach(fresh, prompts, o
 
 
 def test_memory_bytes_after_prefill_is_the_hand_count(fresh):
-    """Prompt alone over a budget of 40: per layer, 40 entries per KV head (fp32 key and value, fp32 score
-    and value norm, int32 position, bool live flag), the row's padding (one int64) and the count of tokens seen
-    that compiled decoding steps keep on the device (one int64)."""
+    """Prompt alone over a budget of 40: per layer, 40 entries per KV head and the slot reserved after them for the
+    first decoding step's token (the room of ``budget + 1`` the steps write into; fp32 key and value, fp32 score and
+    value norm, int32 position, bool live flag), the row's padding (one int64) and the count of tokens seen that
+    compiled decoding steps keep on the device (one int64)."""
     model, tokenizer = fresh
     cache = CompressedCache(model, budget=40)
     ids = tokenizer([PROMPT], return_tensors="pt")["input_ids"]
@@ -93,8 +94,9 @@ def test_memory_bytes_after_prefill_is_the_hand_count(fresh):
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     per_entry = 2 * head_dim * 4 + 4 + 4 + 4 + 1
-    expected = config.num_hidden_layers * (config.num_key_value_heads * 40 * per_entry + 8 + 8)
+    expected = config.num_hidden_layers * (config.num_key_value_heads * 41 * per_entry + 8 + 8)
     assert cache.memory_bytes() == expected
+    assert [layer.slots for layer in cache.layers] == [40] * config.num_hidden_layers
 
 
 def test_waiting_decoding_steps_are_counted(fresh):

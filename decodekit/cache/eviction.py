@@ -49,6 +49,7 @@ class Eviction:
             self._evict(new)
         if new > 1:
             self._reserve_slot_for_steps()
+            self._reserve_room_for_steps()
         self._quiet_steps = self._steps_without_eviction()
 
     def _holds_step_room(self) -> bool:

@@ -475,6 +475,29 @@ class EntryStorage:
             self._hold_room(spare, shared=shared and not torch.compiler.is_compiling() and base._base is not None)
             self._prepare_room(stored + new, self._seen_now() + new)
 
+    def _reserve_room_for_steps(self) -> None:
+        """After a pass of several tokens, under a budget in tokens evicting at intervals, unpadded: reserve the room
+        that the first decoding step would (``_append``), the stored entries at the front of the layers' slices of
+        shared tensors of up to ``budget + 1`` slots and the slots after them prepared, so that the first step
+        appends to it with its scoring waiting, as the next steps do."""
+        fixed = self._fixed_target()
+        interval = self.policy.eviction_interval
+        if fixed is None or interval == 1 or self.shared is None or self.pad_range[1] != 0 or self._has_spare():
+            return
+        stored = self.slots
+        capacity = min(stored + interval, fixed + 1)
+        if capacity <= stored or torch.compiler.is_compiling():
+            return
+        spare = {}
+        for name in self.entries:
+            held = getattr(self, name)
+            base = self.shared.room(self.shared_index, name, (*held.shape[:2], capacity, *held.shape[3:]), held)
+            base.narrow(2, 0, stored).copy_(held)
+            spare[name] = base
+            self._place(name, base.narrow(2, 0, stored))
+        self._hold_room(spare, shared=spare["keys"]._base is not None)
+        self._prepare_room(stored, self._seen_now())
+
     def _prepare_room(self, filled: int, next_position: int) -> None:
         prepare_room(self._spare, 2, filled, next_position)
 
