@@ -197,6 +197,17 @@ FILLS = {
 }
 
 
+def _decode_ids(model, ids: torch.Tensor, cache, steps: int) -> torch.Tensor:
+    """Greedy decoding by hand after the pass of ``ids`` (``[rows, length]``): ``[rows, steps]`` tokens."""
+    chosen = []
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+        for _ in range(steps):
+            chosen.append(token)
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+    return torch.cat(chosen, dim=1)
+
+
 def _live_by_position(layer) -> dict[str, torch.Tensor]:
     """Each row and head's live entries in position order: what the layer keeps, wherever it keeps it."""
     order = layer.positions.masked_fill(~layer.live, -1).argsort(dim=-1, stable=True)[..., -layer.kept :]
@@ -224,22 +235,17 @@ def test_the_waiting_steps_fill_the_victims_slots_and_keep_what_slot_order_keeps
         real = module.move_tail_into
         monkeypatch.setattr(module, "move_tail_into", lambda *args, real=real: moves.append(1) or real(*args))
 
-    def decode(cache) -> torch.Tensor:
-        chosen = []
-        with torch.no_grad():
-            token = model(ids, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
-            for _ in range(40):
-                chosen.append(token)
-                token = model(token, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
-        return torch.cat(chosen, dim=1)
-
     runs = {}
     for order in ("filled", "slot order"):
         if order == "slot order":
             monkeypatch.setattr(EvictionPolicy, "victims_precede_newest", lambda self, drop, newest, keep: False)
         moves.clear()
         cache = CompressedCache(model, **settings)
-        runs[order] = (decode(cache), [_live_by_position(layer) for layer in cache.layers], len(moves))
+        runs[order] = (
+            _decode_ids(model, ids, cache, 40),
+            [_live_by_position(layer) for layer in cache.layers],
+            len(moves),
+        )
     (tokens, kept, filled), (oracle_tokens, oracle_kept, _) = runs["filled"], runs["slot order"]
     assert (filled > 0) == fills
     assert torch.equal(tokens, oracle_tokens)
@@ -280,13 +286,7 @@ def test_filling_the_victims_slots_keeps_what_slot_order_keeps_for_any_settings(
             if switched_off:
                 patch.setattr(EvictionPolicy, "victims_precede_newest", lambda self, drop, newest, keep: False)
             cache = CompressedCache(model, **cache_settings)
-            chosen = []
-            with torch.no_grad():
-                token = model(ids, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
-                for _ in range(30):
-                    chosen.append(token)
-                    token = model(token, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
-            runs.append((torch.cat(chosen, dim=1), [_live_by_position(layer) for layer in cache.layers]))
+            runs.append((_decode_ids(model, ids, cache, 30), [_live_by_position(layer) for layer in cache.layers]))
     (tokens, kept), (oracle_tokens, oracle_kept) = runs
     assert torch.equal(tokens, oracle_tokens)
     for mine, theirs in zip(kept, oracle_kept, strict=True):
