@@ -252,7 +252,7 @@ def test_plain_steps_change_nothing(fresh, monkeypatch, case):
 
 @pytest.mark.parametrize("case", ["budget", "ratio", "padded rows"])
 def test_views_of_the_room_made_once_change_nothing(fresh, monkeypatch, case):
-    """Eager steps and evictions reuse their views of the reserved room (``_room_view``) from one interval to the
+    """Eager steps and evictions reuse their views of the reserved room (``_kept_room_view``) from one interval to the
     next: decoding equals decoding that makes them anew each time, through a crop, a beam reorder and keys replaced
     from outside (each gives up or replaces the room)."""
     from decodekit.cache.storage import EntryStorage
@@ -261,18 +261,18 @@ def test_views_of_the_room_made_once_change_nothing(fresh, monkeypatch, case):
     kwargs, rows, padded = CASES[case]
     batch = prompt_batch(tokenizer, rows or 2, padded)
     reused = []
-    real = EntryStorage._room_view
+    real = EntryStorage._kept_room_view
 
     def recording(self, name, start, length):
         reused.append((name, start, length) in self._room_views)
         return real(self, name, start, length)
 
-    monkeypatch.setattr(EntryStorage, "_room_view", recording)
+    monkeypatch.setattr(EntryStorage, "_kept_room_view", recording)
     cache = CompressedCache(model, **kwargs)
     tokens = _decode_with_interruptions(model, cache, batch, steps=30)
     assert any(reused) or padded  # (a padded batch's steps score at once: no room, no views)
     monkeypatch.setattr(
-        EntryStorage, "_room_view", lambda self, name, start, length: self._spare[name].narrow(2, start, length)
+        EntryStorage, "_kept_room_view", lambda self, name, start, length: self._spare[name].narrow(2, start, length)
     )
     fresh_views = CompressedCache(model, **kwargs)
     assert torch.equal(tokens, _decode_with_interruptions(model, fresh_views, batch, steps=30))

@@ -92,8 +92,9 @@ def waiting_attention(
     group = heads // kv_heads
     # One unit per leading index and KV head: its group's queries at every step, and its keys.
     grouped = queries.to(keys.dtype).reshape(-1, group * steps, head_dim)
-    keys = keys[..., :visible, :].reshape(-1, visible, head_dim)
-    biases = None if biases is None else biases[..., :visible].reshape(-1, visible)
+    # (flattened before the visible slots are taken: a view of a contiguous room, where the slice first would copy)
+    keys = keys.reshape(-1, *keys.shape[-2:])[:, :visible]
+    biases = None if biases is None else biases.reshape(-1, biases.shape[-1])[:, :visible]
     # (a compiled step makes them in its graph: dynamo traces through the cache, and warns that it does)
     step_tensors = _step_tensors.__wrapped__ if torch.compiler.is_compiling() else _step_tensors
     later, weights = step_tensors(steps, group, decay, keys.device)
@@ -117,9 +118,8 @@ def _weighted_attention(grouped, keys, first, scaling, later, weights, biases) -
         logits += biases[:, None, :].float()
     stepwise = logits.view(logits.shape[0], -1, steps, logits.shape[-1])  # [n, group, steps, visible]
     stepwise[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
-    return torch.matmul(weights, logits.softmax(dim=-1)).squeeze(
-        -2
-    )  # each step's, weighted, summed over heads and steps
+    # Each step's probabilities, weighted, summed over query heads and steps.
+    return torch.matmul(weights, logits.softmax(dim=-1)).squeeze(-2)
 
 
 def best_in_slot_order(priority: torch.Tensor, keep: int) -> torch.Tensor:

@@ -512,14 +512,22 @@ class EntryStorage:
         self._lagging = True
 
     def _step_view(self, name: str, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The spare room's slot after ``stored`` entries of kind ``name``, and its first ``stored + 1`` entries."""
-        return self._room_view(name, stored, 1), self._room_view(name, 0, stored + 1)
+        """The spare room's slot after ``stored`` entries of kind ``name``, and its first ``stored + 1`` entries (one
+        check for a compiled step, as every decoding step asks for them)."""
+        if torch.compiler.is_compiling():
+            base = self._spare[name]
+            return base.narrow(2, stored, 1), base.narrow(2, 0, stored + 1)
+        return self._kept_room_view(name, stored, 1), self._kept_room_view(name, 0, stored + 1)
 
     def _room_view(self, name: str, start: int, length: int) -> torch.Tensor:
         """The spare room's ``length`` slots from ``start`` for entries of kind ``name``: made once per room in eager
         steps (the intervals between evictions repeat them), anew in a compiled step."""
         if torch.compiler.is_compiling():
             return self._spare[name].narrow(2, start, length)
+        return self._kept_room_view(name, start, length)
+
+    def _kept_room_view(self, name: str, start: int, length: int) -> torch.Tensor:
+        """``_room_view`` outside a compiled step: from the room's table of views, made on first use."""
         key = (name, start, length)
         view = self._room_views.get(key)
         if view is None:
