@@ -42,7 +42,14 @@ DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
 KV_BITS = (16, 8, 5, 4)  # a compressed cache's storage widths (None: the model's dtype)
 CODED_BITS = (8, 5, 4)  # the widths stored as integer codes with group scales (16: the entries themselves)
-KV_SCORINGS = ("attention", "reconstruction", "attention+novelty")  # how a compressed cache ranks its tokens
+# How a compressed cache ranks its tokens: each scorer's name and its class (one file each in decodekit/cache/scorers/).
+# A new scorer is its file and one row here.
+KV_SCORERS = {
+    "attention": "decodekit.cache.scorers.attention:AttentionScorer",
+    "reconstruction": "decodekit.cache.scorers.reconstruction:ReconstructionScorer",
+    "attention+novelty": "decodekit.cache.scorers.novelty:NoveltyScorer",
+}
+KV_SCORINGS = tuple(KV_SCORERS)
 # How reconstruction scores are had: a replay pass over the prompt ("forward"), estimated in the prompt's own pass
 # ("prompt_queries"), or ("auto") the estimate where a head keeps on average at least ESTIMATE_FROM_SHARE of the
 # prompt's tokens and the replay pass below (where the estimate's allocation across layers loses).

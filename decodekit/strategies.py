@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from decodekit._validation import is_bool
-from decodekit.cache.policy import check_cache_size
+from decodekit.cache.options import check_cache_size
 from decodekit.fields import BEAM_FIELDS, BY_NAME, CACHE_SIZES, COMPONENTS, FIELDS, SAMPLING_FIELDS
 from decodekit.logits_processors import parse_stages
 from decodekit.logits_processors.repetition import check_stage_table

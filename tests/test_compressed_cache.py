@@ -92,7 +92,7 @@ class _RecordCache(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.seen.append(self.cache.get_seq_length())
         self.kept.append([layer.kept for layer in self.cache.layers])
-        self.slots.append([layer.keys.shape[-2] for layer in self.cache.layers])
+        self.slots.append([layer.storage.capacity for layer in self.cache.layers])
         return scores
 
 
@@ -124,15 +124,14 @@ def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh, interval):
     assert all(kept == [kept[0]] * len(cache.layers) for kept in recorder.kept)
     assert all(max(slots) <= budget + 1 for slots in recorder.slots)  # + the slot the next token takes
     assert cache.get_seq_length() == batch["input_ids"].shape[1] + 79
-    stored = sum(
-        tensor.numel() * tensor.element_size()
-        for layer in cache.layers
-        for tensor in (layer.keys, layer.values, layer.scores, layer.value_norms, layer.positions, layer.live)
-    )
-    padding = sum(layer.pads.numel() * layer.pads.element_size() for layer in cache.layers)
-    freed = sum(layer._freed.numel() * 8 for layer in cache.layers if layer._freed is not None)
-    count = 8 * len(cache.layers)  # each layer's count of tokens seen, for compiled steps (one int64)
-    assert cache.memory_bytes() == stored + padding + freed + count  # a padded batch: no room, no waiting steps
+    # By hand: per slot fp32 keys and values, a position, a score and a value norm; one scratch slot; each segment's
+    # start (int64). Nothing else is held between steps (no waiting steps: a padded batch scores every step).
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    rows, heads = batch["input_ids"].shape[0], config.num_key_value_heads
+    per_slot = 2 * head_dim * 4 + 4 + 4 + 4
+    expected = sum((rows * heads * layer.storage.capacity + 1) * per_slot + rows * heads * 8 for layer in cache.layers)
+    assert cache.memory_bytes() == expected
 
 
 @pytest.mark.parametrize(
@@ -147,8 +146,8 @@ def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh, interval):
 )  # fmt: skip
 def test_the_default_eviction_interval_is_a_32nd_of_a_fixed_budget_from_8_to_64_else_by_size(fresh, size, interval):
     model, _ = fresh
-    assert CompressedCache(model, **size).policy.eviction_interval == interval
-    assert CompressedCache(model, **size, eviction_interval=3).policy.eviction_interval == 3  # a given one is kept
+    assert CompressedCache(model, **size).options.size.eviction_interval == interval
+    assert CompressedCache(model, **size, eviction_interval=3).options.size.eviction_interval == 3  # given: kept
 
 
 def test_the_default_interval_decodes_as_that_interval_given(fresh):
@@ -173,8 +172,8 @@ def test_the_default_interval_decodes_as_that_interval_given(fresh):
 
 @pytest.mark.parametrize("interval", [1, 8])
 def test_decoding_one_prompt_holds_budget_plus_one_slots_and_matches_the_padded_path(fresh, interval):
-    """A prompt alone decodes into reserved room (no dead slots, no mask); in a left-padded batch the same
-    row fills dead slots under a mask. Both must keep the same tokens and give the same text."""
+    """A prompt alone decodes without a mask; in a left-padded batch the same row decodes beside a row of another
+    length, under a mask. Both must keep the same tokens and give the same text."""
     model, tokenizer = fresh
     budget, prompt = 40, " ".join(PROMPTS * 2)
     make = partial(CompressedCache, model, budget=budget, recent_tokens=8, eviction_interval=interval)
@@ -192,21 +191,16 @@ def test_decoding_one_prompt_holds_budget_plus_one_slots_and_matches_the_padded_
     assert all(max(slots) <= budget + 1 for slots in recorder.slots)
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    per_slot = config.num_key_value_heads * (2 * head_dim * 4 + 4 + 4 + 4 + 1)  # fp32 keys, values; bookkeeping
+    per_slot = 2 * head_dim * 4 + 4 + 4 + 4  # fp32 keys and values; position, score, value norm
     entries = sum(
-        storage_bytes(  # each storage once: the layers' reserved room may be slices of shared tensors
-            tensor
-            for layer in alone_cache.layers
-            for tensor in (layer._spare.values() if layer._spare else [getattr(layer, name) for name in layer.entries])
-        ).values()
+        storage_bytes(tensor for layer in alone_cache.layers for tensor in layer.storage.flat.values()).values()
     )
-    assert entries <= config.num_hidden_layers * (budget + 1) * per_slot
-    # Beyond the entries: each layer's padding and count of tokens seen (an int64 each) and at most ``interval - 1``
-    # waiting steps' queries (fp32, every query head) with their rotation (cos and sin, shared by the layers), or one
-    # freed slot per head.
+    assert entries <= config.num_hidden_layers * (config.num_key_value_heads * (budget + 1) + 1) * per_slot
+    # Beyond the entries: each segment's start (an int64) and at most ``interval - 1`` waiting steps' queries (fp32,
+    # every query head) with their rotation (cos and sin, shared by the layers).
     waiting = (interval - 1) * (config.num_hidden_layers * config.num_attention_heads + 2) * head_dim * 4
-    freed = config.num_hidden_layers * config.num_key_value_heads * 8
-    assert alone_cache.memory_bytes() - entries <= config.num_hidden_layers * 16 + max(waiting, freed)
+    starts = config.num_hidden_layers * config.num_key_value_heads * 8
+    assert alone_cache.memory_bytes() - entries <= starts + waiting
 
 
 @pytest.mark.parametrize("interval", [1, 4])
@@ -243,7 +237,7 @@ def test_scores_equal_the_eager_attention_each_token_receives(tiny, tiny_model_d
     for layer, weights in zip(cache.layers, attentions, strict=True):
         per_query_head = weights[0].sum(dim=1) / seen_by  # [heads, keys]
         expected = per_query_head.view(kv_heads, -1, length).mean(dim=1)
-        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(layer.scores()[0], expected, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("new_tokens", [1, 2])
@@ -305,7 +299,7 @@ def test_each_row_of_a_padded_batch_decodes_what_it_decodes_alone(fresh, setting
     )
     for alone, batched, _, _ in results:
         assert torch.equal(batched, alone)
-    assert not any(layer.scores.isnan().any() for layer in batched_cache.layers)
+    assert not any(layer.scores().isnan().any() for layer in batched_cache.layers)
     # The kept positions of each row, shifted by its padding, are those it keeps alone; the rest is -1.
     for row, (_, _, cache, pads) in enumerate(results):
         for batched_layer, alone_layer in zip(batched_cache.layers, cache.layers, strict=True):
@@ -332,9 +326,10 @@ def test_novelty_scoring_keeps_the_best_of_two_rankings(fresh):
         model(ids, past_key_values=ours)
     target = math.ceil(0.5 * length)
     for full, layer in zip(keep_all.layers, ours.layers, strict=True):
-        for head in range(full.keys.shape[1]):
-            keys = full.keys[0, head].double()
-            attention = (full.scores[0, head] * full.value_norms[0, head]).tolist()
+        keys_read = full.decoded()[0]
+        for head in range(keys_read.shape[1]):
+            keys = keys_read[0, head].double()
+            attention = full.scorer.importance(full, full.longest)[0, head].tolist()
             mean = keys.mean(dim=0)
             novelty = (-(keys @ mean) / (keys.norm(dim=1) * mean.norm()).clamp(min=1e-8)).tolist()
             rank_a = {token: rank for rank, token in enumerate(sorted(range(length), key=lambda t: attention[t]))}
@@ -362,8 +357,8 @@ def test_a_budget_below_the_padding_plus_protected_tokens_keeps_the_real_tokens(
     for alone, batched, _, _ in results:
         assert torch.equal(batched, alone)
     for layer in batched_cache.layers:
-        assert layer.slots <= budget + 1  # padding takes no room beyond the budget's one free slot
-        assert int(layer.live.sum(dim=-1).max()) <= budget
+        assert layer.storage.capacity <= budget + 1  # padding takes no room beyond the budget's one free slot
+        assert int(layer.storage.lengths_host.max()) <= budget
 
 
 @pytest.mark.parametrize("decoder", ["built-in", "decodekit"])
@@ -470,7 +465,7 @@ def test_only_a_replaying_cache_hooks_the_model(fresh):
     CompressedCache(model, budget=36, scoring="reconstruction")
     assert len(model._forward_hooks) == 1  # never hooked twice
     _greedy(model, tokenizer, batch, replaying)
-    assert not replaying.awaits_replay and replaying.kept_tokens <= 36  # replayed, then evicted
+    assert not replaying.awaits_prompt_scores and replaying.kept_tokens <= 36  # replayed, then evicted
     unbind(model)
     assert not model._forward_hooks
 
@@ -568,11 +563,11 @@ def test_two_threads_generating_on_one_model_each_get_their_own_result(fresh):
 def test_reconstruction_scores_are_the_most_attention_a_replayed_prompt_pays(tiny, tiny_model_dir, monkeypatch):
     """Oracle: eager attention over the prompt followed by a copy of itself, max over the copy's queries;
     the final rank of an entry is the better of its two ranks (naive ranks computed here)."""
-    import decodekit.cache.compressed as compressed
+    import decodekit.cache.scorers.reconstruction as reconstruction
 
     seen = []
-    original = compressed._union_of_ranks
-    monkeypatch.setattr(compressed, "_union_of_ranks", lambda a, b: seen.append((a, b)) or original(a, b))
+    original = reconstruction.union_of_ranks
+    monkeypatch.setattr(reconstruction, "union_of_ranks", lambda a, b, v: seen.append((a.clone(), b.clone())) or original(a, b, v))
     _, tokenizer = tiny
     eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
     ids = _batch(tokenizer, [PROMPTS[1] + " " + PROMPTS[0]])["input_ids"]
@@ -589,12 +584,12 @@ def test_reconstruction_scores_are_the_most_attention_a_replayed_prompt_pays(tin
         copy_to_prompt = weights[0, :, length:, :length]  # [heads, copy queries, prompt keys]
         expected = copy_to_prompt.amax(dim=1).view(kv_heads, -1, length).amax(dim=1)
         torch.testing.assert_close(replay[0], expected, atol=1e-5, rtol=1e-4)
-        assert layer.slots == length  # the copy was forgotten
+        assert layer.longest == length  # the copy was forgotten
         for head in range(kv_heads):
             second = {slot: rank for rank, slot in enumerate(replay[0, head].argsort().tolist())}
             first = {slot: rank for rank, slot in enumerate(paid[0, head].argsort().tolist())}
             better = torch.tensor([max(first[slot], second[slot]) for slot in range(length)], dtype=torch.float32)
-            priority = layer.priority_scores()[0, head]  # proportional to the better rank
+            priority = layer.scorer.importance(layer, length)[0, head]  # proportional to the better rank
             torch.testing.assert_close(priority * better.sum(), better * priority.sum(), rtol=1e-4, atol=1e-6)
 
 
@@ -604,7 +599,9 @@ def test_reconstruction_scoring_evicts_to_the_target_and_refuses_padding(fresh):
     cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", reconstruction_chunk=16)
     with torch.no_grad():
         model(ids, past_key_values=cache)
-    assert sum(unit.kept for unit in cache.units) == len(cache.units) * math.ceil(0.5 * ids.shape[1])
+    heads = model.config.num_key_value_heads
+    kept = sum(int(layer.storage.lengths_host.sum()) for layer in cache.layers)
+    assert kept == len(cache.layers) * heads * math.ceil(0.5 * ids.shape[1])
     assert cache.get_seq_length() == ids.shape[1]
     output = _greedy(
         model, tokenizer, _batch(tokenizer, [LONG]), CompressedCache(model, budget=40, scoring="reconstruction")
@@ -630,13 +627,13 @@ def test_decoding_steps_add_their_decayed_attention_whether_scored_at_once_or_st
     with torch.no_grad():
         cache = CompressedCache(eager, budget=200, score_decay=decay, eviction_interval=interval)
         eager(ids, past_key_values=cache)
-        before = [layer.scores.clone() for layer in cache.layers]
+        before = [layer.scores().clone() for layer in cache.layers]
         for step in range(steps):
             position = torch.tensor([[length + step]])
             eager(following[:, step : step + 1], past_key_values=cache, position_ids=position)
-        waiting = [len(layer._pending) for layer in cache.layers]
+        waiting = [len(layer.scorer.waiting) for layer in cache.layers]
         attentions = eager(torch.cat([ids, following], dim=1), output_attentions=True).attentions
-    # Every step waits with an interval, the first one too: it reserved the room its scoring waits in.
+    # Every step waits with an interval, the first one too.
     assert waiting == [steps if interval > 1 else 0] * len(cache.layers)
     kv_heads, total = eager.config.num_key_value_heads, length + steps
     for layer, earlier, weights in zip(cache.layers, before, attentions, strict=True):
@@ -644,10 +641,9 @@ def test_decoding_steps_add_their_decayed_attention_whether_scored_at_once_or_st
         for step in range(steps):
             row = weights[0, :, length + step, :].view(kv_heads, -1, total).mean(dim=1)
             expected += decay ** (steps - 1 - step) * row
-        # The tokens in slot order; with one eviction per step the prompt's pass made the room for the whole
-        # budget, whose slots after them are dead.
-        torch.testing.assert_close(layer.scores[0, :, :total], expected, atol=1e-5, rtol=1e-4)
-        assert layer.live[0, :, :total].all() and not layer.live[0, :, total:].any()
+        # The tokens in slot order: nothing was evicted.
+        torch.testing.assert_close(layer.scores()[0], expected, atol=1e-5, rtol=1e-4)
+        assert layer.storage.lengths_host.eq(total).all()
 
 
 def test_a_decoding_step_adds_the_new_query_attention_to_the_decayed_scores(tiny, tiny_model_dir):
@@ -660,11 +656,11 @@ def test_a_decoding_step_adds_the_new_query_attention_to_the_decayed_scores(tiny
     with torch.no_grad():
         cache = CompressedCache(eager, compression_ratio=0.0, recent_tokens=1, sink_tokens=0, score_decay=0.5)
         eager(ids, past_key_values=cache)
-        before = [layer.scores.clone() for layer in cache.layers]
+        before = [layer.scores().clone() for layer in cache.layers]
         eager(following, past_key_values=cache, position_ids=torch.tensor([[length]]))
         attentions = eager(torch.cat([ids, following], dim=1), output_attentions=True).attentions
     kv_heads = eager.config.num_key_value_heads
     for layer, earlier, weights in zip(cache.layers, before, attentions, strict=True):
         last_query = weights[0, :, -1, :].view(kv_heads, -1, length + 1).mean(dim=1)
         expected = torch.cat([0.5 * earlier[0], torch.zeros(kv_heads, 1)], dim=-1) + last_query
-        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(layer.scores()[0], expected, atol=1e-5, rtol=1e-4)

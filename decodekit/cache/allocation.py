@@ -1,35 +1,35 @@
-"""One budget shared by all layers: how many tokens each layer keeps, from one ranking of comparable scores.
+"""How a row's size is shared among its layers and KV heads, from one ranking of comparable scores.
 
-A uniform cache keeps the same number of tokens in every layer. Under ``allocation="global"`` a row's
-tokens, ``layers * target`` in all, go where the scores are highest: each layer offers its tokens in
-order of their score averaged over its KV heads (its j-th best token is worth the mean of its heads'
-j-th best scores), and one ranking over every layer's offers picks which are kept. A layer keeps at
-least ``floor`` of the even share. Every KV head of a layer then keeps the same number of tokens (each
-its own best), so a layer's storage holds no empty slots and the memory freed is real.
+A uniform cache keeps the same number of tokens in every layer and head. Under ``allocation="layers"`` a row's
+tokens, ``layers * target`` in all, go where the scores are highest: each layer offers its tokens in order of their
+score averaged over its KV heads (its j-th best token is worth the mean of its heads' j-th best scores), one ranking
+over every layer's offers picks which are kept, and every KV head of a layer keeps that layer's number. Under
+``allocation="heads"`` every (layer, KV head) offers its own tokens, as KVzip allocates, and keeps its own number.
+Each keeps at least ``floor`` of the even share.
 
-The scores must mean the same thing in every layer: KVzip's reconstruction scores (the most attention
-any replay query pays a token, a probability) do; accumulated attention, whose scale differs from
-layer to layer, does not (measured in ``benchmarks/kv_allocation.py``).
+The scores must mean the same thing everywhere: reconstruction scores (the most attention any replay query pays a
+token, a probability) do; accumulated attention, whose scale differs from layer to layer, does not.
+
+A new allocation is a function of the cache's layers here and a row in ``ALLOCATIONS``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-ALLOCATIONS = ("uniform", "global", "heads")
-
 
 def layer_counts(priorities: list[torch.Tensor], targets: torch.Tensor, floor: float) -> torch.Tensor:
-    """``[layers, rows]``: how many tokens each layer keeps per KV head, so that a row's layers keep
-    ``layers * targets[row]`` in all (or every live token, when it has fewer).
+    """``[units, rows]``: how many tokens each unit keeps per KV head, so that a row's units keep ``units *
+    targets[row]`` in all (or every valid token, when it has fewer).
 
     Args:
-        priorities: per layer, ``[rows, kv_heads, slots]`` scores; -inf for an entry that is not live.
-            Layers may have different slot counts.
-        targets: ``[rows]`` the tokens a layer keeps per KV head under a uniform allocation.
-        floor: the least share of ``targets`` any layer keeps (or all its live tokens), in [0, 1].
+        priorities: per unit, ``[rows, kv_heads, slots]`` scores; -inf for a slot that holds no entry. Units may
+            have different slot counts.
+        targets: ``[rows]`` the tokens a unit keeps per KV head under a uniform allocation.
+        floor: the least share of ``targets`` any unit keeps (or all its tokens), in [0, 1].
 
     Example:
         >>> flat = torch.full((1, 1, 4), 0.1)
@@ -39,24 +39,24 @@ def layer_counts(priorities: list[torch.Tensor], targets: torch.Tensor, floor: f
     """
     rows = targets.shape[0]
     slots = max(priority.shape[-1] for priority in priorities)
-    offers = []  # per layer, [rows, slots]: the mean over heads of each head's j-th best score
+    offers = []  # per unit, [rows, slots]: the mean over heads of each head's j-th best score
     for priority in priorities:
         ordered = priority.double().sort(dim=-1, descending=True).values
-        offer = ordered.mean(dim=1)  # -inf where a head has no j-th live entry
+        offer = ordered.mean(dim=1)  # -inf where a head has no j-th entry
         offers.append(_padded(offer, slots))
-    offers = torch.stack(offers)  # [layers, rows, slots]
-    layers = offers.shape[0]
+    offers = torch.stack(offers)  # [units, rows, slots]
+    units = offers.shape[0]
     targets = targets.to(device=offers.device, dtype=torch.long)
     least = torch.ceil(floor * targets.double()).long()  # [rows]
     rank = torch.arange(slots, device=offers.device)
     floor_part = (rank < least[None, :, None]) & (offers > -math.inf)
-    offers = torch.where(floor_part, math.inf, offers)  # each layer's floor comes first
-    flat = offers.permute(1, 0, 2).reshape(rows, layers * slots)
+    offers = torch.where(floor_part, math.inf, offers)  # each unit's floor comes first
+    flat = offers.permute(1, 0, 2).reshape(rows, units * slots)
     order = flat.argsort(dim=-1, descending=True, stable=True)
-    chosen = torch.arange(layers * slots, device=flat.device) < (layers * targets)[:, None]
+    chosen = torch.arange(units * slots, device=flat.device) < (units * targets)[:, None]
     chosen &= flat.gather(-1, order) > -math.inf  # never a slot no head holds
     kept = torch.zeros_like(chosen).scatter_(-1, order, chosen)
-    return kept.reshape(rows, layers, slots).sum(dim=-1).T.contiguous()
+    return kept.reshape(rows, units, slots).sum(dim=-1).T.contiguous()
 
 
 def _padded(offer: torch.Tensor, slots: int) -> torch.Tensor:
@@ -65,3 +65,44 @@ def _padded(offer: torch.Tensor, slots: int) -> torch.Tensor:
     if missing == 0:
         return offer
     return torch.cat([offer, offer.new_full((offer.shape[0], missing), -math.inf)], dim=-1)
+
+
+def _ranked(layer) -> torch.Tensor:
+    """A layer's eviction ranks, ``[rows, heads, slots]``, -inf past each segment's entries."""
+    stop = layer.longest
+    return torch.where(layer.storage.valid(stop), layer.priority(stop), -math.inf)
+
+
+def _even_shares(layers) -> torch.Tensor:
+    """Host ``[rows]``: the tokens a layer keeps per KV head under a uniform allocation."""
+    first = layers[0]
+    return first.policy.targets(first.seen - first.pads, first.rows)
+
+
+def uniform(layers) -> None:
+    """Every layer and head keeps the even share: nothing to decide."""
+
+
+def by_layer(layers) -> None:
+    """One ranking over the layers' offers; every KV head of a layer keeps the layer's number."""
+    bases = _even_shares(layers)
+    counts = layer_counts([_ranked(layer) for layer in layers], bases, layers[0].policy.allocation_floor)
+    for layer, count in zip(layers, counts.cpu(), strict=True):
+        layer.allocate(count[:, None].expand(-1, layer.storage.heads), bases)
+
+
+def by_head(layers) -> None:
+    """One ranking over every (layer, KV head)'s offers, as KVzip allocates; each keeps its own number."""
+    bases = _even_shares(layers)
+    units = [ranked[:, head : head + 1] for layer in layers for ranked in [_ranked(layer)]
+             for head in range(ranked.shape[1])]  # fmt: skip
+    counts = layer_counts(units, bases, layers[0].policy.allocation_floor).cpu()  # [layers * heads, rows]
+    start = 0
+    for layer in layers:
+        heads = layer.storage.heads
+        layer.allocate(counts[start : start + heads].T, bases)
+        start += heads
+
+
+# name -> what it does to a cache's layers once their prompt is scored
+ALLOCATIONS: dict[str, Callable] = {"uniform": uniform, "layers": by_layer, "heads": by_head}

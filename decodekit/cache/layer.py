@@ -1,276 +1,141 @@
-"""One layer of the compressed cache: keys, values, and a running importance score per entry.
+"""One layer of the compressed cache: what transformers and the attention observer talk to.
 
-Entries are ``[batch, kv_heads, slots, head_dim]`` like transformers' ``DynamicLayer``. Every row
-and KV head keeps its own set of tokens; each entry records its logical position and whether it is
-live. A slot that is not live (a row's left padding, a token evicted in place, a token removed by
-``crop``) is never attended to, never scored and is the first to go or to be reused.
+A layer owns its parts and talks to them through their public methods: the ``EntryStorage`` (one for every row and
+KV head, each with its own length), the coding (plain or quantized), the scorer (``scorers/``), the
+``EvictionPolicy`` (how many tokens each row keeps) and, for the first layers under reconstruction scoring, the
+attention matching that refits what the prompt keeps (``matching.py``).
 
-Padding is not content: a row's budget or ratio counts that row's real tokens only, so each row
-keeps what it would keep alone. Rows may then keep different numbers of tokens; the tensors stay
-rectangular (as wide as the row that keeps the most, plus free slots), and the cache supplies the
-attention mask that hides each row's dead slots (see ``pass_mask``).
-
-When one token arrives and a row has a dead slot, the newcomer takes it and nothing is copied.
-Decoding rows without padding instead evict ``eviction_interval`` tokens at once into reserved room
-(``_append``, ``_keep``): the kept entries move to the front, the next tokens are appended after
-them, and their scoring waits for the next eviction (``_score_pending``).
+A forward pass goes ``begin_pass`` (the mask it needs), ``observe`` (its queries, from the observer), ``update``
+(its keys and values stored; what attention reads returned) and ``end_pass`` (scored, then evicted).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
-from torch.nn import functional
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin
 
-from decodekit.cache.count import LiveCount, SeenCount
-from decodekit.cache.eviction import Eviction
-from decodekit.cache.joint import SharedRoom
-from decodekit.cache.matching import EntryMatching
-from decodekit.cache.policy import Allocated, EvictionPolicy
-from decodekit.cache.quantize import Quantizer, hadamard, rotation_block
-from decodekit.cache.scoring import EntryScoring
-from decodekit.cache.storage import (
-    BIAS_DTYPE,
-    BOOKKEEPING,
-    CODING,
-    EXACT,
-    EntryStorage,
-    positions_from,
-    scatter_position,
-    storage_bytes,
-)
-from decodekit.cache.waiting import WaitingSteps
-from decodekit.settings import CODED_BITS
+from decodekit.cache import matching
+from decodekit.cache.eviction import best_in_slot_order, lowest, protect, removal_moves
+from decodekit.cache.policy import EvictionPolicy
+from decodekit.cache.quantize import hadamard, rotation_block
+from decodekit.cache.received import Visibility, uses_triton
+from decodekit.cache.rotary import rotate
+from decodekit.cache.storage import EntryStorage, Field, storage_bytes
+
+BIAS_DTYPE = torch.float16  # a refit entry's log-mass bias: 2 bytes (``size.BIAS_BYTES``)
 
 
-class StoredPass(NamedTuple):
-    """What ``CompressedLayer.store`` leaves for the rest of the pass (``write_pass_exact``, ``finish_pass``)."""
+@dataclass
+class Pass:
+    """One forward pass through a layer, from ``begin_pass`` to ``end_pass``.
 
-    deferred: bool  # whether the pass's scoring waits for the next eviction
-    free: torch.Tensor | None  # the free slots its token went into, or None when it was appended
-    columns: torch.Tensor  # the observed queries' projection columns, their scaling and rotation
-    scaling: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-    read_keys: torch.Tensor  # the pass's own keys, as attention reads them, and its values
-    value_states: torch.Tensor
+    ``columns`` are the observed (last) queries' projection columns, ``to_queries`` makes queries ``[batch, heads,
+    tokens, head_dim]`` of them, ``cos`` and ``sin`` rotate them. ``update`` adds what attention read (``keys``,
+    ``values``) and where the pass's tokens went (``new_slots``: the slot of the first, for every segment or per
+    segment ``[batch, heads]``).
+    """
+
+    new: int
+    first: bool
+    columns: torch.Tensor | None = None
+    to_queries: Callable[[torch.Tensor], torch.Tensor] | None = None
+    scaling: float = 1.0
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    new_slots: torch.Tensor | int = 0
+
+    def queries(self) -> torch.Tensor:
+        """The observed tokens' queries, rotated to their positions: ``[batch, heads, tokens, head_dim]``."""
+        return rotate(self.to_queries(self.columns), self.cos.unsqueeze(1), self.sin.unsqueeze(1))
 
 
-class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction, EntryMatching, DynamicLayer):
-    """A ``DynamicLayer`` that scores its entries by the attention they receive and evicts the least useful.
+class CompressedLayer(CacheLayerMixin):
+    """A cache layer that scores its entries and keeps each row and KV head within its target.
 
-    Its jobs are split by file: ``storage.py`` (how entries are held), ``scoring.py`` (what they are
-    worth), ``eviction.py`` (which go), ``matching.py`` (what the prompt's kept entries become), ``count.py``
-    (the tokens seen and the live entries counted); this file is the layer transformers talks to (``update``,
-    masks, beams, crop) and the state those share.
+    Args:
+        options: the cache's resolved options (``options.ResolvedOptions``).
+        policy: how many tokens each row keeps.
+        scorer: this layer's scorer (a class of ``scorers.SCORERS``, made for this layer).
+        coding: how this layer stores keys and values (``coding.PlainCoding`` or ``coding.QuantizedCoding``).
+        matched: whether the prompt's kept entries are refit when it is evicted (``matching.py``).
     """
 
     is_croppable = True
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, options, policy: EvictionPolicy, scorer, coding, *, matched: bool = False) -> None:
+        super().__init__()
+        self.options, self.policy, self.scorer, self.coding = options, policy, scorer, coding
+        self.matched = matched
+        self.storage: EntryStorage | None = None
+        self.seen = 0  # tokens given to this layer, padding included: the logical length
+        self.pads: torch.Tensor | None = None  # host [batch]: each row's left padding
+        # Until its first eviction a padded batch holds its padding in place, as DynamicCache does (so that attention
+        # reads what it reads there): each row's first ``held_pads`` slots, never scored or counted.
+        self.held_pads: torch.Tensor | None = None
+        self.window: int | None = None  # the attention module's sliding window, and its logit cap
+        self.softcap: float | None = None
+        self.dtype: torch.dtype | None = None
+        self.shares: tuple[torch.Tensor, torch.Tensor] | None = None  # host counts [batch, heads], bases [batch]
+        self.biased = False  # whether refit entries carry log-mass biases (``matching.py``)
+        self.transient = False  # whether the passes' tokens are forgotten after them (a replay)
+        self.waits_for_prompt_scores = False  # whether eviction waits for the prompt's scores (a replay)
+        self.prompt_queries: Pass | None = None  # the prompt's pass, kept for the refit of a matched layer
+        self._pass: Pass | None = None
+
+    # -- what transformers asks -------------------------------------------------------------------------------------
 
     @property
     def is_compileable(self) -> bool:
-        """Whether ``model.generate`` may compile this layer's decoding steps (with ``compile_config=``, and on CUDA by
-        default, as it does for a StaticCache: CUDA graphs, ``mode="reduce-overhead"``): with one eviction per step
-        under a budget in tokens, past the first step a step runs one graph that takes no number that changes from
-        step to step (``_add_seen``, ``_reserve_slot_for_steps``). At longer intervals the steps between evictions
-        take such numbers, for each of which CUDA graphs would record anew: generate then decodes eagerly."""
-        return self.policy.steps_keep_one_room
+        """Whether ``generate`` may compile decoding steps: one eviction per step under a budget in tokens."""
+        return self.policy.keeps_one_room()
 
-    def __init__(
-        self, policy: EvictionPolicy, shared: SharedRoom | None = None, shared_index: int = 0, *, matched: bool = False
-    ) -> None:
-        super().__init__()
-        # The room this layer shares with the cache's other layers, and its index there (see ``joint.py``).
-        self.shared, self.shared_index = shared, shared_index
-        # Whether decoding steps were appended to the reserved room since the bookkeeping views last covered
-        # every entry (``_append_to_prepared_room``, ``_catch_up``).
-        self._lagging = False
-        self.policy = policy
-        # The tokens seen (``count.py``); compiled steps count them on the device under a budget in tokens (a size in
-        # bytes counts none of its own).
-        self._start_count(on_device=policy.budget is not None)
-        self._marks_static = False  # whether the tensors it keeps are on CUDA (``storage.mark_static``)
-        self.pads: torch.Tensor | None = None  # [batch]: each row's left padding (its first pads positions)
-        # Per entry, [batch, kv_heads, slots]: score, value norm, logical position, live, log-mass bias.
-        self._scores: torch.Tensor | None = None
-        self._value_norms: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None
-        self._live: torch.Tensor | None = None
-        self._biases: torch.Tensor | None = None
-        # Attention matching (``matching.py``): whether the prompt's kept entries are refit when it is evicted, the
-        # prompt pass's queries kept for that until then, and whether the refit gave the entries biases (which every
-        # later pass then adds to their logits: ``biased_mask``, and the scoring).
-        self.matched = matched
-        self._match_queries: tuple[torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None
-        self.biased = False
-        # Quantized storage (``policy.kv_bits``, ``policy.key_bits``): ``keys`` or ``values`` or both hold codes,
-        # with each entry's group scales and offsets beside them (``CODING``; keys coded turned by a Hadamard
-        # rotation, see ``Quantizer``); per row, the last ``policy.exact_recent`` tokens' exact keys and values in a
-        # ring [batch, kv_heads, ring, head_dim] (in 16 bits; ring = exact_recent, 0 for none), slot
-        # ``position % ring``, with the position each ring slot holds (``recent_positions``, -1 for none).
-        widths = {"keys": policy.key_bits or policy.kv_bits, "values": policy.kv_bits}
-        self.quantizers = {part: Quantizer(bits, policy.kv_group_size, rotated=part == "keys") if bits in CODED_BITS
-                           else None for part, bits in widths.items()}  # fmt: skip
-        self.quantized = any(quantizer is not None for quantizer in self.quantizers.values())
-        # Whether attention reads this layer's coded keys turned, as coded (set by the cache where the attention
-        # module's queries can be turned alike: ``rotary.turned_query_columns``), instead of turned back.
-        self.reads_turned_keys = False
-        self.storage_dtype: torch.dtype | None = None  # what keys, values (or their scales) are stored in
-        coding = tuple(name for name in CODING if self.quantizers[name.split("_")[0] + "s"] is not None)
-        # Value norms are kept only where eviction ranks by them (not under allocation "global" or "heads"), biases
-        # only where the prompt's kept entries are refit.
-        kept_apart = {"_value_norms": policy.ranks_by_value_norm, "_biases": matched}
-        self.bookkeeping = tuple(name for name in BOOKKEEPING if kept_apart.get(name, True))
-        self.entries = ("keys", "values", *self.bookkeeping, *coding)
-        self.key_scales = self.key_offsets = self.value_scales = self.value_offsets = None
-        self.recent_keys = self.recent_values = None
-        self.recent_positions: torch.Tensor | None = None
-        # Under allocation="global": per row, this layer's share of the tokens, ``[batch, 2]`` (count, base:
-        # see ``Allocated``); None for the even share.
-        self.allocated: torch.Tensor | None = None
-        # Host-side bookkeeping, so that no decision needs a device read: how many live entries the
-        # rows of each group hold, a group being the rows of one padding and one allocated share (a row's
-        # count depends only on those and the tokens seen; beams share their request's), the least and
-        # most padding of any row, and the least and most live entries of any row. Counts need not grow
-        # with a row's real tokens: a decoding step's eviction takes a row below rows that have not
-        # reached their target yet.
-        self.live_by_group: dict[tuple[int, Allocated | None], int] = {}
-        self.pad_range = (0, 0)
-        self.live_range = (0, 0)
-        # Whether the prompt's pass left fewer entries than the budget in a room made for all of it, which decoding
-        # steps fill (``_reserve_slot_for_steps``); compiled steps then count the live entries on the device.
-        self._growing_room = False
-        # Decoding steps that cannot make any row go over its target (targets never shrink as tokens come),
-        # so that ``compress`` skips them; 0 after anything that changes the counts.
-        self._quiet_steps = 0
-        # Decoding steps that may still append to the prepared room with their scoring waiting, as the last such
-        # step found (``_plain_steps_left``), while ``keys`` is still the view that step made (anything that moves
-        # entries makes another); 0 after anything that changes the counts or the room.
-        self._plain_steps = 0
-        self._plain_view: torch.Tensor | None = None
-        # The attention module's own shape: a sliding window (a query sees the last ``sliding_window``
-        # positions only) and a logit soft cap, both None for plain causal attention.
-        self.sliding_window: int | None = None
-        self.softcap: float | None = None
-        # Reconstruction scoring: eviction waits until the prompt has been replayed (deferred), and
-        # while it is replayed (replaying) an entry's score is the most attention a replay query pays it.
-        self.deferred = policy.scoring == "reconstruction"
-        self.replaying = False
-        self.replay_span: tuple[int, int, int] | None = None  # (start, stop, prompt length) under replay_scope="chunk"
-        # Under replay_output_norms, the coming replay pass's 1 / hidden-state norm per observed query
-        # [batch, tokens] and each query head's output-projection Gram matrix [heads, head_dim, head_dim].
-        self.replay_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._free: torch.Tensor | None = None  # [batch, kv_heads]: where this pass's one token goes
-        self._stored_pass: StoredPass | None = None  # between ``store`` and ``finish_pass``
-        # Slots the last in-place eviction freed, [batch, kv_heads, n], and how many of them the next
-        # tokens have taken; None when unknown (a dead slot is then searched for).
-        self._freed: torch.Tensor | None = None
-        self._freed_taken = 0
-        # While decoding with eviction_interval > 1: per-entry tensors with room for the next tokens,
-        # of which the attributes above are views of the first ``slots`` entries (see ``_append``).
-        self._spare: dict[str, torch.Tensor] | None = None
-        self._room_shared = False  # whether that room is this layer's slice of the room shared by the layers
-        # Views of that room eager steps and evictions place, by entry kind, first slot and length (the same at every
-        # interval, made once per room: ``_room_view``).
-        self._room_views: dict[tuple[str, int, int], torch.Tensor] = {}
-        # The keys and values the layer placed itself, weakly (``_place``): anything else was put there from outside.
-        self._placed: dict[str, weakref.ref | None] = {}
-        # Decoding steps in the spare room whose attention is not yet in the scores: their queries with
-        # their rotation (cos, sin), and the slot of the first one's token (see ``_score_pending``).
-        self._pending = WaitingSteps()
-        # The coming pass's observed tokens: the query columns of their projection, the function that makes
-        # queries of them (``observer.queries_from_projection``), the scaling and their rotation (cos, sin).
-        self._queries: tuple[torch.Tensor, Callable, float, torch.Tensor, torch.Tensor] | None = None
-        self._to_queries: Callable[[torch.Tensor], torch.Tensor] | None = None
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """(The storage is made by the first pass, which knows each row's padding.)"""
+
+    def get_seq_length(self) -> int:
+        """The logical length (every token seen), from which models derive positions."""
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The keys attention reads in a pass of ``query_length`` tokens: the longest segment, plus the pass."""
+        return self.longest + query_length, 0
 
     @property
-    def scores(self) -> torch.Tensor | None:
-        """Per entry, the decayed attention it has received (decoding steps not yet scored are added first)."""
-        self._score_pending()
-        return self._scores
-
-    @scores.setter
-    def scores(self, value: torch.Tensor | None) -> None:
-        self._score_pending()
-        self._replace_bookkeeping("_scores", value)
+    def longest(self) -> int:
+        """The most entries any row and head holds."""
+        return self.storage.length_range[1] if self.storage is not None else 0
 
     @property
-    def value_norms(self) -> torch.Tensor | None:
-        """Per entry, the norm of its value vector (decoding steps not yet scored have theirs added first)."""
-        self._score_pending()
-        return self._value_norms
-
-    @value_norms.setter
-    def value_norms(self, value: torch.Tensor | None) -> None:
-        self._replace_bookkeeping("_value_norms", value)
-
-    @property
-    def positions(self) -> torch.Tensor | None:
-        """Per entry, its logical position (int32)."""
-        self._catch_up()
-        return self._positions
-
-    @positions.setter
-    def positions(self, value: torch.Tensor | None) -> None:
-        self._replace_bookkeeping("_positions", value)
-
-    @property
-    def live(self) -> torch.Tensor | None:
-        """Per entry, whether it is a token attention may see (not padding, not evicted in place, not cropped)."""
-        self._catch_up()
-        return self._live
-
-    @live.setter
-    def live(self, value: torch.Tensor | None) -> None:
-        self._replace_bookkeeping("_live", value)
-
-    @property
-    def biases(self) -> torch.Tensor | None:
-        """Per entry, the log-mass bias added to its logit (0 but for the prompt's refit entries), float16."""
-        self._catch_up()
-        return self._biases
-
-    @biases.setter
-    def biases(self, value: torch.Tensor | None) -> None:
-        self._replace_bookkeeping("_biases", value)
+    def kept(self) -> int:
+        """The most tokens any row keeps in any head (padding never counts)."""
+        if self.storage is None:
+            return 0
+        if not self.padding_held:
+            return self.longest
+        return int((self.storage.lengths_host - self.held_pads[:, None]).max())
 
     @property
     def rows(self) -> int:
         """Rows of the batch (beams included), which share a ``max_bytes`` size."""
-        return self.pads.shape[0] if self.pads is not None else 1
+        return self.storage.batch if self.storage is not None else 1
 
     @property
-    def kept(self) -> int:
-        """The most tokens any row keeps (other rows may keep fewer)."""
-        return self.live_range[1]
+    def scores_on_triton(self) -> bool:
+        """Whether this layer's scores run on the Triton kernels (``scoring_backend``)."""
+        return self.storage is not None and uses_triton(self.options.scoring.backend, self.storage.device)
 
-    def get_seq_length(self) -> int | torch.Tensor:
-        """The logical length (all tokens seen), from which models derive positions: inside a compiled step that
-        counts on the device, the 0-d tensor it counts in (as transformers' StaticLayer returns its own)."""
-        return self._seen_now()
-
-    @property
-    def awaits_replay_alone(self) -> bool:
-        """Whether the coming replay's scores will be this layer's only ones (reconstruction scoring with the
-        budget shared by layers or heads): until then, a pass's attention is not worth scoring. A uniform
-        allocation ranks by both (``CompressedCache.replay``)."""
-        return self.deferred and not self.replaying and self.policy.allocation != "uniform"
-
-    def _fills_free_slot(self, query_length: int) -> bool:
-        """Whether a pass of ``query_length`` tokens goes into a dead slot of every row instead of a new column. After
-        compiled steps filling the room made for the budget, a step's token does (a row keeps a dead slot there
-        between steps), known without counting the live entries again (a read of the device)."""
-        if query_length == 1 and self._live_counts_stale and self._growing_room:
-            return True
-        return query_length == 1 and self.slots > self.live_range[1]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.slots + (0 if self._fills_free_slot(query_length) else query_length), 0
+    # -- a forward pass ---------------------------------------------------------------------------------------------
 
     def begin_pass(
         self,
@@ -279,41 +144,56 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
-        mask: bool = True,
     ) -> torch.Tensor | None:
-        """Prepare a forward pass of ``query_length`` tokens; return its attention mask (see ``pass_mask``), or None
-        without ``mask`` (a caller that makes the mask itself, as ``HeadsLayer`` does for its heads at once).
-
-        ``pads``, ``sliding_window`` and ``softcap`` are read on the first pass only: each row's left
-        padding, and the attention module's shape (a local-attention layer, capped logits).
-        """
-        if not self.is_initialized:
-            self.sliding_window, self.softcap = sliding_window, softcap
+        """Prepare a pass of ``query_length`` tokens; return the attention mask it needs, ``[batch, heads,
+        query_length, keys]`` (boolean, or float logit offsets where entries carry biases), or None where the
+        model's own mask is right. ``pads``, ``sliding_window`` and ``softcap`` are read on the first pass only."""
+        first = self.storage is None
+        if first:
             if pads is None:
                 raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
-            self.pads = pads.to(dtype=torch.long)
-            self._set_live_counts({(pads, None): 0 for pads in self.pads.unique().tolist()})
-        if query_length == 1 and self._plain_steps and self.keys is self._plain_view:
-            self._free = None  # a plain decoding step: no free slot, no mask (see ``_may_defer_scoring``)
+            self.pads = pads.to("cpu", torch.long)
+            self.held_pads = self.pads.clone()
+            self.window, self.softcap = sliding_window, softcap
+        self._pass = Pass(query_length, first)
+        if first or not self.needs_mask(query_length):
             return None
-        if query_length == 1 and self._room_to_open():
-            self._open_room()
-        if query_length == 1 and self._grows_in_graph():
-            # A compiled step filling the room made for the budget: the first dead slot of each row and head (an
-            # unfilled one, or the one the last eviction freed), and a mask made from ``live`` whatever the counts.
-            self._free = (~self.live).to(torch.uint8).argmax(dim=-1)
-            return self.pass_mask(query_length, plain=True) if mask else None
-        free = None
-        if self._fills_free_slot(query_length):
-            if self._freed is not None and self._freed_taken < self._freed.shape[-1]:
-                free = self._freed[..., self._freed_taken]
-                self._freed_taken += 1
-            else:
-                free = (~self.live).to(torch.uint8).argmax(dim=-1)  # [batch, kv_heads]: a dead slot per row and head
-        else:
-            self._forget_freed()
-        self._free = free
-        return self.pass_mask(query_length) if mask else None
+        return self.pass_mask(query_length)
+
+    def needs_mask(self, query_length: int) -> bool:
+        """Whether the coming pass needs a mask of its own: rows or heads of different lengths, a padded batch (the
+        model's mask follows the padded sequence, not the stored entries), a sliding window, or biased entries."""
+        dropped = bool(self.pads.any()) and not self.padding_held  # the padded layout is gone
+        return not self.storage.equal_lengths or dropped or self.window is not None or self.biased
+
+    @property
+    def padding_held(self) -> bool:
+        """Whether some row still holds its left padding in place (before the layer's first eviction)."""
+        return self.held_pads is not None and bool(self.held_pads.any())
+
+    def pass_mask(self, query_length: int) -> torch.Tensor:
+        """The coming pass's mask (see ``begin_pass``): each query sees every stored entry of its row and head
+        (within its window) and the pass's tokens up to its own, which go after each segment's entries."""
+        storage = self.storage
+        columns = self.longest + query_length
+        slot = torch.arange(columns, device=storage.device)
+        lengths = storage.lengths[..., None, None]  # [batch, heads, 1, 1]
+        query = torch.arange(query_length, device=storage.device)[:, None]
+        visible = slot <= lengths + query  # stored entries, then the pass's tokens up to the query's own
+        if self.padding_held:
+            visible &= slot >= self.held_pads.to(storage.device)[:, None, None, None]
+        if self.window is not None:
+            stored = slot < lengths
+            positions = storage.read("positions", columns).long()[:, :, None, :]
+            query_position = self.seen + query
+            own_position = self.seen + slot - lengths
+            position = torch.where(stored, positions, own_position)
+            visible &= query_position - position < self.window
+        if not self.biased:
+            return visible
+        biases = storage.read("biases", columns).float()
+        biases = torch.where(slot < storage.lengths[..., None], biases, 0.0)[:, :, None, :]
+        return torch.where(visible, biases, -math.inf)
 
     def observe(
         self,
@@ -323,281 +203,314 @@ class CompressedLayer(SeenCount, LiveCount, EntryStorage, EntryScoring, Eviction
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> None:
-        """Receive the coming forward pass's observed (last) tokens before ``update``: their query projection's
-        columns ``[batch, tokens, heads * head_dim]``, the function that makes queries ``[batch, heads, tokens,
-        head_dim]`` of them, and the rotary embedding ``[batch, tokens, rotary]`` (cos, sin) that turns them."""
-        self._queries = (columns, to_queries, scaling, cos, sin)
-
-    def weigh_replay(self, inverse_hidden_norms: torch.Tensor, output_grams: torch.Tensor) -> None:
-        """Weights for the coming replay pass's scores (``replay_output_norms``): ``[batch, tokens]``, one over each
-        observed query's hidden-state norm, and ``[heads, head_dim, head_dim]``, each query head's output
-        projection ``W`` as ``W^T W`` (so that an entry's output norm is ``sqrt(v^T W^T W v)``)."""
-        self.replay_weights = (inverse_hidden_norms, output_grams)
-
-    def pass_mask(self, query_length: int, *, plain: bool = False) -> torch.Tensor | None:
-        """``[batch, kv_heads, query_length, slots]``, True where a query of the coming pass may attend.
-
-        None when the model's own mask is right: on the first pass, and later when no row has a dead
-        slot, none was padded and the layer has no sliding window (the stored layout is then the
-        plain causal one), unless ``plain`` asks for the mask of that layout too (under
-        ``allocation="global"`` layers differ in length, and the model's mask fits the first's).
-        Queries after the first pass are real tokens; they see every live entry and the new tokens
-        up to themselves.
-        """
-        if not self.is_initialized or not (plain or self.needs_mask(query_length)):
-            return None
-        free, seen = self._free, self._seen_now()
-        device = self.live.device
-        query_positions = positions_from(seen, query_length, device)[:, None]
-        if free is not None:
-            slot = free[..., None]
-            live, positions = self.live.scatter(2, slot, True), scatter_position(self.positions, slot, seen)
-            return live[:, :, None, :] & self._in_window(positions[:, :, None, :], query_positions)
-        batch, kv_heads, slots = self.live.shape
-        older = self.live[:, :, None, :] & self._in_window(self.positions[:, :, None, :], query_positions)
-        new_positions = query_positions.view(1, -1)
-        causal = (new_positions <= query_positions) & self._in_window(new_positions, query_positions)
-        older = older.expand(batch, kv_heads, query_length, slots)
-        return torch.cat([older, causal.expand(batch, kv_heads, -1, -1)], dim=-1)
-
-    def needs_mask(self, query_length: int) -> bool:
-        """Whether the coming pass needs a mask of its own (``pass_mask``): some row has a dead slot, was padded, or
-        the layer has a sliding window."""
-        least_live = self.live_range[0] + query_length
-        stored = self.slots + (0 if self._free is not None else query_length)
-        return self.pad_range[1] != 0 or least_live < stored or self.sliding_window is not None
-
-    def biased_mask(self, query_length: int, visible: torch.Tensor | None) -> torch.Tensor:
-        """The coming pass's mask as logit offsets, float32 ``[batch, kv_heads, query_length, columns]``: each
-        entry's bias (``biases``) where ``visible`` (the pass's mask, or None for ``pass_mask(plain=True)``), -inf
-        where not; for a layer whose prompt entries were refit (``biased``)."""
-        if visible is None:
-            visible = self.pass_mask(query_length, plain=True)
-        return torch.where(visible, self.bias_row(visible.shape[-1]), -math.inf)
-
-    def bias_row(self, columns: int) -> torch.Tensor:
-        """``[batch, kv_heads, 1, columns]`` float32: the stored entries' biases, 0 for the pass's own tokens (in
-        their free slot, or after the stored entries) and for the columns past them."""
-        biases = self.biases.float()
-        if self._free is not None:
-            biases = biases.scatter(2, self._free[..., None], 0.0)
-        return functional.pad(biases, (0, columns - biases.shape[-1]))[:, :, None, :]
-
-    def _in_window(self, positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor | bool:
-        """Whether entries at ``positions`` are inside the sliding window of queries at ``query_positions``."""
-        if self.sliding_window is None:
-            return True
-        return query_positions - positions < self.sliding_window
+        """Receive the coming pass's observed (last) tokens: their query projection's columns ``[batch, tokens,
+        heads * head_dim]``, what makes queries of them, the attention scaling and their rotary embedding."""
+        step = self._pass
+        if step is not None:
+            step.columns, step.to_queries, step.scaling, step.cos, step.sin = columns, to_queries, scaling, cos, sin
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store a pass's keys and values and score what it can; return what attention reads."""
-        if self.store(key_states, value_states):
-            return self.keys, self.values
-        keys, values = self.dense()
-        self.write_pass_exact(keys, values)
-        self.finish_pass(keys, values)
-        return keys, values
-
-    def store(self, key_states: torch.Tensor, value_states: torch.Tensor, *, coded=None, read_keys=None) -> bool:
-        """The first half of ``update``: store the pass's entries (``coded``: already coded as this layer stores
-        them, ``_code``, and ``read_keys``: the keys as attention reads them, ``_as_read``, when the caller made
-        those for several heads at once). True when the pass is done and attention
-        reads the stored tensors as they are (a decoding step between evictions); otherwise attention reads
-        ``dense()`` with ``write_pass_exact``, and ``finish_pass`` scores it (a caller may make that copy itself, as
-        ``HeadsLayer`` does for all its heads at once)."""
-        if self._queries is None:
+        """Store a pass's keys and values; return what attention reads, ``[batch, heads, keys, head_dim]``."""
+        step = self._pass
+        if step is None or step.columns is None:
             raise ValueError(
                 "this CompressedCache received keys without the queries of their forward pass: it works only "
                 "inside a forward pass of the model it was built with, whose attention modules it observes. Pass it "
                 "as past_key_values to that model's forward or generate, not to another model and not to "
                 "cache.update() directly; after unbind(model), build a new CompressedCache(model, ...)"
             )
-        (columns, self._to_queries, scaling, cos, sin), free = self._queries, self._free
-        self._queries = self._free = None
-        if self._room_shared and torch.compiler.is_compiling():
-            # Steps decoded eagerly gave the layers slices of one room (``joint.py``), which a compiled graph takes as
-            # aliased inputs that it cannot regenerate: the first compiled step gives this layer a room of its own.
-            self._apply_to_rows(torch.clone)
-        batch, kv_heads, new, _ = key_states.shape
-        plain = new == 1 and free is None and self._plain_steps and self.keys is self._plain_view
-        if plain or (
-            new == 1 and free is None and self._has_room_for_step(key_states.dtype) and self._may_defer_scoring()
-        ):
-            # A decoding step between evictions: store the key and value; its scoring waits.
-            self._append_to_prepared_room({"keys": key_states, "values": value_states})
-            self._add_live(new)
-            self._add_seen(new)
-            self._wait_for_scoring(columns, scaling, cos, sin)
-            self._plain_steps = self._plain_steps - 1 if plain else self._plain_steps_left()
-            self._plain_view = self.keys
-            return True
-        first_pass = not self.is_initialized
-        if first_pass:
-            self._marks_static = key_states.is_cuda
-            self.lazy_initialization(key_states, value_states)
-            self._make_device_count(key_states)
-            self.storage_dtype = self.dtype
-            if self.policy.kv_bits is not None and self.dtype.itemsize > 2:
-                self.storage_dtype = torch.float16  # 16 bits (scales at 4 and 8) in a 32-bit model
-            if self.quantized:
-                self._start_coding(key_states)
-            empty = key_states.new_zeros((batch, kv_heads, 0), dtype=torch.float32)
-            self.scores = empty
-            if "_value_norms" in self.bookkeeping:
-                self.value_norms = empty.clone()
-            self.positions = empty.to(torch.int32)
-            self.live = empty.to(torch.bool)
-            if "_biases" in self.bookkeeping:
-                self.biases = empty.to(BIAS_DTYPE)
-        if coded is None or first_pass:
-            coded, read_keys = self._code(key_states, value_states)
-        elif read_keys is None:
-            read_keys = self._as_read(key_states)
-        if first_pass:
-            for name, entry in coded.items():
-                self._place(name, entry[:, :, :0])
-        deferred = self._defers_scoring(new, free)
-        if deferred and self._spare_room() >= 1:
-            self._append_to_prepared_room(coded)
+        batch, heads, new, head_dim = key_states.shape
+        if self.storage is None:
+            self._start(key_states)
+        fields, read_keys = self.coding.encode(key_states, value_states)
+        positions = torch.arange(self.seen, self.seen + new, dtype=torch.int32, device=key_states.device)
+        storage = self.storage
+        step.new_slots = storage.length_range[0] if storage.equal_lengths else storage.lengths.clone()
+        entries = {**fields, "positions": positions.expand(batch, heads, new), **self.scorer.new_entries(value_states)}
+        if "biases" in storage.fields:
+            entries["biases"] = 0.0
+        storage.append(entries, new, room=self._room() if new == 1 else 0)
+        self.seen += new
+        if self.coding.quantized and not self.transient:
+            self.coding.remember(read_keys, value_states, positions)
+        if step.first:
+            keys, values = read_keys, value_states  # the pass's own tokens, exact
+        elif self.coding.reads_in_place():
+            keys, values = storage.read("keys"), storage.read("values")
         else:
-            self._store(coded, value_states, free, first_pass)
-        if first_pass:
-            self._set_live_counts({group: max(new - group[0], 0) for group in self.live_by_group})
-        elif new == 1 and self._grows_in_graph():
-            self._live_counts_stale = True  # ``live`` counts them: the host counts again when it next reads them
-        else:
-            self._add_live(new)
-        self._add_seen(new)
-        # The first decoding step after a pass of several tokens reserves the room (``_append``); its scoring can
-        # then wait like the next steps', for the next eviction.
-        deferred = deferred or (new == 1 and free is None and self._may_defer_scoring())
-        if not self.replaying and not deferred:
-            self.scores.mul_(self.policy.score_decay)  # the new entries hold 0 so far, which decays to 0
-        if self.quantized and not self.replaying:  # a replay's tokens are forgotten after it
-            self._remember_recent(read_keys, value_states)
-        self._stored_pass = StoredPass(deferred, free, columns, scaling, cos, sin, read_keys, value_states)
-        return False
+            keys, values = self.coding.decode(storage, self.longest)
+            self._write_pass_exact(keys, values, read_keys, value_states, step.new_slots)
+        step.keys, step.values = keys, values
+        return keys, values
 
-    def _plain_steps_left(self) -> int:
-        """How many of the next decoding steps may append to the prepared room with their scoring waiting, as this
-        one did, without checking again (``_may_defer_scoring``): the room left, and the steps that may still wait
-        before the next eviction."""
-        waiting = self.policy.eviction_interval - len(self._pending)
-        return max(min(self._spare["keys"].shape[2] - self.slots, waiting), 0)
+    def _room(self) -> int:
+        """Slots a segment that must grow for a decoding step gets beyond it: room for the steps until the next
+        eviction (``EvictionPolicy.growth_room``), never past the most a fixed target holds (its target and the
+        step's token)."""
+        room = self.policy.growth_room()
+        fixed = self.policy.fixed_target(self.rows)
+        if fixed is not None and self.shares is None:
+            room = max(min(room, fixed - self.longest), 0)
+        return room
 
-    def finish_pass(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """The second half of ``update``: score the stored pass on ``keys`` and ``values`` as attention reads them
-        (or queue its queries for the next eviction)."""
-        stored, self._stored_pass = self._stored_pass, None
-        if self.matched and self.deferred and not self.replaying and self._match_queries is None:
-            self._match_queries = (stored.columns, stored.scaling, stored.cos, stored.sin)  # refit at its eviction
-        if stored.deferred:  # the step went into reserved room (kept or made anew by ``_append``)
-            self._wait_for_scoring(stored.columns, stored.scaling, stored.cos, stored.sin)
+    def fit_capacity(self) -> None:
+        """After a pass of several tokens: give each segment room for the decoding steps until its next eviction
+        and no more (a fixed target's segments at most its target and one step's token), freeing the rest."""
+        storage = self.storage
+        lengths = storage.lengths_host
+        room = self.policy.growth_room()
+        wanted = lengths + room
+        fixed = self.policy.fixed_target(self.rows)
+        if fixed is not None:
+            wanted = torch.minimum(wanted, self.targets() + 1).maximum(lengths)
+        if self.shares is None or storage.rectangular and bool((wanted == wanted.max()).all()):
+            wanted = wanted.max().expand_as(wanted)
+        storage.resize(wanted)
+
+    def _start(self, key_states: torch.Tensor) -> None:
+        """The first pass: make the storage for its rows and heads."""
+        batch, heads, new, head_dim = key_states.shape
+        self.dtype = key_states.dtype
+        self.coding.start(key_states)
+        fields = {**self.coding.fields(head_dim), "positions": Field((), torch.int32), **self.scorer.fields()}
+        if self.matched:
+            fields["biases"] = Field((), BIAS_DTYPE)
+        self.storage = EntryStorage(fields, batch, heads, new, key_states.device)
+
+    def _write_pass_exact(self, keys, values, read_keys, value_states, new_slots) -> None:
+        """Write the pass's own keys (as attention reads them) and values, exact, where they were stored."""
+        new = read_keys.shape[2]
+        if isinstance(new_slots, int):
+            keys[:, :, new_slots : new_slots + new] = read_keys
+            values[:, :, new_slots : new_slots + new] = value_states
             return
-        if self.awaits_replay_alone:
-            if self.policy.estimates_replay(self.seen, self.rows):  # the replay's scores, estimated now
-                self.scores = self._replay_estimate(stored, keys)
-            return  # the replay's scores replace anything this pass's queries would give
-        queries = self._rotated_queries(stored.columns, stored.cos, stored.sin)
-        received = self._attention_received(queries, stored.scaling, keys, values)
-        if self.replaying:
-            self.scores = torch.maximum(self.scores, received)
+        index = (new_slots[..., None] + torch.arange(new, device=keys.device))[..., None].expand(-1, -1, -1,
+                                                                                               keys.shape[-1])
+        keys.scatter_(2, index, read_keys.to(keys.dtype))
+        values.scatter_(2, index, value_states.to(values.dtype))
+
+    def end_pass(self, query_length: int) -> None:
+        """After attention: score the pass, drop a first pass's padding, and evict."""
+        step, self._pass = self._pass, None
+        if step is None or step.keys is None:
+            return
+        self.scorer.after_pass(self, step)
+        if step.first and self.matched:
+            self.prompt_queries = step  # refit against at the prompt's eviction
+        if not (self.transient or self.waits_for_prompt_scores):
+            self.evict(query_length)
+            if query_length > 1:
+                self.fit_capacity()
+
+    def _drop_padding(self) -> None:
+        """Drop each row's held left padding (its first ``held_pads`` slots, before any eviction)."""
+        storage = self.storage
+        length = storage.length_range[1]
+        pads = self.held_pads
+        slots = pads.to(storage.device)[:, None, None] + torch.arange(length - int(pads.min()), device=storage.device)
+        kept = (length - pads)[:, None].expand(-1, storage.heads).clone()
+        storage.keep(slots.clamp(max=length - 1).expand(-1, storage.heads, -1), kept)
+        self.held_pads = torch.zeros_like(pads)
+
+    def forget_last(self, count: int) -> None:
+        """Forget the last ``count`` tokens of a transient pass (a replayed chunk): they were just appended."""
+        self.storage.truncate(count)
+        self.seen -= count
+
+    # -- reads for the parts ----------------------------------------------------------------------------------------
+
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored key and value as attention reads them, ``[batch, heads, longest, head_dim]``."""
+        return self.coding.decode(self.storage, self.longest)
+
+    def rotated_queries(self, queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``queries`` ``[batch, heads, tokens, head_dim]`` rotated by their rotary embedding ``[batch, tokens, -]``."""
+        return rotate(queries, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def visibility(self, step: Pass) -> Visibility:
+        """What the pass's observed queries may see among the entries attention read (``step.keys``)."""
+        storage = self.storage
+        columns = step.keys.shape[2]
+        observed = step.columns.shape[1]
+        first_query = self.seen - observed
+        positions = storage.read("positions", columns)
+        padded = self.padding_held
+        appended = storage.equal_lengths and not padded and self.window is None
+        valid = None
+        if not step.first and not appended:
+            valid = storage.valid(columns)
+        if padded:
+            real = positions >= self.pads.to(storage.device)[:, None, None]
+            valid = real if valid is None else valid & real
+        pads = self.pads.to(storage.device) if padded else None
+        return Visibility(positions, first_query, valid, pads, self.window, appended=appended)
+
+    def biases(self, step: Pass) -> torch.Tensor | None:
+        """The log-mass biases of the entries attention read in ``step`` (0 for the pass's own), or None."""
+        return self.stored_biases(step.keys.shape[2])
+
+    def stored_biases(self, stop: int) -> torch.Tensor | None:
+        """``[batch, heads, stop]`` float32: the biases of each segment's first ``stop`` slots (0 past its entries),
+        or None where no entry carries one."""
+        if not self.biased:
+            return None
+        biases = self.storage.read("biases", stop).float()
+        return torch.where(self.storage.valid(stop), biases, 0.0)
+
+    def positions(self) -> torch.Tensor:
+        """``[batch, heads, longest]`` int32: each slot's logical position, -1 past a segment's entries."""
+        storage = self.storage
+        positions = storage.read("positions", self.longest)
+        valid = storage.valid(self.longest)
+        if self.padding_held:
+            valid &= positions >= self.pads.to(storage.device)[:, None, None]
+        return torch.where(valid, positions, -1)
+
+    def scores(self) -> torch.Tensor:
+        """``[batch, heads, longest]`` float32: each entry's score (waiting steps scored first), 0 past its entries."""
+        self.scorer.flush(self)
+        storage = self.storage
+        return torch.where(storage.valid(self.longest), storage.read("scores", self.longest), 0.0)
+
+    def kept_positions(self) -> torch.Tensor:
+        """The logical positions of the kept tokens, ``[batch, heads, kept]``, increasing; a row or head that keeps
+        fewer is filled with -1 at the front, as a left-padded batch is."""
+        if self.storage is None:
+            return torch.zeros(0, 0, 0, dtype=torch.int32)
+        return self.positions().sort(dim=-1).values
+
+    # -- eviction -------------------------------------------------------------------------------------------------
+
+    def targets(self) -> torch.Tensor:
+        """Host ``[batch, heads]``: how many tokens each row and head may keep now."""
+        real = self.seen - self.pads
+        row_targets = self.policy.targets(real, self.rows)
+        if self.shares is None:
+            return row_targets[:, None].expand(-1, self.storage.heads)
+        counts, bases = self.shares
+        return self.policy.shared(row_targets, counts, bases)
+
+    def priority(self, stop: int) -> torch.Tensor:
+        """``[batch, heads, stop]``: the rank of each entry for eviction: the sinks and recent tokens above every
+        score, then the scorer's importance, under a sliding window the tokens no query can see below all."""
+        size = self.options.size
+        pads = self.pads.to(self.storage.device)[:, None, None] if bool(self.pads.any()) else 0
+        positions = self.storage.read("positions", stop)
+        importance = self.scorer.importance(self, stop)
+        return protect(importance, positions, self.seen, size.sink_tokens, size.recent_tokens, pads, self.window)
+
+    def evict(self, new: int) -> None:
+        """Keep each row and head within its target after a pass of ``new`` tokens: a row over it keeps the
+        best-ranked entries, down to the target (after a decoding step, down to the target less the eviction interval
+        less one, so that the next steps evict nothing)."""
+        storage = self.storage
+        lengths = storage.lengths_host - self.held_pads[:, None]  # (real entries: padding never counts)
+        keep = self.policy.kept_counts(lengths, self.targets(), new)
+        drops = lengths - keep
+        most = int(drops.max())
+        if most == 0:
+            return
+        self.scorer.flush(self)
+        if self.padding_held:
+            self._drop_padding()
+        prompt = self.matched and self.prompt_queries is not None
+        before = self.decoded() if prompt else None
+        longest = self.longest
+        priority = self.priority(longest)
+        valid = storage.valid(longest)
+        if 2 * most <= longest:  # few go: the last entries of each segment move into their slots
+            victims = lowest(priority, valid, most)
+            sources, targets, lanes = removal_moves(victims, storage.lengths, drops.to(storage.device))
+            storage.move(sources, targets, lanes)
+            storage.set_lengths(keep)
         else:
-            self.scores.add_(received)
+            storage.keep(best_in_slot_order(priority, valid, int(keep.max())), keep)
+        if prompt:
+            self._refit(before)
 
-    def _per_row(self) -> tuple[str, ...]:
-        return (*self.entries, "pads", "allocated", *EXACT)
+    def _refit(self, before: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Refit what the prompt kept (``matching.refit``) against every prompt entry it held (``before``)."""
+        step, self.prompt_queries = self.prompt_queries, None
+        if self.window is not None or self.softcap is not None or bool(self.pads.any()):
+            return
+        self.biased |= matching.refit(self, step, *before)
 
-    def _apply_to_rows(self, operation) -> None:
-        """Apply a row operation (select, reorder, repeat) to every per-row tensor; with reserved room, to
-        the whole room, so that beam search keeps it (its prepared entries are the same in every row)."""
-        self._score_pending()
-        self._forget_freed()
-        self._quiet_steps = 0  # a new batch of rows may share max_bytes differently
-        names = self._per_row()
-        self._room_shared = False  # the operation makes tensors of this layer's own
-        if self._has_spare():
-            slots = self.slots
-            room = {name: operation(self._spare[name]) for name in self.entries}
-            for name in self.entries:
-                self._place(name, room[name].narrow(2, 0, slots))
-            self._hold_room(room, shared=False)
-            names = names[len(self.entries) :]
-        for name in names:
-            tensor = getattr(self, name)
-            if tensor is not None:
-                self._place(name, operation(tensor))
+    def allocate(self, counts: torch.Tensor, bases: torch.Tensor) -> None:
+        """Give each row and head its share of the tokens (host ``counts`` ``[batch, heads]`` kept where an even
+        share keeps ``bases`` ``[batch]``), from now on; the eviction that follows applies it."""
+        self.shares = (counts.to("cpu", torch.long).clone(), bases.to("cpu", torch.long).clone())
+
+    # -- rows, crop, reset ------------------------------------------------------------------------------------------
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        if self.storage is None:
+            return
+        self.scorer.flush(self)
+        rows_host = rows.to("cpu", torch.long)
+        self.storage.select_rows(rows)
+        self.coding.select_rows(rows)
+        self.pads, self.held_pads = self.pads[rows_host], self.held_pads[rows_host]
+        if self.shares is not None:
+            self.shares = (self.shares[0][rows_host], self.shares[1][rows_host])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder rows for beam search (beams move within their request, so the padding ranges hold)."""
-        if self.is_initialized:
-            self._apply_to_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+        """Reorder rows for beam search (beams move within their request, so the padding stays the same)."""
+        self._select_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._apply_to_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+        if self.storage is not None:
+            self._select_rows(torch.arange(self.rows).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._apply_to_rows(lambda tensor: tensor[indices.to(tensor.device)])
-            self._recount()
+        if self.storage is not None:
+            self._select_rows(torch.arange(self.rows)[indices.to("cpu")])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens seen (candidate tokens rejected by assisted generation).
 
-        The newest tokens are always held (they are in the recent window), so this undoes their
-        pass exactly, except that the attention they paid to older tokens stays in those tokens'
-        scores, and anything their pass evicted stays evicted.
+        The newest tokens are held (they are in the recent window), so this undoes their pass, except that the
+        attention they paid to older tokens stays in those tokens' scores, and what their pass evicted stays evicted.
         """
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop takes a negative number of tokens to remove (as DynamicLayer does); got {tokens_to_remove}"
             )
-        if tokens_to_remove == 0 or not self.is_initialized:
+        if tokens_to_remove == 0 or self.storage is None:
             return
-        self._score_pending()
+        self.scorer.flush(self)
         self.seen = max(self.seen + tokens_to_remove, 0)
-        self.live &= self.positions < self.seen
-        self._forget_freed()
-        self._give_up_room()  # it was prepared for the positions after the forgotten tokens
-        self._recount()
+        storage = self.storage
+        longest = self.longest
+        held = storage.valid(longest) & (storage.read("positions", longest) < self.seen)
+        counts = held.sum(dim=-1).cpu()
+        order = (~held).to(torch.uint8).argsort(dim=-1, stable=True)[..., : max(int(counts.max()), 1)]
+        storage.keep(order, counts)
 
     def reset(self) -> None:
-        super().reset()
-        self._live_counts_stale = self._growing_room = False  # (nothing left to count again)
-        self._seen_device = None
-        self._pending = WaitingSteps()
-        self._scores = self.value_norms = self.positions = self.live = self.pads = self.allocated = None
-        self._biases, self._match_queries, self.biased = None, None, False
-        for name in (*CODING, *EXACT, "recent_positions"):
-            setattr(self, name, None)
-        self._queries = self._free = None
-        self._give_up_room()
-        self._room_shared = False
-        self._placed = {}
-        self._lagging = False
-        self._freed, self._freed_taken = None, 0
-        self.sliding_window = self.softcap = None
-        self.deferred, self.replaying = self.policy.scoring == "reconstruction", False
-        self._set_live_counts({})
+        self.storage = None
         self.seen = 0
+        self.pads = self.held_pads = self.shares = self.prompt_queries = self._pass = None
+        self.window = self.softcap = None
+        self.biased = self.transient = False
+        self.scorer.reset()
+        self.coding.reset()
+
+    # -- size -------------------------------------------------------------------------------------------------------
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every tensor this layer holds: keys, values and per-entry bookkeeping (with the reserved room and
-        dead slots behind them), the rows' padding, freed-slot lists, the count of tokens seen that compiled
-        steps keep, the waiting decoding steps' queries with their rotation, and the Hadamard matrix that turns
-        coded keys (shared by every layer)."""
-        others = ("recent_positions", "_freed", "_free", "_seen_device")
-        held = [getattr(self, name) for name in (*self._per_row(), *others)]
-        if self.is_initialized and self.quantizers["keys"] is not None:
-            held.append(hadamard(rotation_block(self.recent_keys.shape[-1]), self.recent_keys.device))
-        if self._spare is not None:
-            held.extend(self._spare.values())
-        held.extend(self._pending.held_tensors())
-        if self._queries is not None:
-            held.extend(part for part in self._queries if isinstance(part, torch.Tensor))
-        return [tensor for tensor in held if isinstance(tensor, torch.Tensor)]
+        """Every tensor this layer holds on the device: the storage, the residual window, the waiting steps' queries,
+        the prompt's queries kept for a refit, and the Hadamard matrix that rotates coded keys."""
+        if self.storage is None:
+            return []
+        held = [*self.storage.held_tensors(), *self.coding.held_tensors(), *self.scorer.held_tensors()]
+        if self.prompt_queries is not None:
+            held.extend(part for part in (self.prompt_queries.columns, self.prompt_queries.cos,
+                                          self.prompt_queries.sin) if part is not None)  # fmt: skip
+        if self.coding.quantized and self.coding.quantizers["keys"] is not None:
+            head_dim = self.coding.residual_keys.shape[-1]
+            held.append(hadamard(rotation_block(head_dim), self.storage.device))
+        return held
 
     def memory_bytes(self) -> int:
-        """Bytes of every storage behind :meth:`held_tensors`, each counted once (a view holds its whole storage)."""
+        """Bytes of every storage behind :meth:`held_tensors`, each counted once."""
         return sum(storage_bytes(self.held_tensors()).values())

@@ -166,74 +166,42 @@ def spread(rows: torch.Tensor, most: int) -> torch.Tensor:
     return rows[torch.linspace(0, rows.shape[0] - 1, most, device=rows.device).round().long()]
 
 
-class EntryMatching:
-    """Refitting a ``CompressedLayer``'s kept prompt entries when the prompt is evicted (``matched`` layers).
+@torch.no_grad()
+def refit(layer, step, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Refit each row and KV head's kept prompt entries in ``layer`` (just evicted) against every prompt entry it
+    held before (``keys`` and ``values``, ``[batch, heads, length, head_dim]``, as attention read them, each at its
+    position's slot) for the prompt's own queries (``step``, the prompt's ``layer.Pass``) placed after the prompt:
+    biases and values, through the layer's storage and coding. True when some row and head was refit.
 
-    The layer keeps its prompt pass's queries until the prompt's eviction (``finish_pass``); then
-    ``_evict_and_match`` evicts as any layer does and refits, per row and KV head, the kept entries' values and
-    biases (``matched_entries``) against what every entry held before. Attention and scoring add the biases from
-    then on (``biased_mask``, ``EntryScoring``). Layers with a sliding window or a logit cap, and rows and heads
-    that keep more than ``MATCH_KEPT_SHARE`` of the prompt or less than ``MATCH_KEPT_SHARE_LEAST``, are left as they
-    are.
-    """
+    Rows and heads that keep more than ``MATCH_KEPT_SHARE`` of the prompt or less than ``MATCH_KEPT_SHARE_LEAST``
+    are left as they are."""
+    from decodekit.cache.replay_estimate import moved_back, rotation_past
 
-    def _evict_and_match(self, new: int) -> None:
-        """The prompt's eviction of a matched layer: ``_evict``, then the refit of what each row and head kept."""
-        match, self._match_queries = self._match_queries, None
-        if self.sliding_window is not None or self.softcap is not None or self.pad_range[1] > 0:
-            self._evict(new)
-            return
-        keys, values = (part.clone() for part in self.dense())  # every entry, as attention reads it
-        self._evict(new)
-        self._refit_kept(match, keys, values)
-
-    @torch.no_grad()
-    def _refit_kept(self, match: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Refit the live entries of each row and KV head against ``keys`` and ``values`` (``[batch, kv_heads,
-        length, head_dim]``: the prompt's entries before eviction, at their positions) for the prompt's queries
-        placed after the prompt (``match``: its pass's query columns, scaling and rotation)."""
-        from decodekit.cache.replay_estimate import moved_back, rotation_past  # (that module imports scoring's)
-
-        columns, scaling, cos, sin = match
-        batch, kv_heads, length, head_dim = keys.shape
-        most = math.floor(MATCH_KEPT_SHARE * length)
-        least = math.ceil(MATCH_KEPT_SHARE_LEAST * length)
-        if length < 2 or self.live_range[0] > most or self.live_range[1] < least:  # none keeps a share in range
-            return
-        queries = self._rotated_queries(columns, cos, sin).float() * scaling  # [batch, heads, length, head_dim]
-        moved = moved_back(keys.float(), *rotation_past(cos, sin), self.reads_turned_keys)
-        group = queries.shape[1] // kv_heads
-        live, positions, biases = self.live, self.positions, self.biases
-        for row in range(batch):
-            for head in range(kv_heads):
-                slots = live[row, head].nonzero().squeeze(-1)
-                if not least <= slots.numel() <= most:
-                    continue
-                index = positions[row, head, slots].long()
-                reference = spread(queries[row, head * group : (head + 1) * group].reshape(-1, head_dim), MATCH_QUERIES)
-                bias, fitted = matched_entries(reference, moved[row, head], values[row, head].float(), index)
-                biases[row, head, slots] = bias.to(biases.dtype)
-                self._write_values(row, head, slots, index, fitted)
-                self.biased = True
-
-    def _write_values(
-        self, row: int, head: int, slots: torch.Tensor, positions: torch.Tensor, fitted: torch.Tensor
-    ) -> None:
-        """Store ``fitted`` (float32 ``[n, head_dim]``) as the values of ``slots`` of one row and head: coded as
-        the layer stores values, into the exact ring where it still holds those positions, and their norms."""
-        quantizer = self.quantizers["values"]
-        if quantizer is None:
-            self.values[row, head, slots] = self._in_storage_dtype(fitted.to(self.dtype))
-        else:
-            coded = quantizer.encode(fitted, self.storage_dtype)
-            self.values[row, head, slots] = coded["codes"]
-            self.value_scales[row, head, slots] = coded["scales"]
-            self.value_offsets[row, head, slots] = coded["offsets"]
-        if self.recent_values is not None and self.recent_values.shape[2]:
-            ring = self.recent_values.shape[2]
-            ring_slots = (positions % ring).to(self.recent_positions.device)
-            held = self.recent_positions[ring_slots] == positions.to(self.recent_positions.dtype)
-            exact = fitted[held].to(self.recent_values.dtype)
-            self.recent_values[row, head, ring_slots[held]] = exact
-        if self._value_norms is not None:
-            self.value_norms[row, head, slots] = fitted.norm(dim=-1)
+    batch, kv_heads, length, head_dim = keys.shape
+    storage = layer.storage
+    lengths = storage.lengths_host
+    most = math.floor(MATCH_KEPT_SHARE * length)
+    least = math.ceil(MATCH_KEPT_SHARE_LEAST * length)
+    chosen = (lengths >= least) & (lengths <= most)
+    if length < 2 or not bool(chosen.any()):
+        return False
+    queries = step.queries().float() * step.scaling  # [batch, heads, length, head_dim]
+    moved = moved_back(keys.float(), *rotation_past(step.cos, step.sin), layer.coding.rotated_reads)
+    group = queries.shape[1] // kv_heads
+    stop = int(lengths[chosen].max())
+    positions = storage.read("positions", stop).long()
+    biases = torch.zeros((batch, kv_heads, stop), device=keys.device)
+    fitted = torch.zeros((batch, kv_heads, stop, head_dim), device=keys.device)
+    for row, head in chosen.nonzero().tolist():
+        count = int(lengths[row, head])
+        index = positions[row, head, :count]
+        reference = spread(queries[row, head * group : (head + 1) * group].reshape(-1, head_dim), MATCH_QUERIES)
+        bias, values_fitted = matched_entries(reference, moved[row, head], values[row, head].float(), index)
+        biases[row, head, :count], fitted[row, head, :count] = bias, values_fitted
+    lanes = chosen.to(keys.device)[..., None] & storage.valid(stop)
+    slots = torch.arange(stop, device=keys.device).expand(batch, kv_heads, stop)
+    storage.write_slots(slots, {"biases": biases}, lanes)
+    layer.coding.write_values(storage, slots, fitted, positions, lanes)
+    if "value_norms" in storage.fields:
+        storage.write_slots(slots, {"value_norms": fitted.norm(dim=-1)}, lanes)
+    return True

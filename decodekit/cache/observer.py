@@ -171,9 +171,9 @@ def _plain_queries(head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return partial(split_heads, head_dim=head_dim)
 
 
-def queries_can_turn(module: nn.Module) -> bool:
-    """Whether ``module``'s queries can be turned through its projection's output (``turned_query_columns``): the
-    columns become the queries as they are (no query norm between them)."""
+def queries_can_rotate(module: nn.Module) -> bool:
+    """Whether ``module``'s queries can be Hadamard-rotated through its projection's output
+    (``turned_query_columns``): the columns become the queries as they are (no query norm between them)."""
     return not isinstance(getattr(module, "q_norm", None), nn.Module)
 
 
@@ -242,7 +242,7 @@ def _observed_attention(module: nn.Module, forward, *args, **kwargs):
         output = forward(*args, **kwargs)
     finally:
         _PENDING.passes.pop(id(module), None)  # the queries were not taken if the projection did not run
-    layer.compress(hidden_states.shape[1])
+    layer.end_pass(hidden_states.shape[1])
     return output
 
 
@@ -253,27 +253,27 @@ def _before_attention(module: nn.Module, cache, layer, hidden_states: torch.Tens
     if position_embeddings is None:
         raise ValueError("CompressedCache needs rotary position embeddings passed to the attention modules")
     batch, length = hidden_states.shape[:2]
-    if cache.policy.replay_output_norms and cache.replaying:
-        layer.weigh_replay(1 / hidden_states.float().norm(dim=-1).clamp(min=1e-30), _output_grams(module))
-    window = length if cache.policy.observation_window is None else min(length, cache.policy.observation_window)
+    options = cache.options
+    if options.replay.output_norms and layer.transient:
+        layer.scorer.weigh_replay(1 / hidden_states.float().norm(dim=-1).clamp(min=1e-30), _output_grams(module))
+    observed = options.scoring.observation_window
+    window = length if observed is None else min(length, observed)
     _PENDING.passes[id(module)] = (layer, window, position_embeddings)
-    first_pass = not layer.is_initialized
+    first_pass = layer.storage is None
     if first_pass:
         pads = _left_padding(kwargs.get("attention_mask"), batch, hidden_states.device)
         softcap = getattr(module, "attn_logit_softcapping", None)
         visible = layer.begin_pass(length, pads, sliding_window=_sliding_window(module), softcap=softcap)
     else:
         visible = layer.begin_pass(length)
-    if layer.biased:  # refit entries add their biases to every pass's logits (``matching.py``)
-        return _attention_mask(module, layer.biased_mask(length, visible), hidden_states.dtype)
     if visible is None:
         model_mask = kwargs.get("attention_mask")
         if first_pass or not isinstance(model_mask, torch.Tensor):
             return None
         if model_mask.shape[-1] == layer.get_mask_sizes(length)[0]:
             return None
-        # The model's mask was made for another layer's length (allocation="global"): this layer's own.
-        visible = layer.pass_mask(length, plain=True)
+        # The model's mask was made for another layer's length (allocation="layers"): this layer's own.
+        visible = layer.pass_mask(length)
     return _attention_mask(module, visible, hidden_states.dtype)
 
 
@@ -287,7 +287,7 @@ def _capture_queries(module: nn.Module, to_queries, forward, *args, **kwargs) ->
     if pending is None:
         return output
     layer, window, (cos, sin) = pending
-    if layer.reads_turned_keys:  # the layer's coded keys are read turned: turn the queries alike
+    if layer.coding.rotated_reads:  # the layer's coded keys are read rotated: rotate the queries alike
         output = _with_turned_queries(module, output, cos, sin)
     observed = output
     if window < observed.shape[1]:
@@ -326,6 +326,6 @@ def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype
 def _after_model(model: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     """After the prompt's forward pass, let a reconstruction-scoring cache replay it and evict."""
     cache = _compressed_cache(kwargs)
-    if cache is not None and cache.awaits_replay:
+    if cache is not None and cache.awaits_prompt_scores:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        cache.replay(model, input_ids)
+        cache.after_prompt(model, input_ids)

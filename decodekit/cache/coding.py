@@ -1,0 +1,248 @@
+"""How a layer's keys and values are stored: as they are (``PlainCoding``) or as integer codes with group scales
+and offsets (``QuantizedCoding``), and how attention reads them back.
+
+A coding names the storage fields it needs, turns a pass's keys and values into them, and decodes stored entries
+for attention. Quantized keys are coded after a Hadamard rotation (``quantize.py``); where the attention module's
+queries can be rotated alike (``rotated_reads``), attention reads the keys as coded, never rotated back. The last
+``residual_length`` tokens are also held exact in a residual window (KIVI's full-precision recent tokens), and
+attention reads them exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodekit.cache.quantize import Quantizer
+from decodekit.cache.quantize import rotate as hadamard_rotate
+from decodekit.cache.storage import EntryStorage, Field, mark_static
+
+PARTS = ("keys", "values")
+
+
+def storage_dtype(model_dtype: torch.dtype, kv_bits: int | None) -> torch.dtype:
+    """What keys and values (or their group scales) are stored in: the model's dtype, or 16 bits where the storage
+    is sized in bits and the model's dtype is wider (float16, llama.cpp's f16 cache for a 32-bit model).
+
+    Example:
+        >>> storage_dtype(torch.float32, None), storage_dtype(torch.float32, 16), storage_dtype(torch.bfloat16, 4)
+        (torch.float32, torch.float16, torch.bfloat16)
+    """
+    if kv_bits is not None and model_dtype.itemsize > 2:
+        return torch.float16
+    return model_dtype
+
+
+def in_dtype(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``states`` in ``dtype``; a 32-bit value beyond a 16-bit dtype's range is held at its largest."""
+    if states.dtype == dtype:
+        return states
+    if dtype.itemsize < states.dtype.itemsize:
+        limit = torch.finfo(dtype).max
+        states = states.clamp(-limit, limit)
+    return states.to(dtype)
+
+
+class PlainCoding:
+    """Keys and values stored as they are: in the model's dtype, or in 16 bits (``kv_bits=16``)."""
+
+    rotated_reads = False
+    quantized = False
+
+    def __init__(self, kv_bits: int | None = None) -> None:
+        self.kv_bits = kv_bits
+        self.model_dtype = self.stored_dtype = None
+
+    def start(self, key_states: torch.Tensor) -> None:
+        """The first pass: store in its dtype, or in 16 bits (``kv_bits=16``)."""
+        self.model_dtype = key_states.dtype
+        self.stored_dtype = storage_dtype(key_states.dtype, self.kv_bits)
+
+    def fields(self, head_dim: int) -> dict[str, Field]:
+        return {part: Field((head_dim,), self.stored_dtype) for part in PARTS}
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The storage fields of a pass's ``keys`` and ``values``, and its keys as attention reads them."""
+        return {"keys": in_dtype(keys, self.stored_dtype), "values": in_dtype(values, self.stored_dtype)}, keys
+
+    def reads_in_place(self) -> bool:
+        """Whether attention reads the stored tensors as they are (views, no copy)."""
+        return self.stored_dtype == self.model_dtype
+
+    def decode(self, storage: EntryStorage, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of each segment's first ``stop`` slots in the model's dtype, ``[batch, heads, stop, dim]``."""
+        keys, values = storage.read("keys", stop), storage.read("values", stop)
+        if self.stored_dtype == self.model_dtype:
+            return keys, values
+        return keys.to(self.model_dtype), values.to(self.model_dtype)
+
+    def remember(self, read_keys, values, positions) -> None:
+        """Nothing: plain entries are exact."""
+
+    def write_values(self, storage: EntryStorage, slots, fitted: torch.Tensor, positions, lanes=None) -> None:
+        """Store ``fitted`` (float32 ``[batch, heads, n, dim]``) as the values at each segment's ``slots``."""
+        storage.write_slots(slots, {"values": in_dtype(fitted.to(self.model_dtype), self.stored_dtype)}, lanes)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Nothing per row."""
+
+    def reset(self) -> None:
+        """Nothing held."""
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return []
+
+
+class QuantizedCoding:
+    """Keys and values stored as codes of ``key_bits`` and ``value_bits`` bits (8, 5 or 4; None: that part stored
+    as it is, in 16 bits) in groups of ``group_size`` channels, with a residual window of the last
+    ``residual_length`` tokens held exact. ``rotated_reads``: attention reads coded keys Hadamard-rotated (set
+    where the attention module's queries are rotated alike)."""
+
+    def __init__(self, key_bits: int | None, value_bits: int | None, group_size: int, residual_length: int) -> None:
+        self.model_dtype = self.stored_dtype = None
+        self.quantizers = {
+            "keys": Quantizer(key_bits, group_size, rotated=True) if key_bits in (8, 5, 4) else None,
+            "values": Quantizer(value_bits, group_size) if value_bits in (8, 5, 4) else None,
+        }
+        self.residual_length = residual_length
+        self.rotated_reads = False
+        self.residual_keys = self.residual_values = self.residual_positions = None
+
+    quantized = True
+
+    def fields(self, head_dim: int) -> dict[str, Field]:
+        fields = {}
+        for part, quantizer in self.quantizers.items():
+            if quantizer is None:
+                fields[part] = Field((head_dim,), self.stored_dtype)
+                continue
+            groups = quantizer.groups(head_dim)
+            fields[part] = Field((head_dim * quantizer.bits // 8,), torch.uint8)
+            fields[f"{part[:-1]}_scales"] = Field((groups,), self.stored_dtype)
+            fields[f"{part[:-1]}_offsets"] = Field((groups,), self.stored_dtype)
+        return fields
+
+    def reads_in_place(self) -> bool:
+        return False
+
+    def start(self, key_states: torch.Tensor) -> None:
+        """The first pass: scales (and parts not coded) in 16 bits, and the residual window for its rows and heads."""
+        self.model_dtype = key_states.dtype
+        self.stored_dtype = storage_dtype(key_states.dtype, 16)
+        batch, heads, _, head_dim = key_states.shape
+        ring, device = self.residual_length, key_states.device
+        self.residual_keys = torch.zeros((batch, heads, ring, head_dim), dtype=self.stored_dtype, device=device)
+        self.residual_values = torch.zeros_like(self.residual_keys)
+        self.residual_positions = torch.full((ring,), -1, dtype=torch.int32, device=device)
+        for tensor in (self.residual_keys, self.residual_values, self.residual_positions):
+            mark_static(tensor)
+
+    def as_read(self, keys: torch.Tensor) -> torch.Tensor:
+        """Exact keys as attention reads them: Hadamard-rotated like their codes where reads are rotated."""
+        if not (self.rotated_reads and self.quantizers["keys"] is not None):
+            return keys
+        return hadamard_rotate(keys.float()).to(keys.dtype)
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The storage fields of a pass's ``keys`` and ``values`` (codes, scales and offsets per coded part), and its
+        keys as attention reads them (rotated as coded where reads are rotated, from the coding's own rotation)."""
+        fields, read_keys = {}, keys
+        key_coding, value_coding = self.quantizers["keys"], self.quantizers["values"]
+        if key_coding is not None and value_coding is not None and key_coding.groups_like(value_coding):
+            rotated = [key_coding.as_coded(keys), value_coding.as_coded(values)]
+            coded = value_coding.encode_together(rotated, self.stored_dtype, [key_coding, value_coding])
+            encoded = list(zip(coded, rotated, strict=True))
+        else:
+            encoded = [None if quantizer is None else quantizer.encode_turned(states, self.stored_dtype)
+                       for quantizer, states in ((key_coding, keys), (value_coding, values))]  # fmt: skip
+        for part, states, pair in zip(PARTS, (keys, values), encoded, strict=True):
+            if pair is None:
+                fields[part] = in_dtype(states, self.stored_dtype)
+                continue
+            codes, rotated = pair
+            if part == "keys" and self.rotated_reads:
+                read_keys = rotated.to(states.dtype)
+            prefix = part[:-1]
+            fields[part], fields[f"{prefix}_scales"], fields[f"{prefix}_offsets"] = codes.values()
+        return fields, read_keys
+
+    def decode(self, storage: EntryStorage, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of each segment's first ``stop`` slots decoded to the model's dtype, the entries the
+        residual window still holds exact; keys rotated where reads are rotated."""
+        decoded = []
+        for part in PARTS:
+            quantizer = self.quantizers[part]
+            if quantizer is None:
+                decoded.append(storage.read(part, stop).to(self.model_dtype))
+                continue
+            prefix = part[:-1]
+            coded = {name: storage.read(field, stop) for name, field in
+                     (("codes", part), ("scales", f"{prefix}_scales"), ("offsets", f"{prefix}_offsets"))}  # fmt: skip
+            rotated = part == "keys" and self.rotated_reads
+            decoded.append(quantizer.decode(coded, self.model_dtype, turn_back=not rotated))
+        keys, values = decoded
+        self._write_residual(storage.read("positions", stop), keys, values)
+        return keys, values
+
+    def _write_residual(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the exact entries the residual window still holds into decoded ``keys`` and ``values``."""
+        ring = self.residual_length
+        if ring == 0 or positions.shape[-1] == 0:
+            return
+        latest = positions.topk(min(ring, positions.shape[-1]), dim=-1).indices  # [batch, heads, ring]
+        latest_positions = positions.gather(2, latest)
+        ring_slot = (latest_positions % ring).long()
+        held = (self.residual_positions[ring_slot] == latest_positions)[..., None]
+        head_dim = keys.shape[-1]
+        into = latest[..., None].expand(-1, -1, -1, head_dim)
+        out_of = ring_slot[..., None].expand(-1, -1, -1, head_dim)
+        for dense, exact in ((keys, self.residual_keys), (values, self.residual_values)):
+            kept = exact.gather(2, out_of).to(dense.dtype)
+            dense.scatter_(2, into, torch.where(held, kept, dense.gather(2, into)))
+
+    def remember(self, read_keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keep the exact keys (as attention reads them) and values of a pass's last tokens (up to the window's size),
+        at ``positions`` (``[tokens]``, int32, the pass's)."""
+        ring = self.residual_length
+        count = min(read_keys.shape[2], ring)
+        if count == 0:
+            return
+        positions = positions[-count:]
+        slots = (positions % ring).long()
+        self.residual_keys.index_copy_(2, slots, in_dtype(read_keys[:, :, -count:], self.stored_dtype))
+        self.residual_values.index_copy_(2, slots, in_dtype(values[:, :, -count:], self.stored_dtype))
+        self.residual_positions.index_copy_(0, slots, positions.to(torch.int32))
+
+    def write_values(self, storage: EntryStorage, slots, fitted: torch.Tensor, positions, lanes=None) -> None:
+        """Store ``fitted`` (float32 ``[batch, heads, n, dim]``) as the values at each segment's ``slots`` (where
+        ``lanes``), coded as values are coded, and exact into the residual window where it holds those ``positions``."""
+        quantizer = self.quantizers["values"]
+        if quantizer is None:
+            storage.write_slots(slots, {"values": in_dtype(fitted.to(self.model_dtype), self.stored_dtype)}, lanes)
+        else:
+            coded = quantizer.encode(fitted, self.stored_dtype)
+            storage.write_slots(slots, {"values": coded["codes"], "value_scales": coded["scales"],
+                                        "value_offsets": coded["offsets"]}, lanes)  # fmt: skip
+        ring = self.residual_length
+        if ring:
+            ring_slots = (positions % ring).long()
+            held = self.residual_positions[ring_slots] == positions.to(torch.int32)
+            if lanes is not None:
+                held &= lanes
+            rows, heads, lanes_held = held.nonzero(as_tuple=True)
+            exact = fitted[rows, heads, lanes_held].to(self.residual_values.dtype)
+            self.residual_values[rows, heads, ring_slots[rows, heads, lanes_held]] = exact
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the residual window's rows ``rows``."""
+        if self.residual_keys is not None:
+            rows = rows.to(self.residual_keys.device)
+            self.residual_keys = self.residual_keys.index_select(0, rows)
+            self.residual_values = self.residual_values.index_select(0, rows)
+
+    def reset(self) -> None:
+        self.residual_keys = self.residual_values = self.residual_positions = None
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [tensor for tensor in (self.residual_keys, self.residual_values, self.residual_positions)
+                if tensor is not None]  # fmt: skip

@@ -1,0 +1,130 @@
+"""Attention scoring: an entry is worth the attention it receives, averaged over the queries that see it and the
+query heads that share its KV head, plus its earlier score times ``score_decay`` (H2O / SnapKV style); eviction
+ranks it times the norm of its value.
+
+A decoding step between evictions does not score at once: its queries wait, and the next eviction scores every
+waiting step together, as one step at a time would have (``received.waiting_attention``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodekit.cache.received import attention_received, per_query, pooled, waiting_attention
+from decodekit.cache.storage import Field
+from decodekit.cache.waiting import WaitingSteps
+
+
+class AttentionScorer:
+    """Scores one layer's entries by the attention they receive (the default ``scoring="attention"``).
+
+    A scorer is made per layer (``CompressedLayer``), keeps what waits to be scored, and talks to its layer through
+    the layer's public methods: ``storage``, ``decoded``, ``visibility``, ``seen``.
+    """
+
+    replays = False  # whether the cache feeds the prompt again after its pass (``ReconstructionScorer``)
+
+    def __init__(self, options) -> None:
+        self.options = options
+        self.decay = options.scoring.score_decay
+        self.waiting = WaitingSteps()
+        self.waiting_from: torch.Tensor | int | None = None  # the first waiting step's slot, per segment or for all
+        self.to_queries = None  # what makes queries of the waiting steps' columns
+
+    # -- what the storage holds per entry -------------------------------------------------------------------------
+
+    def fields(self) -> dict[str, Field]:
+        """The storage fields this scorer keeps per entry: its score, and the value's norm where eviction ranks by
+        it."""
+        fields = {"scores": Field((), torch.float32)}
+        if self.options.ranks_by_value_norm:
+            fields["value_norms"] = Field((), torch.float32)
+        return fields
+
+    def new_entries(self, values: torch.Tensor) -> dict[str, torch.Tensor | float]:
+        """The fields of a pass's new entries (``values`` ``[batch, heads, new, dim]``): score 0, their value norms."""
+        entries: dict[str, torch.Tensor | float] = {"scores": 0.0}
+        if "value_norms" in self.fields():
+            entries["value_norms"] = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
+        return entries
+
+    # -- a pass ---------------------------------------------------------------------------------------------------
+
+    def may_wait(self, layer, step) -> bool:
+        """Whether this pass (one decoding step) may leave its scoring for the next eviction: an eviction interval
+        above one, a plain layer (no window, no cap, no pooling) and room in the queue."""
+        return (
+            step.new == 1 and self.options.size.eviction_interval > 1 and layer.window is None
+            and not layer.padding_held
+            and layer.softcap is None and self.options.scoring.pool_kernel == 1
+            and len(self.waiting) < self.options.size.eviction_interval
+        )  # fmt: skip
+
+    def after_pass(self, layer, step) -> None:
+        """Score the pass ``step`` (a ``layer.Pass``), or queue it (``may_wait``)."""
+        if self.may_wait(layer, step):
+            if not self.waiting:
+                self.waiting_from = step.new_slots
+            columns, cos, sin = step.columns, step.cos, step.sin
+            stored = layer.coding.stored_dtype
+            if stored.itemsize < columns.dtype.itemsize:  # held in the storage's 16 bits
+                columns, cos, sin = columns.to(stored), cos.to(stored), sin.to(stored)
+            self.waiting.add((columns, cos, sin), scaling=step.scaling, room=self.options.size.eviction_interval)
+            self.to_queries = step.to_queries
+            return
+        self.flush(layer)
+        self.add(layer, self.received(layer, step), self.decay)
+
+    @staticmethod
+    def add(layer, received: torch.Tensor, decay: float) -> None:
+        """Decay every score of the first ``received.shape[-1]`` slots by ``decay``, then add ``received``."""
+        scores = layer.storage.read("scores", received.shape[-1])
+        scores.mul_(decay).add_(received)
+        layer.storage.write_prefix("scores", scores)
+
+    def received(self, layer, step) -> torch.Tensor:
+        """``[batch, heads, slots]``: the mean attention each entry received from the pass's observed queries."""
+        queries = step.queries()
+        visibility = layer.visibility(step)
+        received = attention_received(
+            queries, step.keys, step.scaling, visibility, softcap=layer.softcap, biases=layer.biases(step),
+            kernels=layer.scores_on_triton,
+        )  # fmt: skip
+        group = queries.shape[1] // step.keys.shape[1]
+        received = per_query(received, visibility.positions, layer.seen, queries.shape[2], group, layer.window)
+        return pooled(received, self.options.scoring.pool_kernel)
+
+    @torch.no_grad()
+    def flush(self, layer) -> None:
+        """Add the attention of the waiting decoding steps to the scores, as one step at a time would have: step
+        ``t`` of ``m`` decays every score before adding its attention, so older scores are decayed ``m`` times and
+        step ``t``'s attention ``m - 1 - t`` times."""
+        if not self.waiting:
+            return
+        scaling = self.waiting.scaling
+        columns, cos, sin = (part.to(layer.dtype) for part in self.waiting.take())
+        queries = layer.rotated_queries(self.to_queries(columns), cos, sin)  # [batch, heads, steps, dim]
+        steps = queries.shape[2]
+        keys, _ = layer.decoded()
+        first = self.waiting_from
+        biases = layer.stored_biases(keys.shape[2])
+        received = waiting_attention(queries, keys, first, scaling, self.decay, biases)
+        self.waiting_from = None
+        self.add(layer, received, self.decay**steps)
+
+    # -- ranking --------------------------------------------------------------------------------------------------
+
+    def importance(self, layer, stop: int) -> torch.Tensor:
+        """``[batch, heads, stop]``: what eviction ranks the entries by, before the sinks and the recent window are
+        protected: the score, times the value's norm where the options say so."""
+        scores = layer.storage.read("scores", stop)
+        if "value_norms" in self.fields():
+            return scores * layer.storage.read("value_norms", stop)
+        return scores
+
+    def reset(self) -> None:
+        self.waiting = WaitingSteps()
+        self.waiting_from = None
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return self.waiting.held_tensors()

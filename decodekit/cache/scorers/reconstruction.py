@@ -1,0 +1,214 @@
+"""Reconstruction scoring (KVzip, Kim et al. 2025): after the prompt's pass the cache feeds the prompt again, in
+chunks that attend to the whole prompt and are then forgotten, and ranks each prompt token by the most attention
+any replayed query pays it. A fact that nothing later in the prompt refers to (a pass key in filler) survives.
+
+Where a head keeps much of the prompt the replay is estimated in the prompt's own pass instead
+(``replay_estimate.py``). The scores are probabilities, the same in every layer and head, so one ranking can share
+the size among layers or heads (``allocation.py``). Decoding steps are then scored as ``AttentionScorer`` scores
+them.
+"""
+
+from __future__ import annotations
+
+from inspect import signature
+
+import torch
+from torch import nn
+
+from decodekit.cache.allocation import ALLOCATIONS
+from decodekit.cache.eviction import rank_fractions
+from decodekit.cache.received import attention_received
+from decodekit.cache.replay_estimate import replay_scores
+from decodekit.cache.scorers.attention import AttentionScorer
+from decodekit.settings import ESTIMATE_FROM_SHARE
+
+
+class ReconstructionScorer(AttentionScorer):
+    """Scores a layer's prompt by reconstruction (``scoring="reconstruction"``), its later tokens by attention."""
+
+    replays = True
+
+    def __init__(self, options) -> None:
+        super().__init__(options)
+        self.replaying = False
+        self.replay_span: tuple[int, int, int] | None = None  # (start, stop, prompt length): replay_scope="chunk"
+        # Under replay_output_norms, the coming replay pass's 1 / hidden-state norm per query [batch, tokens] and each
+        # query head's output-projection Gram matrix [heads, head_dim, head_dim].
+        self.replay_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def after_prompt(cache, model: nn.Module, input_ids: torch.Tensor | None) -> None:
+        """After the prompt's pass: score it by reconstruction, share the size, evict (``replay_prompt``)."""
+        replay_prompt(cache, model, input_ids)
+
+    def weigh_replay(self, inverse_hidden_norms: torch.Tensor, output_grams: torch.Tensor) -> None:
+        """Weights for the coming replay pass (``replay_output_norms``): ``[batch, tokens]``, one over each query's
+        hidden-state norm, and ``[heads, head_dim, head_dim]``, each query head's output projection ``W`` as
+        ``W^T W``."""
+        self.replay_weights = (inverse_hidden_norms, output_grams)
+
+    @property
+    def ranks_by_replay_alone(self) -> bool:
+        """Whether the prompt ranks by its replay scores alone (a shared allocation, as KVzip ranks); a uniform
+        allocation ranks by the better of the prompt's own attention rank and its replay rank."""
+        return self.options.size.allocation != "uniform"
+
+    def after_pass(self, layer, step) -> None:
+        if self.replaying:
+            self._score_replay(layer, step)
+            return
+        if step.first and self.ranks_by_replay_alone:
+            if estimates_replay(self.options, layer.policy, layer.seen, layer.rows):
+                self._estimate(layer, step)
+            return  # the replay's scores replace anything this pass's queries would give
+        super().after_pass(layer, step)
+
+    def _score_replay(self, layer, step) -> None:
+        """A replayed chunk: each entry keeps the most attention any of its queries pays it."""
+        queries = step.queries()
+        weights = None
+        if self.replay_weights is not None:
+            weights = _output_weights(self.replay_weights, step.values, queries.shape[2], queries.shape[1])
+        received = attention_received(
+            queries, step.keys, step.scaling, layer.visibility(step), softcap=layer.softcap,
+            biases=layer.biases(step), most=True, weights=weights, outside=self._outside_span(layer, step),
+        )  # fmt: skip
+        scores = layer.storage.read("scores", received.shape[-1])
+        torch.maximum(scores, received, out=scores)
+        layer.storage.write_prefix("scores", scores)
+
+    def _outside_span(self, layer, step) -> torch.Tensor | None:
+        """``[batch, heads, 1, 1, slots]``: the prompt entries a replayed chunk does not score under
+        ``replay_scope="chunk"`` (all but the sinks and the chunk's own span); None under the prompt scope."""
+        if self.replay_span is None:
+            return None
+        start, stop, length = self.replay_span
+        positions = layer.storage.read("positions", step.keys.shape[2])
+        prompt = (positions >= self.options.size.sink_tokens) & (positions < length)
+        return (prompt & ((positions < start) | (positions >= stop)))[:, :, None, None, :]
+
+    @torch.no_grad()
+    def _estimate(self, layer, step) -> None:
+        """The prompt's replay scores estimated from its own pass (``replay_estimate.replay_scores``)."""
+        queries = step.queries()
+        keys = step.keys
+        if queries.shape[2] != keys.shape[2]:
+            raise ValueError("replay='prompt_queries' needs the prompt's first pass to observe every query")
+        if queries.shape[2] < 2:  # one token: nothing a replay could rank
+            return
+        scores = replay_scores(
+            queries, keys, step.scaling, step.cos, step.sin, chunk=self.options.replay.chunk,
+            turned=layer.coding.rotated_reads, sliding_window=layer.window, softcap=layer.softcap,
+            kernels=layer.scores_on_triton,
+        )  # fmt: skip
+        layer.storage.write_prefix("scores", scores)
+
+
+def estimates_replay(options, policy, length: int, rows: int = 1) -> bool:
+    """Whether a prompt of ``length`` tokens in each of ``rows`` rows is scored by the estimate instead of a replay
+    pass: always under ``replay="prompt_queries"``, never under ``"forward"``; under ``"auto"`` where the estimate
+    applies and the heads keep on average at least ``ESTIMATE_FROM_SHARE`` of the prompt."""
+    mode = options.replay.mode
+    if mode != "auto":
+        return mode == "prompt_queries"
+    if options.estimate_applies:
+        return False
+    return policy.target(length, rows) >= ESTIMATE_FROM_SHARE * length
+
+
+def _output_weights(replay_weights, values: torch.Tensor, window: int, heads: int):
+    """KVzip+'s weights for a replay pass: ``[batch, window]``, one over each query's hidden-state norm, and
+    ``[batch, kv_heads, group, 1, slots]``, the norm of what each entry writes through each query head's output
+    projection."""
+    inverse_hidden_norms, grams = replay_weights
+    kv_heads, head_dim = values.shape[1], values.shape[-1]
+    group = heads // kv_heads
+    grams = grams.to(torch.float32).view(kv_heads, group, head_dim, head_dim)
+    flat = values.float()
+    squared = torch.einsum("bksd,kgde,bkse->bkgs", flat, grams, flat).clamp_(min=0)
+    return inverse_hidden_norms[:, -window:].float(), squared.sqrt_()[:, :, :, None, :]
+
+
+def union_of_ranks(attention: torch.Tensor, replay: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per row and head, each entry's better rank under two scores, on the scale of ``attention`` so that the
+    attention later queries add keeps its weight."""
+    better = torch.maximum(rank_fractions(attention, valid), rank_fractions(replay, valid)).to(attention.dtype)
+    count = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    mean = (attention * valid).sum(dim=-1, keepdim=True) / count
+    better_mean = (better * valid).sum(dim=-1, keepdim=True) / count
+    return better * mean / better_mean.clamp(min=1e-30)
+
+
+def replay_prompt(cache, model: nn.Module, input_ids: torch.Tensor | None) -> None:
+    """Score the prompt by reconstruction, share the size among layers or heads, then evict: called after the
+    prompt's forward pass. Where the replay is estimated, the prompt's pass scored it already and nothing is fed
+    again."""
+    layers = cache.layers
+    first = layers[0]
+    if bool(first.pads.any()):
+        raise ValueError(
+            "scoring='reconstruction' needs prompts without left padding: generate one prompt at a time, "
+            "or batch prompts of equal length"
+        )
+    length = first.seen
+    options = cache.options
+    estimated = estimates_replay(options, first.policy, length, first.rows)
+    if not estimated and (input_ids is None or input_ids.shape[-1] != length):
+        raise ValueError(
+            "scoring='reconstruction' with a replay pass needs the first forward pass to receive the whole "
+            "prompt's input_ids (or replay='prompt_queries', which does not feed the prompt again)"
+        )
+    uniform = options.size.allocation == "uniform"
+    attention = [layer.scorer.importance(layer, layer.longest) for layer in layers] if uniform else []
+    if not estimated:
+        _replay_forward(cache, model, input_ids, length)
+    if uniform:
+        for layer, paid in zip(layers, attention, strict=True):
+            valid = layer.storage.valid(layer.longest)
+            union = union_of_ranks(paid, layer.storage.read("scores", layer.longest), valid)
+            if "value_norms" in layer.storage.fields:
+                union = union / layer.storage.read("value_norms", layer.longest).clamp(min=1e-30)
+            layer.storage.write_prefix("scores", union)
+    else:
+        ALLOCATIONS[options.size.allocation](layers)
+    for layer in layers:
+        layer.waits_for_prompt_scores = False
+        layer.evict(length)
+
+
+def _replay_forward(cache, model: nn.Module, input_ids: torch.Tensor, length: int) -> None:
+    """Feed the prompt again, chunk by chunk, each chunk forgotten after its pass; each entry keeps the most
+    attention any replayed query paid it."""
+    layers = cache.layers
+    replay = cache.options.replay
+    for layer in layers:
+        layer.scorer.replaying = layer.transient = True
+        layer.storage.write_prefix("scores", torch.zeros_like(layer.storage.read("scores", layer.longest)))
+    only_last_logits = {"logits_to_keep": 1} if "logits_to_keep" in signature(model.forward).parameters else {}
+    try:
+        with torch.no_grad():
+            for piece, span in _pieces(input_ids, replay):
+                start = span[0]
+                positions = torch.arange(length + start, length + start + piece.shape[-1], device=piece.device)
+                for layer in layers:
+                    layer.scorer.replay_span = span if replay.scope == "chunk" else None
+                model(input_ids=piece, past_key_values=cache, position_ids=positions.expand(piece.shape[0], -1),
+                      **only_last_logits)  # fmt: skip
+                for layer in layers:
+                    layer.forget_last(piece.shape[-1])
+    finally:
+        for layer in layers:
+            layer.scorer.replaying = layer.transient = False
+            layer.scorer.replay_span = layer.scorer.replay_weights = None
+
+
+def _pieces(input_ids: torch.Tensor, replay):
+    """The replay's forward passes: per chunk of the prompt, the tokens fed (the replay prefix, the previous
+    chunk's last ``overlap`` tokens, the chunk) and the chunk's span of prompt positions."""
+    length = input_ids.shape[-1]
+    prefix = torch.tensor(replay.prefix, dtype=input_ids.dtype, device=input_ids.device)
+    prefix = prefix.expand(input_ids.shape[0], -1)
+    for start in range(0, length, replay.chunk):
+        stop = min(start + replay.chunk, length)
+        lead = max(start - replay.overlap, 0)
+        yield torch.cat([prefix, input_ids[:, lead:stop]], dim=-1), (start, stop, length)
