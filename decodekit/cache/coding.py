@@ -181,7 +181,11 @@ class QuantizedCoding:
             rotated = part == "keys" and self.rotated_reads
             decoded.append(quantizer.decode(coded, self.model_dtype, turn_back=not rotated))
         keys, values = decoded
-        self._write_residual(storage.read("positions", stop), keys, values)
+        if self.residual_length:
+            positions = storage.read("positions", stop)
+            if not storage.equal_lengths or storage.length_range[0] < stop:
+                positions = torch.where(storage.valid(stop), positions, -1)  # (a free slot holds no token)
+            self._write_residual(positions, keys, values)
         return keys, values
 
     def _write_residual(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:

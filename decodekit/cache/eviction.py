@@ -67,15 +67,23 @@ def lowest(priority: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Ten
     return ranked.topk(count, dim=-1, largest=False).indices
 
 
-def best_in_slot_order(priority: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
-    """The slots of each row and head's ``count`` highest-priority valid entries, in slot order (``[..., count]``).
+def best_in_slot_order(
+    priority: torch.Tensor, valid: torch.Tensor, count: int, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The slots of each row and head's ``count`` highest-priority valid entries, in slot order (``[..., count]``);
+    with ``counts`` (``[...]``), only each one's ``counts`` best come first, in slot order, and the slots after them
+    are filler.
 
     Example:
-        >>> best_in_slot_order(torch.tensor([[0.5, 0.1, 0.9, 0.3, 0.7]]), torch.ones(1, 5, dtype=torch.bool), 3)
-        tensor([[0, 2, 4]])
+        >>> priority, valid = torch.tensor([[0.5, 0.1, 0.9, 0.3, 0.7]]), torch.ones(1, 5, dtype=torch.bool)
+        >>> best_in_slot_order(priority, valid, 3), best_in_slot_order(priority, valid, 3, torch.tensor([2]))[:, :2]
+        (tensor([[0, 2, 4]]), tensor([[2, 4]]))
     """
-    ranked = torch.where(valid, priority, -math.inf)
-    return ranked.topk(count, dim=-1).indices.sort(dim=-1).values
+    slots = priority.shape[-1]
+    ranked = torch.where(valid, priority, -math.inf).topk(count, dim=-1).indices
+    if counts is not None:
+        ranked = torch.where(torch.arange(count, device=ranked.device) < counts[..., None], ranked, slots)
+    return ranked.sort(dim=-1).values.clamp_(max=slots - 1)
 
 
 def removal_moves(

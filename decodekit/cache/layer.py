@@ -424,7 +424,7 @@ class CompressedLayer(CacheLayerMixin):
             storage.move(sources, targets, lanes)
             storage.set_lengths(keep)
         else:
-            storage.keep(best_in_slot_order(priority, valid, int(keep.max())), keep)
+            storage.keep(best_in_slot_order(priority, valid, int(keep.max()), keep.to(storage.device)), keep)
         if prompt:
             self._refit(before)
 
