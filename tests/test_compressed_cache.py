@@ -125,12 +125,14 @@ def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh, interval):
     assert all(max(slots) <= budget + 1 for slots in recorder.slots)  # + the slot the next token takes
     assert cache.get_seq_length() == batch["input_ids"].shape[1] + 79
     # By hand: per slot fp32 keys and values, a position, a score and a value norm; one scratch slot; each segment's
-    # start (int64). Nothing else is held between steps (no waiting steps: a padded batch scores every step).
+    # start and length (int64) and each row's padding (int64). Nothing else is held between steps (no waiting steps:
+    # a padded batch scores every step).
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     rows, heads = batch["input_ids"].shape[0], config.num_key_value_heads
     per_slot = 2 * head_dim * 4 + 4 + 4 + 4
-    expected = sum((rows * heads * layer.storage.capacity + 1) * per_slot + rows * heads * 8 for layer in cache.layers)
+    expected = sum((rows * heads * layer.storage.capacity + 1) * per_slot + 2 * rows * heads * 8 + rows * 8
+                   for layer in cache.layers)  # fmt: skip
     assert cache.memory_bytes() == expected
 
 
@@ -196,11 +198,12 @@ def test_decoding_one_prompt_holds_budget_plus_one_slots_and_matches_the_padded_
         storage_bytes(tensor for layer in alone_cache.layers for tensor in layer.storage.flat.values()).values()
     )
     assert entries <= config.num_hidden_layers * (config.num_key_value_heads * (budget + 1) + 1) * per_slot
-    # Beyond the entries: each segment's start (an int64) and at most ``interval - 1`` waiting steps' queries (fp32,
-    # every query head) with their rotation (cos and sin, shared by the layers).
+    # Beyond the entries: each segment's start and length and the row's padding (int64 each) and at most
+    # ``interval - 1`` waiting steps' queries (fp32, every query head) with their rotation (cos and sin, shared by the
+    # layers).
     waiting = (interval - 1) * (config.num_hidden_layers * config.num_attention_heads + 2) * head_dim * 4
-    starts = config.num_hidden_layers * config.num_key_value_heads * 8
-    assert alone_cache.memory_bytes() - entries <= starts + waiting
+    counts = config.num_hidden_layers * (2 * config.num_key_value_heads * 8 + 8)
+    assert alone_cache.memory_bytes() - entries <= counts + waiting
 
 
 @pytest.mark.parametrize("interval", [1, 4])
@@ -643,7 +646,7 @@ def test_decoding_steps_add_their_decayed_attention_whether_scored_at_once_or_st
             expected += decay ** (steps - 1 - step) * row
         # The tokens in slot order: nothing was evicted.
         torch.testing.assert_close(layer.scores()[0], expected, atol=1e-5, rtol=1e-4)
-        assert layer.storage.lengths_host.eq(total).all()
+        assert (layer.storage.lengths_host == total).all()
 
 
 def test_a_decoding_step_adds_the_new_query_attention_to_the_decayed_scores(tiny, tiny_model_dir):

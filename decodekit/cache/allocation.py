@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 
@@ -73,7 +74,7 @@ def _ranked(layer) -> torch.Tensor:
     return torch.where(layer.storage.valid(stop), layer.priority(stop), -math.inf)
 
 
-def _even_shares(layers) -> torch.Tensor:
+def _even_shares(layers) -> np.ndarray:
     """Host ``[rows]``: the tokens a layer keeps per KV head under a uniform allocation."""
     first = layers[0]
     return first.policy.targets(first.seen - first.pads, first.rows)
@@ -86,9 +87,10 @@ def uniform(layers) -> None:
 def by_layer(layers) -> None:
     """One ranking over the layers' offers; every KV head of a layer keeps the layer's number."""
     bases = _even_shares(layers)
-    counts = layer_counts([_ranked(layer) for layer in layers], bases, layers[0].policy.allocation_floor)
-    for layer, count in zip(layers, counts.cpu(), strict=True):
-        layer.allocate(count[:, None].expand(-1, layer.storage.heads), bases)
+    floor = layers[0].policy.allocation_floor
+    counts = layer_counts([_ranked(layer) for layer in layers], torch.from_numpy(bases), floor).cpu().numpy()
+    for layer, count in zip(layers, counts, strict=True):
+        layer.allocate(np.repeat(count[:, None], layer.storage.heads, axis=1), bases)
 
 
 def by_head(layers) -> None:
@@ -96,7 +98,8 @@ def by_head(layers) -> None:
     bases = _even_shares(layers)
     units = [ranked[:, head : head + 1] for layer in layers for ranked in [_ranked(layer)]
              for head in range(ranked.shape[1])]  # fmt: skip
-    counts = layer_counts(units, bases, layers[0].policy.allocation_floor).cpu()  # [layers * heads, rows]
+    floor = layers[0].policy.allocation_floor
+    counts = layer_counts(units, torch.from_numpy(bases), floor).cpu().numpy()  # [layers * heads, rows]
     start = 0
     for layer in layers:
         heads = layer.storage.heads

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -27,6 +28,9 @@ from decodekit.cache.rotary import rotate
 from decodekit.cache.storage import EntryStorage, Field, storage_bytes
 
 BIAS_DTYPE = torch.float16  # a refit entry's log-mass bias: 2 bytes (``size.BIAS_BYTES``)
+# An eviction moves the newest entries into the victims' slots while at most this share of a segment goes (few
+# entries move); past it, the kept entries are packed in slot order.
+MOVES_AT_MOST = 0.5
 
 
 @dataclass
@@ -76,14 +80,15 @@ class CompressedLayer(CacheLayerMixin):
         self.matched = matched
         self.storage: EntryStorage | None = None
         self.seen = 0  # tokens given to this layer, padding included: the logical length
-        self.pads: torch.Tensor | None = None  # host [batch]: each row's left padding
+        self.pads: np.ndarray | None = None  # host [batch]: each row's left padding (and on the device: pads_device)
+        self.pads_device: torch.Tensor | None = None
         # Until its first eviction a padded batch holds its padding in place, as DynamicCache does (so that attention
         # reads what it reads there): each row's first ``held_pads`` slots, never scored or counted.
-        self.held_pads: torch.Tensor | None = None
+        self.held_pads: np.ndarray | None = None
         self.window: int | None = None  # the attention module's sliding window, and its logit cap
         self.softcap: float | None = None
         self.dtype: torch.dtype | None = None
-        self.shares: tuple[torch.Tensor, torch.Tensor] | None = None  # host counts [batch, heads], bases [batch]
+        self.shares: tuple[np.ndarray, np.ndarray] | None = None  # host counts [batch, heads], bases [batch]
         self.biased = False  # whether refit entries carry log-mass biases (``matching.py``)
         self.transient = False  # whether the passes' tokens are forgotten after them (a replay)
         self.waits_for_prompt_scores = False  # whether eviction waits for the prompt's scores (a replay)
@@ -152,8 +157,8 @@ class CompressedLayer(CacheLayerMixin):
         if first:
             if pads is None:
                 raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
-            self.pads = pads.to("cpu", torch.long)
-            self.held_pads = self.pads.clone()
+            self._set_pads(pads.to("cpu", torch.long).numpy().copy())
+            self.held_pads = self.pads.copy()
             self.window, self.softcap = sliding_window, softcap
         self._pass = Pass(query_length, first)
         if first or not self.needs_mask(query_length):
@@ -163,13 +168,17 @@ class CompressedLayer(CacheLayerMixin):
     def needs_mask(self, query_length: int) -> bool:
         """Whether the coming pass needs a mask of its own: rows or heads of different lengths, a padded batch (the
         model's mask follows the padded sequence, not the stored entries), a sliding window, or biased entries."""
-        dropped = bool(self.pads.any()) and not self.padding_held  # the padded layout is gone
+        dropped = self.pads.any() and not self.padding_held  # the padded layout is gone
         return not self.storage.equal_lengths or dropped or self.window is not None or self.biased
 
     @property
     def padding_held(self) -> bool:
         """Whether some row still holds its left padding in place (before the layer's first eviction)."""
         return self.held_pads is not None and bool(self.held_pads.any())
+
+    def _set_pads(self, pads: np.ndarray) -> None:
+        self.pads = pads
+        self.pads_device = torch.from_numpy(pads).to(self.storage.device if self.storage else "cpu")
 
     def pass_mask(self, query_length: int) -> torch.Tensor:
         """The coming pass's mask (see ``begin_pass``): each query sees every stored entry of its row and head
@@ -181,7 +190,7 @@ class CompressedLayer(CacheLayerMixin):
         query = torch.arange(query_length, device=storage.device)[:, None]
         visible = slot <= lengths + query  # stored entries, then the pass's tokens up to the query's own
         if self.padding_held:
-            visible &= slot >= self.held_pads.to(storage.device)[:, None, None, None]
+            visible &= slot >= self.pads_device[:, None, None, None]  # (held padding: the row's own)
         if self.window is not None:
             stored = slot < lengths
             positions = storage.read("positions", columns).long()[:, :, None, :]
@@ -262,9 +271,9 @@ class CompressedLayer(CacheLayerMixin):
         wanted = lengths + room
         fixed = self.policy.fixed_target(self.rows)
         if fixed is not None:
-            wanted = torch.minimum(wanted, self.targets() + 1).maximum(lengths)
-        if self.shares is None or storage.rectangular and bool((wanted == wanted.max()).all()):
-            wanted = wanted.max().expand_as(wanted)
+            wanted = np.maximum(np.minimum(wanted, self.targets() + 1), lengths)
+        if self.shares is None:
+            wanted = np.full_like(wanted, wanted.max())
         storage.resize(wanted)
 
     def _start(self, key_states: torch.Tensor) -> None:
@@ -276,6 +285,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.matched:
             fields["biases"] = Field((), BIAS_DTYPE)
         self.storage = EntryStorage(fields, batch, heads, new, key_states.device)
+        self._set_pads(self.pads)
 
     def _write_pass_exact(self, keys, values, read_keys, value_states, new_slots) -> None:
         """Write the pass's own keys (as attention reads them) and values, exact, where they were stored."""
@@ -307,10 +317,10 @@ class CompressedLayer(CacheLayerMixin):
         storage = self.storage
         length = storage.length_range[1]
         pads = self.held_pads
-        slots = pads.to(storage.device)[:, None, None] + torch.arange(length - int(pads.min()), device=storage.device)
-        kept = (length - pads)[:, None].expand(-1, storage.heads).clone()
+        slots = self.pads_device[:, None, None] + torch.arange(length - int(pads.min()), device=storage.device)
+        kept = np.repeat((length - pads)[:, None], storage.heads, axis=1)
         storage.keep(slots.clamp(max=length - 1).expand(-1, storage.heads, -1), kept)
-        self.held_pads = torch.zeros_like(pads)
+        self.held_pads = np.zeros_like(pads)
 
     def forget_last(self, count: int) -> None:
         """Forget the last ``count`` tokens of a transient pass (a replayed chunk): they were just appended."""
@@ -340,9 +350,9 @@ class CompressedLayer(CacheLayerMixin):
         if not step.first and not appended:
             valid = storage.valid(columns)
         if padded:
-            real = positions >= self.pads.to(storage.device)[:, None, None]
+            real = positions >= self.pads_device[:, None, None]
             valid = real if valid is None else valid & real
-        pads = self.pads.to(storage.device) if padded else None
+        pads = self.pads_device if padded else None
         return Visibility(positions, first_query, valid, pads, self.window, appended=appended)
 
     def biases(self, step: Pass) -> torch.Tensor | None:
@@ -363,7 +373,7 @@ class CompressedLayer(CacheLayerMixin):
         positions = storage.read("positions", self.longest)
         valid = storage.valid(self.longest)
         if self.padding_held:
-            valid &= positions >= self.pads.to(storage.device)[:, None, None]
+            valid &= positions >= self.pads_device[:, None, None]
         return torch.where(valid, positions, -1)
 
     def scores(self) -> torch.Tensor:
@@ -386,7 +396,7 @@ class CompressedLayer(CacheLayerMixin):
         real = self.seen - self.pads
         row_targets = self.policy.targets(real, self.rows)
         if self.shares is None:
-            return row_targets[:, None].expand(-1, self.storage.heads)
+            return np.repeat(row_targets[:, None], self.storage.heads, axis=1)
         counts, bases = self.shares
         return self.policy.shared(row_targets, counts, bases)
 
@@ -394,7 +404,7 @@ class CompressedLayer(CacheLayerMixin):
         """``[batch, heads, stop]``: the rank of each entry for eviction: the sinks and recent tokens above every
         score, then the scorer's importance, under a sliding window the tokens no query can see below all."""
         size = self.options.size
-        pads = self.pads.to(self.storage.device)[:, None, None] if bool(self.pads.any()) else 0
+        pads = self.pads_device[:, None, None] if self.pads.any() else 0
         positions = self.storage.read("positions", stop)
         importance = self.scorer.importance(self, stop)
         return protect(importance, positions, self.seen, size.sink_tokens, size.recent_tokens, pads, self.window)
@@ -418,27 +428,31 @@ class CompressedLayer(CacheLayerMixin):
         longest = self.longest
         priority = self.priority(longest)
         valid = storage.valid(longest)
-        if 2 * most <= longest:  # few go: the last entries of each segment move into their slots
+        if most <= MOVES_AT_MOST * longest:  # few go: the last entries of each segment move into their slots
             victims = lowest(priority, valid, most)
-            sources, targets, lanes = removal_moves(victims, storage.lengths, drops.to(storage.device))
+            sources, targets, lanes = removal_moves(victims, storage.lengths, self._on_device(drops))
             storage.move(sources, targets, lanes)
             storage.set_lengths(keep)
         else:
-            storage.keep(best_in_slot_order(priority, valid, int(keep.max()), keep.to(storage.device)), keep)
+            storage.keep(best_in_slot_order(priority, valid, int(keep.max()), self._on_device(keep)), keep)
         if prompt:
             self._refit(before)
 
     def _refit(self, before: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Refit what the prompt kept (``matching.refit``) against every prompt entry it held (``before``)."""
         step, self.prompt_queries = self.prompt_queries, None
-        if self.window is not None or self.softcap is not None or bool(self.pads.any()):
+        if self.window is not None or self.softcap is not None or self.pads.any():
             return
         self.biased |= matching.refit(self, step, *before)
 
     def allocate(self, counts: torch.Tensor, bases: torch.Tensor) -> None:
         """Give each row and head its share of the tokens (host ``counts`` ``[batch, heads]`` kept where an even
         share keeps ``bases`` ``[batch]``), from now on; the eviction that follows applies it."""
-        self.shares = (counts.to("cpu", torch.long).clone(), bases.to("cpu", torch.long).clone())
+        self.shares = (np.asarray(counts, dtype=np.int64).copy(), np.asarray(bases, dtype=np.int64).copy())
+
+    def _on_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the storage's device (the same memory on a CPU)."""
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.storage.device)
 
     # -- rows, crop, reset ------------------------------------------------------------------------------------------
 
@@ -446,10 +460,11 @@ class CompressedLayer(CacheLayerMixin):
         if self.storage is None:
             return
         self.scorer.flush(self)
-        rows_host = rows.to("cpu", torch.long)
+        rows_host = rows.to("cpu", torch.long).numpy()
         self.storage.select_rows(rows)
         self.coding.select_rows(rows)
-        self.pads, self.held_pads = self.pads[rows_host], self.held_pads[rows_host]
+        self._set_pads(self.pads[rows_host])
+        self.held_pads = self.held_pads[rows_host]
         if self.shares is not None:
             self.shares = (self.shares[0][rows_host], self.shares[1][rows_host])
 
@@ -482,14 +497,14 @@ class CompressedLayer(CacheLayerMixin):
         storage = self.storage
         longest = self.longest
         held = storage.valid(longest) & (storage.read("positions", longest) < self.seen)
-        counts = held.sum(dim=-1).cpu()
+        counts = held.sum(dim=-1).cpu().numpy()
         order = (~held).to(torch.uint8).argsort(dim=-1, stable=True)[..., : max(int(counts.max()), 1)]
         storage.keep(order, counts)
 
     def reset(self) -> None:
         self.storage = None
         self.seen = 0
-        self.pads = self.held_pads = self.shares = self.prompt_queries = self._pass = None
+        self.pads = self.pads_device = self.held_pads = self.shares = self.prompt_queries = self._pass = None
         self.window = self.softcap = None
         self.biased = self.transient = False
         self.scorer.reset()
@@ -502,7 +517,8 @@ class CompressedLayer(CacheLayerMixin):
         the prompt's queries kept for a refit, and the Hadamard matrix that rotates coded keys."""
         if self.storage is None:
             return []
-        held = [*self.storage.held_tensors(), *self.coding.held_tensors(), *self.scorer.held_tensors()]
+        held = [*self.storage.held_tensors(), *self.coding.held_tensors(), *self.scorer.held_tensors(),
+                self.pads_device]  # fmt: skip
         if self.prompt_queries is not None:
             held.extend(part for part in (self.prompt_queries.columns, self.prompt_queries.cos,
                                           self.prompt_queries.sin) if part is not None)  # fmt: skip

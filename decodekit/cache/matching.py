@@ -192,13 +192,13 @@ def refit(layer, step, keys: torch.Tensor, values: torch.Tensor) -> bool:
     positions = storage.read("positions", stop).long()
     biases = torch.zeros((batch, kv_heads, stop), device=keys.device)
     fitted = torch.zeros((batch, kv_heads, stop, head_dim), device=keys.device)
-    for row, head in chosen.nonzero().tolist():
+    for row, head in zip(*chosen.nonzero(), strict=True):
         count = int(lengths[row, head])
         index = positions[row, head, :count]
         reference = spread(queries[row, head * group : (head + 1) * group].reshape(-1, head_dim), MATCH_QUERIES)
         bias, values_fitted = matched_entries(reference, moved[row, head], values[row, head].float(), index)
         biases[row, head, :count], fitted[row, head, :count] = bias, values_fitted
-    lanes = chosen.to(keys.device)[..., None] & storage.valid(stop)
+    lanes = torch.from_numpy(chosen).to(keys.device)[..., None] & storage.valid(stop)
     slots = torch.arange(stop, device=keys.device).expand(batch, kv_heads, stop)
     storage.write_slots(slots, {"biases": biases}, lanes)
     layer.coding.write_values(storage, slots, fitted, positions, lanes)

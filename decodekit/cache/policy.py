@@ -1,14 +1,14 @@
 """How many tokens a row keeps: its target under a budget, a ratio or a size in bytes, and its share under a
 shared allocation.
 
-All of it is host arithmetic on numbers or small CPU tensors, so that no decision reads the device.
+All of it is host arithmetic on numbers or NumPy arrays, so that no decision reads the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from decodekit.cache.options import SizeOptions
 from decodekit.cache.size import EntryBytes
@@ -58,27 +58,27 @@ class EvictionPolicy:
 
     def target(self, seen: int, rows: int = 1) -> int:
         """How many tokens a row that has seen ``seen`` real tokens keeps (at most); ``rows`` share ``max_bytes``."""
-        return int(self.targets(torch.tensor([seen]), rows)[0])
+        return int(self.targets(np.array([seen]), rows)[0])
 
-    def targets(self, seen: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    def targets(self, seen: np.ndarray, rows: int = 1) -> np.ndarray:
         """``target`` of each row of ``seen`` (host ``[batch]`` real tokens seen), float64 arithmetic."""
+        seen = np.asarray(seen, dtype=np.int64)
         fixed = self.fixed_target(rows)
         if fixed is not None:
-            kept = torch.full_like(seen, fixed)
+            kept = np.full_like(seen, fixed)
         elif self.size.memory_fraction is not None:
             entry = self.entry_bytes
-            counted = seen.to(torch.float64)
+            counted = seen.astype(np.float64)
             allowed = self.size.memory_fraction * counted * entry.full - counted * entry.biases_per_seen
-            kept = torch.floor((allowed - entry.fixed) / entry.kept).to(seen.dtype)
+            kept = np.floor((allowed - entry.fixed) / entry.kept).astype(np.int64)
         else:
-            kept = torch.ceil((1.0 - self.size.compression_ratio) * seen.to(torch.float64)).to(seen.dtype)
-        return kept.clamp(min=self.floor)
+            kept = np.ceil((1.0 - self.size.compression_ratio) * seen.astype(np.float64)).astype(np.int64)
+        return np.maximum(kept, self.floor)
 
-    def shared(self, targets: torch.Tensor, counts: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
+    def shared(self, targets: np.ndarray, counts: np.ndarray, bases: np.ndarray) -> np.ndarray:
         """Per row and head, ``[batch, heads]``: the target under a shared allocation that gave a (row, head)
         ``counts`` tokens where the even share was ``bases`` (``[batch]``), at a row target of ``targets``."""
-        scaled = torch.div(counts * targets[:, None], bases[:, None], rounding_mode="floor")
-        return scaled.clamp(min=self.floor)
+        return np.maximum(counts * targets[:, None] // bases[:, None], self.floor)
 
     def slack(self, new: int) -> int:
         """How far below its target a row evicts after a pass of ``new`` tokens: a decoding step evicts
@@ -91,10 +91,10 @@ class EvictionPolicy:
         target = self.target(seen, rows)
         return live if live <= target else max(target - self.slack(new), self.floor)
 
-    def kept_counts(self, lengths: torch.Tensor, targets: torch.Tensor, new: int) -> torch.Tensor:
-        """``kept`` for host tensors of lengths and targets of the same shape."""
+    def kept_counts(self, lengths: np.ndarray, targets: np.ndarray, new: int) -> np.ndarray:
+        """``kept`` for host arrays of lengths and targets of the same shape."""
         slack = self.slack(new)
-        return torch.where(lengths <= targets, lengths, (targets - slack).clamp(min=self.floor))
+        return np.where(lengths <= targets, lengths, np.maximum(targets - slack, self.floor))
 
     def keeps_one_room(self) -> bool:
         """Whether decoding steps keep one storage of ``budget + 1`` slots: one eviction per step under a budget in

@@ -7,8 +7,8 @@ capacity (every allocation but "heads"), the flat tensors are the ``[batch, kv_h
 transformers' cache layers and a read is a view; under ``allocation="heads"`` each KV head has a capacity of its
 own, and the memory a head does not keep is not held.
 
-Lengths are known on the host (``lengths_host``, exact, so that no decision reads the device) and on the device
-(``lengths``, the same tensor on a CPU).
+Lengths are known on the host (``lengths_host``, a NumPy array, exact, so that no decision reads the device) and on
+the device (``lengths``, sharing the host's memory on a CPU).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -75,24 +76,29 @@ class EntryStorage:
         self.fields = dict(fields)
         self.batch, self.heads = batch, heads
         self.device = torch.device(device)
-        self.lengths_host = torch.zeros((batch, heads), dtype=torch.long)
-        self.lengths = self.lengths_host if self.device.type == "cpu" else self.lengths_host.to(self.device)
-        self.length_range = (0, 0)  # the least and most length of any segment
-        self._lay_out(torch.full((batch, heads), capacity, dtype=torch.long), None)
+        self._set_host_lengths(np.zeros((batch, heads), dtype=np.int64))
+        self._lay_out(np.full((batch, heads), capacity, dtype=np.int64), None)
+
+    def _set_host_lengths(self, lengths: np.ndarray) -> None:
+        """Hold ``lengths`` as the host's lengths, and the device's (a view of them on a CPU)."""
+        self.lengths_host = lengths
+        host = torch.from_numpy(lengths)
+        self.lengths = host if self.device.type == "cpu" else host.to(self.device)
+        self.length_range = (int(lengths.min()), int(lengths.max())) if lengths.size else (0, 0)
 
     # -- layout -------------------------------------------------------------------------------------------------
 
-    def _lay_out(self, capacities: torch.Tensor, source: torch.Tensor | None) -> None:
+    def _lay_out(self, capacities: np.ndarray, source: torch.Tensor | None) -> None:
         """Give each segment ``capacities[b, h]`` slots (host ``[batch, heads]``), copying each segment's entries
         from segment ``source[b, h]`` of the old layout (a flat index of old segments; None: nothing to copy)."""
         old = getattr(self, "flat", None)
         old_starts = getattr(self, "starts", None)
-        self.capacities = capacities.clone()
-        ends = capacities.flatten().cumsum(0)
-        starts_host = (ends - capacities.flatten()).view(self.batch, self.heads)
-        self.starts = starts_host.to(self.device)
-        total = int(ends[-1]) if ends.numel() else 0
-        least, most = int(capacities.min()), int(capacities.max())
+        self.capacities = np.array(capacities, dtype=np.int64)
+        ends = self.capacities.reshape(-1).cumsum()
+        starts_host = (ends - self.capacities.reshape(-1)).reshape(self.batch, self.heads)
+        self.starts = torch.from_numpy(starts_host).to(self.device)
+        total = int(ends[-1]) if ends.size else 0
+        least, most = int(self.capacities.min()), int(self.capacities.max())
         self.rectangular = least == most  # (starts then are canonical: segments laid out in order)
         self.capacity = most  # the widest segment
         self.flat = {name: torch.zeros((total + 1, *field.trailing), dtype=field.dtype, device=self.device)
@@ -107,50 +113,46 @@ class EntryStorage:
         valid = slots < self.lengths[..., None]
         scratch = total
         to_index = torch.where(valid, self.starts[..., None] + slots, scratch)
-        from_index = torch.where(valid, from_index, old_starts.new_tensor(old[next(iter(old))].shape[0] - 1))
+        from_index = torch.where(valid, from_index, next(iter(old.values())).shape[0] - 1)
         for name, tensor in self.flat.items():
             tensor.index_copy_(0, to_index.flatten(), old[name].index_select(0, from_index.flatten()))
 
-    def reserve(self, capacities: torch.Tensor | int, room: int = 0) -> None:
+    def reserve(self, capacities: np.ndarray | int, room: int = 0) -> None:
         """Make each segment hold at least ``capacities`` slots (an int for all, or host ``[batch, heads]``),
         keeping its entries; a segment that must grow gets ``room`` slots more. Nothing moves where every segment is
         large enough; a rectangular layout stays rectangular."""
-        wanted = torch.as_tensor(capacities, dtype=torch.long).expand(self.batch, self.heads)
-        if bool((wanted <= self.capacities).all()):
+        wanted = np.broadcast_to(np.asarray(capacities, dtype=np.int64), (self.batch, self.heads))
+        if (wanted <= self.capacities).all():
             return
-        grown = torch.where(wanted > self.capacities, wanted + room, self.capacities)
+        grown = np.where(wanted > self.capacities, wanted + room, self.capacities)
         if self.rectangular:
-            grown = grown.max().expand(self.batch, self.heads)
-        self._lay_out(grown.clone(), self._own_segments())
+            grown = np.full_like(grown, grown.max())
+        self._lay_out(grown, self._own_segments())
 
-    def resize(self, capacities: torch.Tensor | int) -> None:
+    def resize(self, capacities: np.ndarray | int) -> None:
         """Give each segment exactly ``capacities`` slots (at least its length), keeping its entries."""
-        wanted = torch.as_tensor(capacities, dtype=torch.long).expand(self.batch, self.heads)
-        if bool((wanted < self.lengths_host).any()):
+        wanted = np.broadcast_to(np.asarray(capacities, dtype=np.int64), (self.batch, self.heads))
+        if (wanted < self.lengths_host).any():
             raise ValueError("a segment cannot be resized below its length")
-        if torch.equal(wanted, self.capacities):
+        if np.array_equal(wanted, self.capacities):
             return
-        self._lay_out(wanted.clone(), self._own_segments())
+        self._lay_out(wanted, self._own_segments())
 
     def _own_segments(self) -> torch.Tensor:
         return torch.arange(self.batch * self.heads, device=self.device).view(self.batch, self.heads)
 
     # -- lengths ------------------------------------------------------------------------------------------------
 
-    def set_lengths(self, lengths: torch.Tensor | int) -> None:
+    def set_lengths(self, lengths: np.ndarray | int) -> None:
         """Set every segment's length (host ``[batch, heads]`` or one int); the slots past it are free."""
-        if isinstance(lengths, int):
-            self.lengths_host.fill_(lengths)
-            self.length_range = (lengths, lengths)
-        else:
-            self.lengths_host.copy_(lengths)
-            self.length_range = (int(lengths.min()), int(lengths.max()))
-        if self.lengths is not self.lengths_host:
-            self.lengths.copy_(self.lengths_host, non_blocking=True)
+        self.lengths_host[...] = lengths
+        self.length_range = (int(self.lengths_host.min()), int(self.lengths_host.max()))
+        if self.device.type != "cpu":
+            self.lengths.copy_(torch.from_numpy(self.lengths_host), non_blocking=True)
 
     def _add_to_lengths(self, count: int) -> None:
         self.lengths_host += count
-        if self.lengths is not self.lengths_host:
+        if self.device.type != "cpu":
             self.lengths += count
         least, most = self.length_range
         self.length_range = (least + count, most + count)
@@ -258,7 +260,7 @@ class EntryStorage:
             tensor = self.flat[name]
             tensor.index_copy_(0, target, tensor.index_select(0, source))
 
-    def keep(self, slots: torch.Tensor, counts: torch.Tensor | int) -> None:
+    def keep(self, slots: torch.Tensor, counts: np.ndarray | int) -> None:
         """Keep each segment's entries at ``slots`` (``[batch, heads, n]``), moved to its first slots in that
         order; ``counts`` (host ``[batch, heads]``, or one int) of them in each segment, the others dropped."""
         count = slots.shape[-1]
@@ -289,22 +291,15 @@ class EntryStorage:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the rows ``rows`` (a 1-d index, repeats allowed) in that order: beam reorders, repeats, selections."""
-        rows_host = rows.to("cpu", torch.long)
-        heads = torch.arange(self.heads)
-        source = (rows_host[:, None] * self.heads + heads).to(self.device)
+        rows_host = rows.to("cpu", torch.long).numpy()
+        source = torch.from_numpy(rows_host[:, None] * self.heads + np.arange(self.heads)).to(self.device)
         capacities = self.capacities[rows_host]
-        lengths = self.lengths_host[rows_host]
-        self.batch = rows_host.numel()
-        self.lengths_host = lengths.clone()
-        self.lengths = self.lengths_host if self.device.type == "cpu" else self.lengths_host.to(self.device)
-        self.length_range = (int(lengths.min()), int(lengths.max())) if lengths.numel() else (0, 0)
+        self.batch = rows_host.size
+        self._set_host_lengths(self.lengths_host[rows_host].copy())
         self._lay_out(capacities, source)
 
     # -- size -----------------------------------------------------------------------------------------------------
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor the storage holds on its device."""
-        held = [*self.flat.values(), self.starts]
-        if self.lengths is not self.lengths_host:
-            held.append(self.lengths)
-        return held
+        return [*self.flat.values(), self.starts, self.lengths]
