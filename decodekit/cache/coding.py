@@ -68,7 +68,7 @@ class PlainCoding:
         """Whether attention reads the stored tensors as they are (views, no copy)."""
         return self.stored_dtype == self.model_dtype
 
-    def decode(self, storage: EntryStorage, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, storage: EntryStorage, stop: int, valid=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of each segment's first ``stop`` slots in the model's dtype, ``[batch, heads, stop, dim]``."""
         keys, values = storage.read("keys", stop), storage.read("values", stop)
         if self.stored_dtype == self.model_dtype:
@@ -166,9 +166,12 @@ class QuantizedCoding:
             fields[part], fields[f"{prefix}_scales"], fields[f"{prefix}_offsets"] = codes.values()
         return fields, read_keys
 
-    def decode(self, storage: EntryStorage, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self, storage: EntryStorage, stop: int, valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of each segment's first ``stop`` slots decoded to the model's dtype, the entries the
-        residual window still holds exact; keys rotated where reads are rotated."""
+        residual window still holds exact; keys rotated where reads are rotated. ``valid``: the slots that hold an
+        entry, ``[batch, heads, stop]`` (None: from the host's lengths)."""
         decoded = []
         for part in PARTS:
             quantizer = self.quantizers[part]
@@ -183,8 +186,10 @@ class QuantizedCoding:
         keys, values = decoded
         if self.residual_length:
             positions = storage.read("positions", stop)
-            if not storage.equal_lengths or storage.length_range[0] < stop:
-                positions = torch.where(storage.valid(stop), positions, -1)  # (a free slot holds no token)
+            if valid is None and (not storage.equal_lengths or storage.length_range[0] < stop):
+                valid = storage.valid(stop)
+            if valid is not None:
+                positions = torch.where(valid, positions, -1)  # (a free slot holds no token)
             self._write_residual(positions, keys, values)
         return keys, values
 

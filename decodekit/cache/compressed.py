@@ -116,8 +116,12 @@ class CompressedCache(Cache):
         self.layers[0].scorer.after_prompt(self, model, input_ids)
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        """Queries follow the stored entries physically (the attention mask is built on stored entries)."""
-        return self.layers[layer_idx].longest
+        """Queries follow the stored entries physically (the attention mask is built on stored entries); inside a
+        compiled step, the step's token is the last of the capacity attention reads."""
+        layer = self.layers[layer_idx]
+        if torch.compiler.is_compiling() and layer.storage is not None:
+            return layer.storage.capacity - 1
+        return layer.longest
 
     def memory_bytes(self) -> int:
         """Bytes the cache holds now: every storage behind its layers' tensors, each counted once (keys, values,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from decodekit.cache import matching
+from decodekit.cache import compiled, matching
 from decodekit.cache.eviction import best_in_slot_order, lowest, protect, removal_moves
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import hadamard, rotation_block
@@ -79,12 +79,20 @@ class CompressedLayer(CacheLayerMixin):
         self.options, self.policy, self.scorer, self.coding = options, policy, scorer, coding
         self.matched = matched
         self.storage: EntryStorage | None = None
-        self.seen = 0  # tokens given to this layer, padding included: the logical length
+        # Tokens given to this layer, padding included (the logical length): on the host, and on the device for compiled
+        # steps (the same memory on a CPU; on CUDA kept current by every pass and read back after compiled steps).
+        self._seen = np.zeros((), dtype=np.int64)
+        self.seen_device: torch.Tensor | None = None
+        self._seen_stale = False
+        # Whether the storage keeps one capacity while decoding (a size fixed in tokens or bytes, not "heads"): what
+        # compiled steps need.
+        self.static_capacity = policy.fixed_target() is not None and options.size.allocation != "heads"
         self.pads: np.ndarray | None = None  # host [batch]: each row's left padding (and on the device: pads_device)
         self.pads_device: torch.Tensor | None = None
         # Until its first eviction a padded batch holds its padding in place, as DynamicCache does (so that attention
         # reads what it reads there): each row's first ``held_pads`` slots, never scored or counted.
         self.held_pads: np.ndarray | None = None
+        self._padding_held = False
         self.window: int | None = None  # the attention module's sliding window, and its logit cap
         self.softcap: float | None = None
         self.dtype: torch.dtype | None = None
@@ -105,15 +113,41 @@ class CompressedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """(The storage is made by the first pass, which knows each row's padding.)"""
 
-    def get_seq_length(self) -> int:
-        """The logical length (every token seen), from which models derive positions."""
+    @property
+    def seen(self) -> int:
+        """Tokens given to this layer, padding included: the logical length (read back after compiled steps)."""
+        if self._seen_stale:
+            self._seen_stale = False
+            self._seen[...] = int(self.seen_device)
+        return int(self._seen)
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        self.seen  # (read back first: a count the device changed is then overwritten, not later read over this one)
+        self._seen[...] = value
+        if self.seen_device is not None and self.seen_device.device.type != "cpu":
+            self.seen_device.fill_(value)
+
+    def mark_host_stale(self) -> None:
+        """Note that a compiled step counted on the device alone (on CUDA): read the count back when next needed."""
+        if self.seen_device.device.type != "cpu":
+            self._seen_stale = True
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        """The logical length (every token seen), from which models derive positions: inside a compiled step, the
+        count on the device (as transformers' StaticLayer returns its own)."""
+        if torch.compiler.is_compiling() and self.seen_device is not None:
+            return self.seen_device
         return self.seen
 
     def get_max_length(self) -> int:
         return -1
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """The keys attention reads in a pass of ``query_length`` tokens: the longest segment, plus the pass."""
+        """The keys attention reads in a pass of ``query_length`` tokens: the longest segment, plus the pass (inside a
+        compiled step: the whole capacity, which holds the step's token)."""
+        if torch.compiler.is_compiling() and self.storage is not None:
+            return self.storage.capacity, 0
         return self.longest + query_length, 0
 
     @property
@@ -153,12 +187,16 @@ class CompressedLayer(CacheLayerMixin):
         """Prepare a pass of ``query_length`` tokens; return the attention mask it needs, ``[batch, heads,
         query_length, keys]`` (boolean, or float logit offsets where entries carry biases), or None where the
         model's own mask is right. ``pads``, ``sliding_window`` and ``softcap`` are read on the first pass only."""
+        if torch.compiler.is_compiling():
+            self._pass = Pass(query_length, False)
+            return compiled.begin(self, query_length)
         first = self.storage is None
         if first:
             if pads is None:
                 raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
             self._set_pads(pads.to("cpu", torch.long).numpy().copy())
             self.held_pads = self.pads.copy()
+            self._padding_held = bool(self.pads.any())
             self.window, self.softcap = sliding_window, softcap
         self._pass = Pass(query_length, first)
         if first or not self.needs_mask(query_length):
@@ -174,7 +212,7 @@ class CompressedLayer(CacheLayerMixin):
     @property
     def padding_held(self) -> bool:
         """Whether some row still holds its left padding in place (before the layer's first eviction)."""
-        return self.held_pads is not None and bool(self.held_pads.any())
+        return self._padding_held
 
     def _set_pads(self, pads: np.ndarray) -> None:
         self.pads = pads
@@ -228,18 +266,24 @@ class CompressedLayer(CacheLayerMixin):
                 "as past_key_values to that model's forward or generate, not to another model and not to "
                 "cache.update() directly; after unbind(model), build a new CompressedCache(model, ...)"
             )
+        if torch.compiler.is_compiling():
+            step.keys, step.values = compiled.update(self, step, key_states, value_states)
+            return step.keys, step.values
         batch, heads, new, head_dim = key_states.shape
         if self.storage is None:
             self._start(key_states)
         fields, read_keys = self.coding.encode(key_states, value_states)
-        positions = torch.arange(self.seen, self.seen + new, dtype=torch.int32, device=key_states.device)
+        seen = self.seen
+        positions = torch.arange(seen, seen + new, dtype=torch.int32, device=key_states.device)
         storage = self.storage
         step.new_slots = storage.length_range[0] if storage.equal_lengths else storage.lengths.clone()
         entries = {**fields, "positions": positions.expand(batch, heads, new), **self.scorer.new_entries(value_states)}
         if "biases" in storage.fields:
             entries["biases"] = 0.0
         storage.append(entries, new, room=self._room() if new == 1 else 0)
-        self.seen += new
+        self._seen += new
+        if self.seen_device is not None and self.seen_device.device.type != "cpu":
+            self.seen_device.add_(new)
         if self.coding.quantized and not self.transient:
             self.coding.remember(read_keys, value_states, positions)
         if step.first:
@@ -267,20 +311,28 @@ class CompressedLayer(CacheLayerMixin):
         and no more (a fixed target's segments at most its target and one step's token), freeing the rest."""
         storage = self.storage
         lengths = storage.lengths_host
-        room = self.policy.growth_room()
-        wanted = lengths + room
-        fixed = self.policy.fixed_target(self.rows)
-        if fixed is not None:
-            wanted = np.maximum(np.minimum(wanted, self.targets() + 1), lengths)
-        if self.shares is None:
+        if self.static_capacity:  # the most a fixed target holds: its target and a step's token, in every segment
+            wanted = np.maximum(self.targets() + 1, lengths)
+        else:
+            wanted = lengths + self.policy.growth_room()
+        if self.static_capacity or self.shares is None:
             wanted = np.full_like(wanted, wanted.max())
         storage.resize(wanted)
+
+    def compiled_target(self) -> int | torch.Tensor:
+        """A compiled step's target: the fixed size, or per row and head under a shared allocation (a tensor)."""
+        if self.shares is None:
+            return self.policy.fixed_target(self.storage.batch)
+        return self._device_targets
 
     def _start(self, key_states: torch.Tensor) -> None:
         """The first pass: make the storage for its rows and heads."""
         batch, heads, new, head_dim = key_states.shape
         self.dtype = key_states.dtype
         self.coding.start(key_states)
+        if self.static_capacity:
+            device_count = torch.from_numpy(self._seen)
+            self.seen_device = device_count if key_states.is_cuda is False else device_count.to(key_states.device)
         fields = {**self.coding.fields(head_dim), "positions": Field((), torch.int32), **self.scorer.fields()}
         if self.matched:
             fields["biases"] = Field((), BIAS_DTYPE)
@@ -300,9 +352,12 @@ class CompressedLayer(CacheLayerMixin):
         values.scatter_(2, index, value_states.to(values.dtype))
 
     def end_pass(self, query_length: int) -> None:
-        """After attention: score the pass, drop a first pass's padding, and evict."""
+        """After attention: score the pass, and evict (after a pass of several tokens, fit the storage's capacity)."""
         step, self._pass = self._pass, None
         if step is None or step.keys is None:
+            return
+        if torch.compiler.is_compiling():
+            compiled.end(self, step)
             return
         self.scorer.after_pass(self, step)
         if step.first and self.matched:
@@ -310,6 +365,8 @@ class CompressedLayer(CacheLayerMixin):
         if not (self.transient or self.waits_for_prompt_scores):
             self.evict(query_length)
             if query_length > 1:
+                if self.padding_held and self.policy.keeps_one_room():
+                    self._drop_padding()  # (compiled steps need it gone: their capacity holds real entries only)
                 self.fit_capacity()
 
     def _drop_padding(self) -> None:
@@ -321,6 +378,7 @@ class CompressedLayer(CacheLayerMixin):
         kept = np.repeat((length - pads)[:, None], storage.heads, axis=1)
         storage.keep(slots.clamp(max=length - 1).expand(-1, storage.heads, -1), kept)
         self.held_pads = np.zeros_like(pads)
+        self._padding_held = False
 
     def forget_last(self, count: int) -> None:
         """Forget the last ``count`` tokens of a transient pass (a replayed chunk): they were just appended."""
@@ -359,13 +417,13 @@ class CompressedLayer(CacheLayerMixin):
         """The log-mass biases of the entries attention read in ``step`` (0 for the pass's own), or None."""
         return self.stored_biases(step.keys.shape[2])
 
-    def stored_biases(self, stop: int) -> torch.Tensor | None:
+    def stored_biases(self, stop: int, valid: torch.Tensor | None = None) -> torch.Tensor | None:
         """``[batch, heads, stop]`` float32: the biases of each segment's first ``stop`` slots (0 past its entries),
         or None where no entry carries one."""
         if not self.biased:
             return None
         biases = self.storage.read("biases", stop).float()
-        return torch.where(self.storage.valid(stop), biases, 0.0)
+        return torch.where(self.storage.valid(stop) if valid is None else valid, biases, 0.0)
 
     def positions(self) -> torch.Tensor:
         """``[batch, heads, longest]`` int32: each slot's logical position, -1 past a segment's entries."""
@@ -449,6 +507,8 @@ class CompressedLayer(CacheLayerMixin):
         """Give each row and head its share of the tokens (host ``counts`` ``[batch, heads]`` kept where an even
         share keeps ``bases`` ``[batch]``), from now on; the eviction that follows applies it."""
         self.shares = (np.asarray(counts, dtype=np.int64).copy(), np.asarray(bases, dtype=np.int64).copy())
+        if self.static_capacity:
+            self._device_targets = self._on_device(self.targets())
 
     def _on_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the storage's device (the same memory on a CPU)."""
@@ -502,9 +562,11 @@ class CompressedLayer(CacheLayerMixin):
         storage.keep(order, counts)
 
     def reset(self) -> None:
-        self.storage = None
-        self.seen = 0
+        self.storage = self.seen_device = None
+        self._seen = np.zeros((), dtype=np.int64)
+        self._seen_stale = False
         self.pads = self.pads_device = self.held_pads = self.shares = self.prompt_queries = self._pass = None
+        self._padding_held = False
         self.window = self.softcap = None
         self.biased = self.transient = False
         self.scorer.reset()

@@ -81,10 +81,34 @@ class EntryStorage:
 
     def _set_host_lengths(self, lengths: np.ndarray) -> None:
         """Hold ``lengths`` as the host's lengths, and the device's (a view of them on a CPU)."""
-        self.lengths_host = lengths
+        self._lengths_host = lengths
         host = torch.from_numpy(lengths)
         self.lengths = host if self.device.type == "cpu" else host.to(self.device)
-        self.length_range = (int(lengths.min()), int(lengths.max())) if lengths.size else (0, 0)
+        self._length_range = (int(lengths.min()), int(lengths.max())) if lengths.size else (0, 0)
+        self._stale = False  # whether compiled steps changed the device's lengths since the host last read them
+
+    def mark_stale(self) -> None:
+        """Note that the device's lengths changed without the host (a compiled step): read them back when next needed."""
+        self._stale = True
+
+    def _refresh(self) -> None:
+        if self._stale:
+            self._stale = False
+            if self.device.type != "cpu":  # (on a CPU the host's array is the device's memory)
+                self._lengths_host[...] = self.lengths.cpu().numpy()
+            self._length_range = (int(self._lengths_host.min()), int(self._lengths_host.max()))
+
+    @property
+    def lengths_host(self) -> np.ndarray:
+        """Host ``[batch, heads]``: each segment's entries."""
+        self._refresh()
+        return self._lengths_host
+
+    @property
+    def length_range(self) -> tuple[int, int]:
+        """The least and most entries of any segment."""
+        self._refresh()
+        return self._length_range
 
     # -- layout -------------------------------------------------------------------------------------------------
 
@@ -145,17 +169,18 @@ class EntryStorage:
 
     def set_lengths(self, lengths: np.ndarray | int) -> None:
         """Set every segment's length (host ``[batch, heads]`` or one int); the slots past it are free."""
-        self.lengths_host[...] = lengths
-        self.length_range = (int(self.lengths_host.min()), int(self.lengths_host.max()))
+        self._refresh()
+        self._lengths_host[...] = lengths
+        self._length_range = (int(self._lengths_host.min()), int(self._lengths_host.max()))
         if self.device.type != "cpu":
-            self.lengths.copy_(torch.from_numpy(self.lengths_host), non_blocking=True)
+            self.lengths.copy_(torch.from_numpy(self._lengths_host), non_blocking=True)
 
     def _add_to_lengths(self, count: int) -> None:
-        self.lengths_host += count
+        least, most = self.length_range
+        self._lengths_host += count
         if self.device.type != "cpu":
             self.lengths += count
-        least, most = self.length_range
-        self.length_range = (least + count, most + count)
+        self._length_range = (least + count, most + count)
 
     @property
     def equal_lengths(self) -> bool:
@@ -271,14 +296,16 @@ class EntryStorage:
             tensor.index_copy_(0, target, tensor.index_select(0, source))
         self.set_lengths(counts)
 
+    def reads_views(self, stop: int) -> bool:
+        """Whether ``read`` of the first ``stop`` slots gives a view of the storage (written in place) or a copy."""
+        return self.rectangular and stop <= self.capacity
+
     def write_prefix(self, name: str, values: torch.Tensor) -> None:
         """Write ``values`` (``[batch, heads, stop, ...]``) into field ``name`` of each segment's first ``stop`` slots
-        (only the slots that hold entries, in a segmented layout); nothing to do where ``values`` is ``read``'s view."""
+        (only the slots that hold entries, in a segmented layout)."""
         stop = values.shape[2]
-        if self.rectangular and stop <= self.capacity:
-            target = self.tensor(name)[:, :, :stop]
-            if values.data_ptr() != target.data_ptr() or values.stride() != target.stride():
-                target.copy_(values)
+        if self.reads_views(stop):
+            self.tensor(name)[:, :, :stop].copy_(values)
             return
         index = torch.where(self.valid(stop), self.padded_index(stop), self.flat_slots)
         self.flat[name].index_copy_(0, index.flatten(), values.reshape(-1, *self.fields[name].trailing))

@@ -78,9 +78,11 @@ class AttentionScorer:
     @staticmethod
     def add(layer, received: torch.Tensor, decay: float) -> None:
         """Decay every score of the first ``received.shape[-1]`` slots by ``decay``, then add ``received``."""
-        scores = layer.storage.read("scores", received.shape[-1])
+        stop = received.shape[-1]
+        scores = layer.storage.read("scores", stop)
         scores.mul_(decay).add_(received)
-        layer.storage.write_prefix("scores", scores)
+        if not layer.storage.reads_views(stop):
+            layer.storage.write_prefix("scores", scores)
 
     def received(self, layer, step) -> torch.Tensor:
         """``[batch, heads, slots]``: the mean attention each entry received from the pass's observed queries."""

@@ -73,9 +73,11 @@ class ReconstructionScorer(AttentionScorer):
             queries, step.keys, step.scaling, layer.visibility(step), softcap=layer.softcap,
             biases=layer.biases(step), most=True, weights=weights, outside=self._outside_span(layer, step),
         )  # fmt: skip
-        scores = layer.storage.read("scores", received.shape[-1])
+        stop = received.shape[-1]
+        scores = layer.storage.read("scores", stop)
         torch.maximum(scores, received, out=scores)
-        layer.storage.write_prefix("scores", scores)
+        if not layer.storage.reads_views(stop):
+            layer.storage.write_prefix("scores", scores)
 
     def _outside_span(self, layer, step) -> torch.Tensor | None:
         """``[batch, heads, 1, 1, slots]``: the prompt entries a replayed chunk does not score under
