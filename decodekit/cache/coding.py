@@ -68,12 +68,14 @@ class PlainCoding:
         """Whether attention reads the stored tensors as they are (views, no copy)."""
         return self.stored_dtype == self.model_dtype
 
-    def decode(self, storage: EntryStorage, stop: int, valid=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of each segment's first ``stop`` slots in the model's dtype, ``[batch, heads, stop, dim]``."""
+    def decode(self, storage: EntryStorage, stop: int, valid=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of each segment's first ``stop`` slots in ``dtype`` (default: the model's), ``[batch,
+        heads, stop, dim]``."""
+        dtype = dtype or self.model_dtype
         keys, values = storage.read("keys", stop), storage.read("values", stop)
-        if self.stored_dtype == self.model_dtype:
+        if self.stored_dtype == dtype and storage.reads_views(stop):
             return keys, values
-        return keys.to(self.model_dtype), values.to(self.model_dtype)
+        return keys.to(dtype, copy=True), values.to(dtype, copy=True)
 
     def remember(self, read_keys, values, positions) -> None:
         """Nothing: plain entries are exact."""
@@ -167,22 +169,23 @@ class QuantizedCoding:
         return fields, read_keys
 
     def decode(
-        self, storage: EntryStorage, stop: int, valid: torch.Tensor | None = None
+        self, storage: EntryStorage, stop: int, valid: torch.Tensor | None = None, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of each segment's first ``stop`` slots decoded to the model's dtype, the entries the
         residual window still holds exact; keys rotated where reads are rotated. ``valid``: the slots that hold an
-        entry, ``[batch, heads, stop]`` (None: from the host's lengths)."""
+        entry, ``[batch, heads, stop]`` (None: from the host's lengths); ``dtype``: default the model's."""
+        dtype = dtype or self.model_dtype
         decoded = []
         for part in PARTS:
             quantizer = self.quantizers[part]
             if quantizer is None:
-                decoded.append(storage.read(part, stop).to(self.model_dtype))
+                decoded.append(storage.read(part, stop).to(dtype, copy=True))
                 continue
             prefix = part[:-1]
             coded = {name: storage.read(field, stop) for name, field in
                      (("codes", part), ("scales", f"{prefix}_scales"), ("offsets", f"{prefix}_offsets"))}  # fmt: skip
             rotated = part == "keys" and self.rotated_reads
-            decoded.append(quantizer.decode(coded, self.model_dtype, turn_back=not rotated))
+            decoded.append(quantizer.decode(coded, dtype, turn_back=not rotated))
         keys, values = decoded
         if self.residual_length:
             positions = storage.read("positions", stop)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from transformers import Cache
 
+from decodekit.cache import attention
 from decodekit.cache.coding import PlainCoding, QuantizedCoding
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.observer import bind, queries_can_rotate
@@ -93,7 +96,9 @@ class CompressedCache(Cache):
             layer = CompressedLayer(resolved, self.policy, scorer_class(resolved), coding,
                                     matched=index < resolved.scoring.matched_layers)  # fmt: skip
             layer.waits_for_prompt_scores = scorer_class.replays
+            layer.module = weakref.ref(module)
             layers.append(layer)
+        attention.install()
         super().__init__(layers=layers)
 
     def layer_for(self, module: nn.Module) -> CompressedLayer:

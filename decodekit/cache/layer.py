@@ -12,14 +12,16 @@ A forward pass goes ``begin_pass`` (the mask it needs), ``observe`` (its queries
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from decodekit.cache import compiled, matching
+from decodekit.cache import attention, compiled, matching
 from decodekit.cache.eviction import best_in_slot_order, lowest, protect, removal_moves
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import hadamard, rotation_block
@@ -53,6 +55,7 @@ class Pass:
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     new_slots: torch.Tensor | int = 0
+    received: torch.Tensor | None = None  # what a decoding step's own attention paid each entry, when the layer read it
 
     def queries(self) -> torch.Tensor:
         """The observed tokens' queries, rotated to their positions: ``[batch, heads, tokens, head_dim]``."""
@@ -102,6 +105,7 @@ class CompressedLayer(CacheLayerMixin):
         self.waits_for_prompt_scores = False  # whether eviction waits for the prompt's scores (a replay)
         self.prompt_queries: Pass | None = None  # the prompt's pass, kept for the refit of a matched layer
         self._pass: Pass | None = None
+        self.module: weakref.ref | None = None  # the attention module this layer serves (``attention.answers``)
 
     # -- what transformers asks -------------------------------------------------------------------------------------
 
@@ -288,6 +292,9 @@ class CompressedLayer(CacheLayerMixin):
             self.coding.remember(read_keys, value_states, positions)
         if step.first:
             keys, values = read_keys, value_states  # the pass's own tokens, exact
+        elif self._reads_itself(step):
+            attention.expect(id(self.module()), partial(self._attend, step, read_keys, value_states))
+            return read_keys, value_states  # (the module's attention call comes back to ``_attend``)
         elif self.coding.reads_in_place():
             keys, values = storage.read("keys"), storage.read("values")
         else:
@@ -295,6 +302,25 @@ class CompressedLayer(CacheLayerMixin):
             self._write_pass_exact(keys, values, read_keys, value_states, step.new_slots)
         step.keys, step.values = keys, values
         return keys, values
+
+    def _reads_itself(self, step: Pass) -> bool:
+        """Whether this decoding step's attention reads the entries where they lie (``attention.py``): entries that
+        attention cannot read as they are (codes, 16-bit storage of a wider model, heads of their own lengths), and
+        an attention module whose calls reach decodekit's wrapper."""
+        module = self.module() if self.module is not None else None
+        return (
+            step.new == 1 and module is not None and attention.answers(module)
+            and (not self.coding.reads_in_place() or not self.storage.rectangular)
+        )  # fmt: skip
+
+    def _attend(self, step: Pass, read_keys, value_states, query, scaling, mask) -> torch.Tensor:
+        """The step's attention over every stored entry (decoded), its own token exact; its probabilities kept for
+        the scorer."""
+        keys, values = self.coding.decode(self.storage, self.longest, dtype=torch.float32)
+        self._write_pass_exact(keys, values, read_keys, value_states, step.new_slots)
+        output, step.received = attention.read_decoded(query, keys, values, scaling, mask, self.softcap)
+        step.keys, step.values = keys, values
+        return output
 
     def _room(self) -> int:
         """Slots a segment that must grow for a decoding step gets beyond it: room for the steps until the next
@@ -359,6 +385,11 @@ class CompressedLayer(CacheLayerMixin):
         if torch.compiler.is_compiling():
             compiled.end(self, step)
             return
+        if step.received is None and step.keys is None and attention.pending(id(self.module())):
+            raise ValueError(
+                "the attention module did not call decodekit's sdpa wrapper for a step whose entries it reads itself: "
+                "run the model with attn_implementation='sdpa'"
+            )
         self.scorer.after_pass(self, step)
         if step.first and self.matched:
             self.prompt_queries = step  # refit against at the prompt's eviction
