@@ -116,4 +116,4 @@ def end(layer, step) -> None:
     storage.move(sources, targets, lanes)
     lengths.copy_(keep)
     storage.mark_stale()
-    layer.mark_host_stale()
+    layer.mark_host_stale()  # (and the host's plans for the next eager steps no longer hold)

@@ -56,6 +56,7 @@ class Pass:
     values: torch.Tensor | None = None
     new_slots: torch.Tensor | int = 0
     received: torch.Tensor | None = None  # what a decoding step's own attention paid each entry, when the layer read it
+    waits: bool = False  # whether its scoring waits for the next eviction (the scorer's ``may_wait``)
 
     def queries(self) -> torch.Tensor:
         """The observed tokens' queries, rotated to their positions: ``[batch, heads, tokens, head_dim]``."""
@@ -106,6 +107,11 @@ class CompressedLayer(CacheLayerMixin):
         self.prompt_queries: Pass | None = None  # the prompt's pass, kept for the refit of a matched layer
         self._pass: Pass | None = None
         self.module: weakref.ref | None = None  # the attention module this layer serves (``attention.answers``)
+        # Decoding steps from now that cannot take a row over its target (targets never shrink as tokens come): their
+        # eviction check is skipped. And the slots after every segment's entries whose position, score (and bias) the
+        # next steps' tokens will have, written by the last eviction: those steps write their keys and values alone.
+        self._quiet_steps = 0
+        self._prepared: tuple[int, int] | None = None  # (the storage's keys tensor id, the first slot not prepared)
 
     # -- what transformers asks -------------------------------------------------------------------------------------
 
@@ -133,7 +139,10 @@ class CompressedLayer(CacheLayerMixin):
             self.seen_device.fill_(value)
 
     def mark_host_stale(self) -> None:
-        """Note that a compiled step counted on the device alone (on CUDA): read the count back when next needed."""
+        """Note that a compiled step counted on the device alone (on CUDA): read the count back when next needed; the
+        host's plans for the next eager steps (quiet steps, prepared slots) no longer hold."""
+        self._quiet_steps = 0
+        self._prepared = None
         if self.seen_device.device.type != "cpu":
             self._seen_stale = True
 
@@ -280,10 +289,16 @@ class CompressedLayer(CacheLayerMixin):
         seen = self.seen
         positions = torch.arange(seen, seen + new, dtype=torch.int32, device=key_states.device)
         storage = self.storage
-        step.new_slots = storage.length_range[0] if storage.equal_lengths else storage.lengths.clone()
-        entries = {**fields, "positions": positions.expand(batch, heads, new), **self.scorer.new_entries(value_states)}
-        if "biases" in storage.fields:
-            entries["biases"] = 0.0
+        equal = storage.equal_lengths
+        step.new_slots = storage.length_range[0] if equal else storage.lengths.clone()
+        step.waits = self.scorer.may_wait(self, step)
+        entries = fields
+        if not (new == 1 and equal and self._is_prepared(step.new_slots)):
+            entries = {**fields, "positions": positions.expand(batch, heads, new), "scores": 0.0}
+            if "biases" in storage.fields:
+                entries["biases"] = 0.0
+        if not step.waits:  # (a waiting step's value norm is taken when it is scored)
+            entries = {**entries, **self.scorer.new_entries(value_states)}
         storage.append(entries, new, room=self._room() if new == 1 else 0)
         self._seen += new
         if self.seen_device is not None and self.seen_device.device.type != "cpu":
@@ -302,6 +317,30 @@ class CompressedLayer(CacheLayerMixin):
             self._write_pass_exact(keys, values, read_keys, value_states, step.new_slots)
         step.keys, step.values = keys, values
         return keys, values
+
+    def _is_prepared(self, slot: int) -> bool:
+        """Whether ``slot`` (of every segment) holds the position, score (and bias) of the next token already."""
+        prepared = self._prepared
+        return prepared is not None and prepared[0] == id(self.storage.flat["keys"]) and slot < prepared[1]
+
+    def _prepare_steps(self) -> None:
+        """Write the position, score 0 (and bias 0) of the next ``eviction_interval`` tokens into the slots after
+        every segment's entries (all of one length), so that the decoding steps until the next eviction write their
+        keys and values alone."""
+        storage = self.storage
+        self._prepared = None
+        if not (storage.rectangular and storage.equal_lengths) or self.padding_held:
+            return
+        start = storage.length_range[0]
+        room = min(self.policy.interval, storage.capacity - start)
+        if room <= 0:
+            return
+        positions = torch.arange(self.seen, self.seen + room, dtype=torch.int32, device=storage.device)
+        for name, value in (("positions", positions), ("scores", 0.0), ("biases", 0.0)):
+            if name in storage.fields:
+                target = storage.tensor(name).narrow(2, start, room)
+                target.copy_(value) if isinstance(value, torch.Tensor) else target.fill_(value)
+        self._prepared = (id(storage.flat["keys"]), start + room)
 
     def _reads_itself(self, step: Pass) -> bool:
         """Whether this decoding step's attention reads the entries where they lie (``attention.py``): entries that
@@ -402,6 +441,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def _drop_padding(self) -> None:
         """Drop each row's held left padding (its first ``held_pads`` slots, before any eviction)."""
+        self._forget_plans()
         storage = self.storage
         length = storage.length_range[1]
         pads = self.held_pads
@@ -413,6 +453,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def forget_last(self, count: int) -> None:
         """Forget the last ``count`` tokens of a transient pass (a replayed chunk): they were just appended."""
+        self._forget_plans()
         self.storage.truncate(count)
         self.seen -= count
 
@@ -502,12 +543,17 @@ class CompressedLayer(CacheLayerMixin):
         """Keep each row and head within its target after a pass of ``new`` tokens: a row over it keeps the
         best-ranked entries, down to the target (after a decoding step, down to the target less the eviction interval
         less one, so that the next steps evict nothing)."""
+        if new == 1 and self._quiet_steps > 0:
+            self._quiet_steps -= 1
+            return
         storage = self.storage
         lengths = storage.lengths_host - self.held_pads[:, None]  # (real entries: padding never counts)
-        keep = self.policy.kept_counts(lengths, self.targets(), new)
+        targets = self.targets()
+        keep = self.policy.kept_counts(lengths, targets, new)
         drops = lengths - keep
         most = int(drops.max())
         if most == 0:
+            self._quiet_steps = int((targets - lengths).min())
             return
         self.scorer.flush(self)
         if self.padding_held:
@@ -519,13 +565,15 @@ class CompressedLayer(CacheLayerMixin):
         valid = storage.valid(longest)
         if most <= MOVES_AT_MOST * longest:  # few go: the last entries of each segment move into their slots
             victims = lowest(priority, valid, most)
-            sources, targets, lanes = removal_moves(victims, storage.lengths, self._on_device(drops))
-            storage.move(sources, targets, lanes)
+            sources, destinations, lanes = removal_moves(victims, storage.lengths, self._on_device(drops))
+            storage.move(sources, destinations, lanes)
             storage.set_lengths(keep)
         else:
             storage.keep(best_in_slot_order(priority, valid, int(keep.max()), self._on_device(keep)), keep)
         if prompt:
             self._refit(before)
+        self._quiet_steps = int((targets - keep).min())
+        self._prepare_steps()
 
     def _refit(self, before: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Refit what the prompt kept (``matching.refit``) against every prompt entry it held (``before``)."""
@@ -537,6 +585,7 @@ class CompressedLayer(CacheLayerMixin):
     def allocate(self, counts: torch.Tensor, bases: torch.Tensor) -> None:
         """Give each row and head its share of the tokens (host ``counts`` ``[batch, heads]`` kept where an even
         share keeps ``bases`` ``[batch]``), from now on; the eviction that follows applies it."""
+        self._forget_plans()
         self.shares = (np.asarray(counts, dtype=np.int64).copy(), np.asarray(bases, dtype=np.int64).copy())
         if self.static_capacity:
             self._device_targets = self._on_device(self.targets())
@@ -547,9 +596,15 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- rows, crop, reset ------------------------------------------------------------------------------------------
 
+    def _forget_plans(self) -> None:
+        """Forget the quiet steps and the prepared slots (after anything that changes lengths or moves entries)."""
+        self._quiet_steps = 0
+        self._prepared = None
+
     def _select_rows(self, rows: torch.Tensor) -> None:
         if self.storage is None:
             return
+        self._forget_plans()
         self.scorer.flush(self)
         rows_host = rows.to("cpu", torch.long).numpy()
         self.storage.select_rows(rows)
@@ -584,6 +639,7 @@ class CompressedLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or self.storage is None:
             return
         self.scorer.flush(self)
+        self._forget_plans()
         self.seen = max(self.seen + tokens_to_remove, 0)
         storage = self.storage
         longest = self.longest
@@ -593,6 +649,7 @@ class CompressedLayer(CacheLayerMixin):
         storage.keep(order, counts)
 
     def reset(self) -> None:
+        self._forget_plans()
         self.storage = self.seen_device = None
         self._seen = np.zeros((), dtype=np.int64)
         self._seen_stale = False

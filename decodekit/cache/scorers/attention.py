@@ -61,8 +61,8 @@ class AttentionScorer:
         )  # fmt: skip
 
     def after_pass(self, layer, step) -> None:
-        """Score the pass ``step`` (a ``layer.Pass``), or queue it (``may_wait``)."""
-        if self.may_wait(layer, step):
+        """Score the pass ``step`` (a ``layer.Pass``), or queue it (``step.waits``, as ``may_wait`` said)."""
+        if step.waits:
             if not self.waiting:
                 self.waiting_from = step.new_slots
             columns, cos, sin = step.columns, step.cos, step.sin
@@ -113,6 +113,12 @@ class AttentionScorer:
         received = waiting_attention(queries, keys, first, scaling, self.decay, biases)
         self.waiting_from = None
         self.add(layer, received, self.decay**steps)
+        if "value_norms" in self.fields():  # the waiting steps' own tokens: their value norms
+            _, values = layer.decoded()
+            slots = torch.arange(steps, device=values.device) + (first if isinstance(first, int) else first[..., None])
+            norms = torch.linalg.vector_norm(values.float(), dim=-1)
+            slots = slots.expand(*values.shape[:2], steps) if isinstance(first, int) else slots
+            layer.storage.write_slots(slots, {"value_norms": norms.gather(-1, slots)})
 
     # -- ranking --------------------------------------------------------------------------------------------------
 
