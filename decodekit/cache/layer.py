@@ -57,6 +57,7 @@ class Pass:
     new_slots: torch.Tensor | int = 0
     received: torch.Tensor | None = None  # what a decoding step's own attention paid each entry, when the layer read it
     waits: bool = False  # whether its scoring waits for the next eviction (the scorer's ``may_wait``)
+    group: int = 1  # query heads per KV head, where the layer read the step's attention itself
 
     def queries(self) -> torch.Tensor:
         """The observed tokens' queries, rotated to their positions: ``[batch, heads, tokens, head_dim]``."""
@@ -353,13 +354,38 @@ class CompressedLayer(CacheLayerMixin):
         )  # fmt: skip
 
     def _attend(self, step: Pass, read_keys, value_states, query, scaling, mask) -> torch.Tensor:
-        """The step's attention over every stored entry (decoded), its own token exact; its probabilities kept for
-        the scorer."""
+        """The step's attention over every stored entry, its own token exact: on the Triton kernels where they apply
+        (``_triton_attention.py``: the codes read where they lie), else over the entries decoded; its probabilities
+        kept for the scorer."""
+        if self._reads_on_triton():
+            from decodekit.cache._triton_attention import step_attention
+
+            coding = self.coding
+            widths = tuple(None if q is None else q.bits for q in coding.quantizers.values()) if coding.quantized \
+                else (None, None)  # fmt: skip
+            output, step.received = step_attention(
+                query, self.storage, widths, self.options.storage.group_size, read_keys, value_states, scaling,
+                softcap=self.softcap, biased=self.biased, window=self.window, query_position=self.seen - 1,
+            )  # fmt: skip
+            step.group = query.shape[1] // self.storage.heads
+            return output
         keys, values = self.coding.decode(self.storage, self.longest, dtype=torch.float32)
         self._write_pass_exact(keys, values, read_keys, value_states, step.new_slots)
         output, step.received = attention.read_decoded(query, keys, values, scaling, mask, self.softcap)
-        step.keys, step.values = keys, values
+        step.keys, step.values, step.group = keys, values, query.shape[1] // self.storage.heads
         return output
+
+    def _reads_on_triton(self) -> bool:
+        """Whether this layer's decoding steps read their entries with the Triton kernels: on CUDA with Triton
+        installed (``scoring_backend`` "auto"), or told so ("triton"), where the kernels apply (no residual window,
+        no padding held, keys read as coded)."""
+        backend = self.options.scoring.backend
+        if backend == "torch" or not uses_triton(backend, self.storage.device):
+            return False
+        coding = self.coding
+        keys_read_as_coded = not coding.quantized or coding.quantizers["keys"] is None or coding.rotated_reads
+        residual = coding.quantized and coding.residual_length > 0
+        return keys_read_as_coded and not residual and not self.padding_held
 
     def _room(self) -> int:
         """Slots a segment that must grow for a decoding step gets beyond it: room for the steps until the next
@@ -419,16 +445,12 @@ class CompressedLayer(CacheLayerMixin):
     def end_pass(self, query_length: int) -> None:
         """After attention: score the pass, and evict (after a pass of several tokens, fit the storage's capacity)."""
         step, self._pass = self._pass, None
-        if step is None or step.keys is None:
+        if step is None or (step.keys is None and step.received is None and not self._read_missed()):
             return
         if torch.compiler.is_compiling():
             compiled.end(self, step)
             return
-        if step.received is None and step.keys is None and attention.pending(id(self.module())):
-            raise ValueError(
-                "the attention module did not call decodekit's sdpa wrapper for a step whose entries it reads itself: "
-                "run the model with attn_implementation='sdpa'"
-            )
+
         self.scorer.after_pass(self, step)
         if step.first and self.matched:
             self.prompt_queries = step  # refit against at the prompt's eviction
@@ -595,6 +617,15 @@ class CompressedLayer(CacheLayerMixin):
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.storage.device)
 
     # -- rows, crop, reset ------------------------------------------------------------------------------------------
+
+    def _read_missed(self) -> bool:
+        """Whether a read this pass expected (``attention.expect``) was never taken: refused, naming the cause."""
+        if self.module is not None and attention.pending(id(self.module())):
+            raise ValueError(
+                "the attention module did not call decodekit's sdpa wrapper for a step whose entries it reads itself: "
+                "run the model with attn_implementation='sdpa'"
+            )
+        return False
 
     def _forget_plans(self) -> None:
         """Forget the quiet steps and the prepared slots (after anything that changes lengths or moves entries)."""

@@ -85,7 +85,10 @@ class AttentionScorer:
             layer.storage.write_prefix("scores", scores)
 
     def received(self, layer, step) -> torch.Tensor:
-        """``[batch, heads, slots]``: the mean attention each entry received from the pass's observed queries."""
+        """``[batch, heads, slots]``: the mean attention each entry received from the pass's observed queries (a
+        decoding step's own attention, where the layer computed it: ``layer.Pass.received``)."""
+        if step.received is not None:
+            return pooled(step.received / step.group, self.options.scoring.pool_kernel)
         queries = step.queries()
         visibility = layer.visibility(step)
         received = attention_received(
