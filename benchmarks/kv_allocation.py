@@ -39,7 +39,8 @@ from torch.nn import functional
 from decodekit import load_model
 from decodekit.cache import CompressedCache, EvictionPolicy
 from decodekit.cache.allocation import layer_counts
-from decodekit.cache.scoring import PROTECTED
+from decodekit.cache.eviction import PROTECTED
+from decodekit.cache.options import SizeOptions
 from decodekit.eval.perplexity import continuation_perplexity as evicting_perplexity
 
 ALLOCATIONS = ("uniform", "per layer", "global", "global, layer-normalized", "layers", "global, rectangular")
@@ -56,7 +57,7 @@ def allocate(priorities: list[torch.Tensor], ratio: float, how: str, floor: floa
     heads, tokens = priorities[0].shape
     # A head's tokens under the uniform allocation, never under the cache's floor (its sinks and recent window),
     # which every layer keeps whatever its share, as the cache does.
-    least = min(EvictionPolicy(compression_ratio=ratio).floor, tokens)
+    least = min(EvictionPolicy(SizeOptions(compression_ratio=ratio)).floor, tokens)
     share = max(math.ceil((1 - ratio) * tokens), least)
     if how == "uniform":
         return [_ranked(priority, share) for priority in priorities]
@@ -116,6 +117,14 @@ def scored_prompt(model, context, scoring: str = "attention", **options):
     return cache, first_logits
 
 
+def keep_only(layer, keep: torch.Tensor) -> None:
+    """Keep only the entries ``keep`` marks (``[kv_heads, tokens]``, one row) in ``layer``: each head keeps its own
+    number, in slot order (later passes are masked to each head's length)."""
+    counts = keep.sum(dim=-1)
+    slots = keep.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[:, : int(counts.max())]
+    layer.storage.keep(slots[None], counts[None].numpy())
+
+
 def masked_perplexity(model, scored, continuation, masks: list[torch.Tensor] | None) -> float:
     """The continuation's perplexity after a copy of a ``scored_prompt`` keeping only what ``masks`` keep (per
     layer ``[kv_heads, tokens]``; None: the full cache)."""
@@ -123,10 +132,7 @@ def masked_perplexity(model, scored, continuation, masks: list[torch.Tensor] | N
     length = cache.get_seq_length()
     with torch.inference_mode():
         for layer, keep in zip(cache.layers, masks or (), strict=False):
-            layer.live &= keep[None]
-            counts = layer.live[0].sum(dim=-1).tolist()
-            (group,) = layer.live_by_group  # one row: one group (no padding, one share)
-            layer._set_live_counts({group: min(counts)})  # a mask is built for every later pass
+            keep_only(layer, keep)
         positions = torch.arange(length, length + continuation.shape[1])
         logits = model(continuation, past_key_values=cache, position_ids=positions[None]).logits
     logits = torch.cat([first_logits, logits[:, :-1]], dim=1).float()
@@ -140,7 +146,7 @@ def continuation_perplexity(
     scored = scored_prompt(model, context, scoring)
     masks = None
     if ratio is not None:
-        masks = allocate([layer._priority()[0] for layer in scored[0].layers], ratio, how, floor)
+        masks = allocate([layer.priority(layer.longest)[0] for layer in scored[0].layers], ratio, how, floor)
     return masked_perplexity(model, scored, continuation, masks)
 
 

@@ -111,7 +111,7 @@ def main() -> None:
             context, continuation = torch.tensor([task["context"]]), torch.tensor([task["continuation"]])
             scored = scored_prompt(model, context, "reconstruction", reconstruction_chunk=args.chunk, **options[row])
             full = masked_perplexity(model, scored, continuation, None)
-            priorities = [layer._priority()[0] for layer in scored[0].layers]
+            priorities = [layer.priority(layer.longest)[0] for layer in scored[0].layers]
             for floor in floors:
                 for ratio in ratios:
                     masks = allocate(priorities, ratio, "global", floor)

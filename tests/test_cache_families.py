@@ -82,32 +82,38 @@ def test_scores_equal_the_eager_attention_each_token_receives(family):
     kv_heads = model.config.num_key_value_heads
     keys = torch.arange(30)
     for layer, weights in zip(cache.layers, attentions, strict=True):
-        window = layer.sliding_window
+        window = layer.window
         seen_by = (30 - keys if window is None else torch.clamp(30 - keys, max=window)).float()
         expected = (weights[0].sum(dim=1) / seen_by).view(kv_heads, -1, 30).mean(dim=1)
-        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)
+        assert torch.equal(layer.positions()[0], keys.expand(kv_heads, -1).int())  # each slot holds its own token
+        torch.testing.assert_close(layer.scores()[0], expected, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_heads_stored_apart_score_each_token_as_the_whole_layer_does(family):
-    """allocation="heads" hands each KV head the query columns of its own group (fused projections and query
-    norms included): every head's replay scores equal that head's scores in a layer stored whole."""
+    """allocation="heads" gives each KV head a segment of its own (fused projections and query norms included):
+    every head's replay scores equal that head's scores in a layer whose heads keep one number
+    (allocation="layers")."""
     model = build_family_model(family)
     ids = torch.randint(3, 384, (1, 40), generator=torch.Generator().manual_seed(2))
     caches = {
         allocation: CompressedCache(model, compression_ratio=0.0, scoring="reconstruction", allocation=allocation)
-        for allocation in ("global", "heads")
+        for allocation in ("layers", "heads")
     }
     with torch.no_grad():
         for cache in caches.values():
             model(ids, past_key_values=cache)
-    for whole, apart in zip(caches["global"].layers, caches["heads"].layers, strict=True):
-        assert len(apart.units) == whole.scores.shape[1] > 1
-        for head, unit in enumerate(apart.units):
-            torch.testing.assert_close(unit.scores[:, 0], whole.scores[:, head], atol=1e-6, rtol=1e-5)
+    for whole, apart in zip(caches["layers"].layers, caches["heads"].layers, strict=True):
+        whole_scores, apart_scores = whole.scores(), apart.scores()
+        assert apart.storage.heads == whole_scores.shape[1] > 1
+        assert torch.as_tensor(apart.storage.lengths_host).tolist() == [[40] * apart.storage.heads]
+        assert torch.equal(apart.positions(), whole.positions())
+        for head in range(apart.storage.heads):
+            torch.testing.assert_close(apart_scores[:, head], whole_scores[:, head], atol=1e-6, rtol=1e-5)
     cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", sink_tokens=2, recent_tokens=4,
                             eviction_interval=1)  # fmt: skip
     output = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=2)
     assert output.shape[1] == 46  # 45 tokens seen: the heads keep half of them in all, each its own number
-    kept = [unit.kept for unit in cache.units]
+    assert cache.options.size.allocation == "heads"  # reconstruction scoring's default
+    kept = [int(count) for layer in cache.layers for count in layer.storage.lengths_host[0]]  # per (layer, KV head)
     assert sum(kept) <= len(kept) * 23 and len(set(kept)) > 1

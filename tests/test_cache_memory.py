@@ -82,9 +82,9 @@ def test_memory_bytes_equals_every_storage_the_cache_can_reach(fresh, prompts, o
 
 def test_memory_bytes_after_prefill_is_the_hand_count(fresh):
     """Prompt alone over a budget of 40: per layer, 40 entries per KV head and the slot reserved after them for the
-    first decoding step's token (the room of ``budget + 1`` the steps write into; fp32 key and value, fp32 score and
-    value norm, int32 position, bool live flag), the row's padding (one int64) and the count of tokens seen that
-    compiled decoding steps keep on the device (one int64)."""
+    first decoding step's token (the ``budget + 1`` slots the steps write into), one scratch slot (fp32 key and
+    value, fp32 score and value norm, int32 position per slot), each segment's start and length (int64 each) and the
+    row's padding (int64)."""
     model, tokenizer = fresh
     cache = CompressedCache(model, budget=40)
     ids = tokenizer([PROMPT], return_tensors="pt")["input_ids"]
@@ -93,10 +93,15 @@ def test_memory_bytes_after_prefill_is_the_hand_count(fresh):
         model(ids, past_key_values=cache)
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    per_entry = 2 * head_dim * 4 + 4 + 4 + 4 + 1
-    expected = config.num_hidden_layers * (config.num_key_value_heads * 41 * per_entry + 8 + 8)
+    kv_heads = config.num_key_value_heads
+    per_slot = 2 * head_dim * 4 + 4 + 4 + 4
+    # ... and the count of tokens seen, on the device for compiled steps (int64).
+    expected = config.num_hidden_layers * ((kv_heads * 41 + 1) * per_slot + kv_heads * 8 + kv_heads * 8 + 8 + 8)
     assert cache.memory_bytes() == expected
-    assert [layer.slots for layer in cache.layers] == [40] * config.num_hidden_layers
+    assert cache.memory_bytes() == bytes_by_hand(cache, model)
+    for layer in cache.layers:
+        assert torch.as_tensor(layer.storage.lengths_host).tolist() == [[40] * kv_heads]
+        assert torch.as_tensor(layer.storage.capacities).tolist() == [[41] * kv_heads]
 
 
 def test_waiting_decoding_steps_are_counted(fresh):
@@ -109,9 +114,51 @@ def test_waiting_decoding_steps_are_counted(fresh):
         for step in range(3):
             token = torch.tensor([[5 + step]])
             model(token, past_key_values=cache, position_ids=torch.tensor([[ids.shape[1] + step]]))
-    assert all(len(layer._pending) >= 2 for layer in cache.layers)  # the steps after the first eviction
-    per_entry_and_padding = sum(  # each storage once: the layers' reserved room is a slice of shared tensors
-        storage_bytes(tensor for layer in cache.layers for tensor in [*layer._spare.values(), layer.pads]).values()
-    )
+    assert all(len(layer.scorer.waiting) >= 2 for layer in cache.layers)  # the steps after the first eviction
+    held = [tensor for layer in cache.layers for tensor in [*layer.storage.held_tensors(), layer.pads_device]]
+    per_entry_and_padding = sum(storage_bytes(held).values())  # each storage once
     assert cache.memory_bytes() > per_entry_and_padding  # the queries (and their rotation) are held too
     assert cache.memory_bytes() == _bytes_reachable(cache)
+
+
+def bytes_by_hand(cache: CompressedCache, model) -> int:
+    """The bytes ``cache`` holds, counted by hand from the model's config and the cache's options, given each
+    segment's capacity (``storage.capacities``), with no decoding step waiting to be scored and no prompt's queries
+    kept for a refit. Per layer: a flat tensor per field of (every segment's capacity + one scratch slot) slots, each
+    holding a key and a value (the model's dtype, 16 bits under ``kv_bits=16``, or codes and a 16-bit scale and
+    offset per group), a position (int32), a score (float32), a value norm (float32, where eviction ranks by it:
+    a uniform allocation with ``value_norm``) and a bias (float16, in the matched layers); each segment's start and
+    length (int64), each row's padding (int64), the count of tokens seen where the size is fixed (int64, for compiled
+    steps); for coded entries the residual window (16-bit keys and values per row
+    and KV head, int32 positions); and, where keys are coded, one Hadamard matrix (float32) for the whole cache."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    options = cache.options
+    stored = options.storage
+    coded = {stored.kv_bits, stored.key_bits} & {8, 5, 4}
+    sixteen = 2 if coded or stored.kv_bits == 16 else element  # an entry not coded: 16 bits, or the model's dtype
+    part_bytes = []
+    for bits in (stored.key_bits or stored.kv_bits, stored.kv_bits):
+        if bits in (8, 5, 4):
+            part_bytes.append(head_dim * bits // 8 + 2 * (head_dim // stored.group_size) * 2)
+        else:
+            part_bytes.append(head_dim * sixteen)
+    value_norms = options.scoring.value_norm and options.size.allocation == "uniform"
+    total = 0
+    for index, layer in enumerate(cache.layers):
+        assert len(layer.scorer.waiting) == 0 and layer.prompt_queries is None
+        storage = layer.storage
+        batch, heads = storage.batch, storage.heads
+        per_slot = sum(part_bytes) + 4 + 4 + (4 if value_norms else 0)
+        per_slot += 2 if index < options.scoring.matched_layers else 0
+        slots = int(torch.as_tensor(storage.capacities).sum()) + 1
+        total += slots * per_slot + batch * heads * 8 * 2 + batch * 8
+        if layer.seen_device is not None:  # the count of tokens seen, on the device for compiled steps (int64)
+            total += 8
+        if coded:
+            total += 2 * batch * heads * stored.residual_length * head_dim * 2 + stored.residual_length * 4
+    if (stored.key_bits or stored.kv_bits) in (8, 5, 4):
+        block = head_dim & -head_dim
+        total += block * block * 4
+    return total

@@ -95,8 +95,10 @@ def test_a_cache_scoring_with_the_kernels_matches_eager_attention_and_the_torch_
     seen_by = torch.arange(40, 0, -1, dtype=torch.float32, device=DEVICE)
     for ours, blocked, weights in zip(caches["triton"].layers, caches["torch"].layers, attentions, strict=True):
         expected = (weights.sum(dim=2) / seen_by).view(2, kv_heads, -1, 40).mean(dim=2)
-        torch.testing.assert_close(ours.scores, expected, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(ours.scores, blocked.scores, atol=1e-6, rtol=1e-5)
+        assert ours.scores_on_triton and not blocked.scores_on_triton  # each on its backend
+        assert torch.equal(ours.positions(), torch.arange(40, device=DEVICE).int().expand(2, kv_heads, -1))
+        torch.testing.assert_close(ours.scores(), expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.scores(), blocked.scores(), atol=1e-6, rtol=1e-5)
 
 
 def test_generation_with_the_kernels_keeps_what_the_torch_path_keeps(kernels):
@@ -162,6 +164,8 @@ def test_a_cache_on_the_kernels_estimates_its_replay_as_the_pytorch_path_does():
                                 replay="prompt_queries", reconstruction_chunk=40, scoring_backend=backend)  # fmt: skip
         with torch.no_grad():
             model(ids.to(DEVICE), past_key_values=cache)
-        scores[backend] = [unit.scores for unit in cache.units]
-    for with_kernels, expected in zip(scores["triton"], scores["torch"], strict=True):
+        scores[backend] = [(layer.positions(), layer.scores()) for layer in cache.layers]
+    for (positions, with_kernels), (expected_positions, expected) in zip(scores["triton"], scores["torch"],
+                                                                         strict=True):  # fmt: skip
+        assert torch.equal(positions, expected_positions)
         torch.testing.assert_close(with_kernels, expected, atol=1e-6, rtol=1e-4)

@@ -1,5 +1,5 @@
-"""allocation="global": one ranking of reconstruction scores shares a row's tokens among the layers (every KV
-head of a layer keeping the layer's share); ``test_kv_heads.py`` tests "heads", the default."""
+"""allocation="layers" (formerly "global"): one ranking of reconstruction scores shares a row's tokens among the
+layers (every KV head of a layer keeping the layer's share); ``test_kv_heads.py`` tests "heads", the default."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from decodekit.cache import CompressedCache
 from decodekit.cache.allocation import layer_counts
 from decodekit.cache.size import full_cache_bytes
 from decodekit.decoders import beam_search
+from tests.test_cache_memory import bytes_by_hand
 from tests.tiny import build_model
 
 TEXT = (
@@ -72,7 +73,7 @@ def test_a_row_with_fewer_live_tokens_than_its_share_keeps_them_all():
 
 
 def _prefill(model, ids, **kwargs):
-    kwargs = {"allocation": "global", "replay": "forward", **kwargs}  # the replay pass, whatever the size
+    kwargs = {"allocation": "layers", "replay": "forward", **kwargs}  # the replay pass, whatever the size
     cache = CompressedCache(model, scoring="reconstruction", reconstruction_chunk=16, **kwargs)
     with torch.no_grad():
         model(ids, past_key_values=cache)
@@ -88,18 +89,25 @@ def test_layers_keep_their_share_of_one_budget_and_store_nothing_more(four_layer
     kept = [layer.kept for layer in cache.layers]
     assert sum(kept) == 4 * target and len(set(kept)) > 1  # one budget, not the same in every layer
     assert min(kept) >= math.ceil(0.2 * target)
-    for layer in cache.layers:
-        assert layer.slots == layer.kept  # storage shrank to what the layer keeps
-        assert bool(layer.live.all())
+    room = max(cache.options.size.eviction_interval, 4)  # the decoding steps' until the next eviction
+    for layer, count in zip(cache.layers, kept, strict=True):
+        heads = layer.storage.heads
+        assert torch.as_tensor(layer.storage.lengths_host).tolist() == [[count] * heads]  # every head the same
+        # The storage shrank to what the layer keeps and the room for the steps until the next eviction.
+        assert torch.as_tensor(layer.storage.capacities).tolist() == [[count + room] * heads]
+        positions = layer.positions()
+        assert bool((positions >= 0).all()) and bool((positions < length).all())  # every slot holds a token
+        assert all(len(set(head.tolist())) == count for head in positions[0])  # each once
     assert cache.kept_tokens == max(kept)
     uniform = _prefill(model, ids, compression_ratio=0.5, allocation="uniform")
     assert {layer.kept for layer in uniform.layers} == {target}
-    # The same tokens in all, so the same memory, but for each layer's share (two int64 per row), the value
-    # norms the uniform cache ranks by (a float32 per entry and KV head) and a shared budget does not keep, and the
-    # first layer's refit biases (a float16 per entry and KV head), as many as that layer keeps.
-    assert all(layer.value_norms is None for layer in cache.layers)
-    biases = 2 * 2 * (kept[0] - target)
-    assert cache.memory_bytes() == uniform.memory_bytes() + 4 * 16 - 4 * target * 2 * 4 + biases
+    # The same tokens in all, but the value norms the uniform cache ranks by (a float32 per entry and KV head) a
+    # shared budget does not keep, and the first layer's refit biases (a float16 per entry and KV head): each
+    # cache's bytes counted by hand.
+    assert all("value_norms" not in layer.storage.fields for layer in cache.layers)
+    assert all("value_norms" in layer.storage.fields for layer in uniform.layers)
+    assert cache.memory_bytes() == bytes_by_hand(cache, model)
+    assert uniform.memory_bytes() == bytes_by_hand(uniform, model)
 
 
 def test_each_layer_keeps_its_best_scored_tokens(four_layers):
@@ -107,28 +115,34 @@ def test_each_layer_keeps_its_best_scored_tokens(four_layers):
     model, tokenizer = four_layers
     ids = _ids(tokenizer)
     full = _prefill(model, ids, compression_ratio=0.0)
-    priorities = [layer._priority()[0] for layer in full.layers]
+    priorities, positions = [], []
+    for layer in full.layers:
+        assert layer.kept == ids.shape[1]  # nothing evicted: every slot holds a token
+        priorities.append(layer.priority(layer.longest)[0])
+        positions.append(layer.positions()[0].long())
     target = math.ceil(0.25 * ids.shape[1])
     counts = _naive_counts(priorities, target, 0.2)
     cache = _prefill(model, ids, compression_ratio=0.25 * 3)
-    for layer, priority, count in zip(cache.layers, priorities, counts, strict=True):
+    for layer, priority, position, count in zip(cache.layers, priorities, positions, counts, strict=True):
         assert layer.kept == count
-        expected = priority.topk(count, dim=-1).indices.sort(dim=-1).values
+        expected = position.gather(-1, priority.topk(count, dim=-1).indices).sort(dim=-1).values
         assert torch.equal(layer.kept_positions()[0].long(), expected)
 
 
 def test_decoding_holds_each_layer_to_its_share_of_the_budget(four_layers):
     model, tokenizer = four_layers
     ids = _ids(tokenizer)
-    cache = CompressedCache(model, budget=40, scoring="reconstruction", allocation="global", eviction_interval=4)
-    output = model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=30,
-                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    cache = CompressedCache(model, budget=40, scoring="reconstruction", allocation="layers", eviction_interval=4)
+    output = model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=30, min_new_tokens=30,
+                            pad_token_id=tokenizer.pad_token_id)  # thirty steps, whatever they pick  # fmt: skip
     assert output.shape[1] == ids.shape[1] + 30
     kept = [layer.kept for layer in cache.layers]
-    counts = [int(layer.allocated[0, 0]) for layer in cache.layers]
+    counts = [int(layer.shares[0][0, 0]) for layer in cache.layers]
+    assert all(int(layer.shares[1][0]) == 40 for layer in cache.layers)  # shares of an even share of 40
     assert sum(counts) == 4 * 40 and len(set(counts)) > 1
     for layer, count in zip(cache.layers, counts, strict=True):
-        assert layer.slots <= count + 1  # its share and the one slot the next token takes
+        assert torch.as_tensor(layer.targets()).tolist() == [[count] * layer.storage.heads]
+        assert layer.storage.capacity <= count + 1  # its share and the one slot the next token takes
         assert count - 3 <= layer.kept <= count  # between evictions, at most interval - 1 below
     assert sum(kept) <= 4 * 40
 
@@ -140,12 +154,13 @@ def test_rows_of_a_batch_get_their_own_allocation(four_layers):
     assert first.shape == second.shape
     alone = []
     for ids in (first, second):
-        cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction", allocation="global")
+        cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction", allocation="layers")
         alone.append(model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=12))
-    cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction", allocation="global")
+    cache = CompressedCache(model, compression_ratio=0.6, scoring="reconstruction", allocation="layers")
     together = model.generate(torch.cat([first, second]), past_key_values=cache, do_sample=False, max_new_tokens=12)
     assert torch.equal(together, torch.cat(alone))
-    assert not torch.equal(cache.layers[1].allocated[0], cache.layers[1].allocated[1])  # own shares
+    counts = torch.as_tensor(cache.layers[1].shares[0])
+    assert not torch.equal(counts[0], counts[1])  # own shares
 
 
 def test_beam_search_moves_each_rows_share_with_its_beams(four_layers):
@@ -154,7 +169,7 @@ def test_beam_search_moves_each_rows_share_with_its_beams(four_layers):
     kwargs = {"num_beams": 3, "max_new_tokens": 10, "custom_generate": beam_search, "do_sample": False}
 
     def make():
-        return CompressedCache(model, budget=48, scoring="reconstruction", allocation="global")
+        return CompressedCache(model, budget=48, scoring="reconstruction", allocation="layers")
 
     alone = [model.generate(ids, past_key_values=make(), **kwargs) for ids in (first, second)]
     together = model.generate(torch.cat([first, second]), past_key_values=make(), **kwargs)
@@ -165,15 +180,22 @@ def test_crop_keeps_the_shares_and_the_counts(four_layers):
     model, tokenizer = four_layers
     ids = _ids(tokenizer)
     cache = _prefill(model, ids, compression_ratio=0.5)
-    before = [layer.allocated.clone() for layer in cache.layers]
+    before = [(torch.as_tensor(layer.shares[0]).clone(), torch.as_tensor(layer.shares[1]).clone(),
+               layer.kept_positions().clone()) for layer in cache.layers]  # fmt: skip
     with torch.no_grad():
         model(ids[:, :5], past_key_values=cache, position_ids=torch.arange(ids.shape[1], ids.shape[1] + 5)[None])
     cache.crop(-5)
-    for layer, allocated in zip(cache.layers, before, strict=True):
-        assert torch.equal(layer.allocated, allocated)
-        (group,) = layer.live_by_group
-        assert group[1] == tuple(allocated[0].tolist())
-        assert layer.live_by_group[group] == int(layer.live[0, 0].sum())
+    assert cache.get_seq_length() == ids.shape[1]
+    for layer, (counts, bases, positions) in zip(cache.layers, before, strict=True):
+        assert torch.equal(torch.as_tensor(layer.shares[0]), counts)
+        assert torch.equal(torch.as_tensor(layer.shares[1]), bases)
+        # The counts: each segment's length is the number of tokens it holds, every one seen before the pass.
+        held = layer.positions()
+        assert torch.as_tensor(layer.storage.lengths_host).tolist() == (held >= 0).sum(dim=-1).tolist()
+        assert bool((held < ids.shape[1]).all())
+        for head in range(layer.storage.heads):
+            kept = {position for position in layer.kept_positions()[0, head].tolist() if position >= 0}
+            assert kept <= set(positions[0, head].tolist())
 
 
 def test_a_memory_fraction_holds_with_a_global_allocation(four_layers):
@@ -188,9 +210,10 @@ def test_a_memory_fraction_holds_with_a_global_allocation(four_layers):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"allocation": "layers"}, r"allocation must be one of 'uniform', 'global', 'heads'; got 'layers'"),
-        ({"allocation": "global"}, r"allocation='global' needs scoring='reconstruction'"),
-        ({"allocation": "global", "scoring": "attention+novelty"}, r"allocation='global' needs scoring="),
+        ({"allocation": "layer"}, r"allocation must be one of 'uniform', 'layers', 'heads'; got 'layer'"),
+        ({"allocation": "layers"}, r"allocation='layers' needs scoring='reconstruction'"),
+        ({"allocation": "global"}, r"allocation='layers' needs scoring='reconstruction'"),  # the earlier spelling
+        ({"allocation": "layers", "scoring": "attention+novelty"}, r"allocation='layers' needs scoring="),
     ],
 )
 def test_bad_allocations_are_named(four_layers, kwargs, message):
@@ -199,13 +222,19 @@ def test_bad_allocations_are_named(four_layers, kwargs, message):
         CompressedCache(model, compression_ratio=0.5, **kwargs)
 
 
+def test_the_earlier_spelling_global_is_layers(four_layers):
+    model, _ = four_layers
+    cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", allocation="global")
+    assert cache.options.size.allocation == "layers"
+
+
 def test_the_kv_scoring_field_builds_a_reconstruction_cache_whose_heads_share_the_budget(four_layers):
     from decodekit import Strategy
 
     model, _ = four_layers
     cache = Strategy(kv_compression_ratio=0.5, kv_scoring="reconstruction").plan(model).cache
-    assert (cache.policy.scoring, cache.policy.allocation) == ("reconstruction", "heads")
-    assert Strategy(kv_budget=64).plan(model).cache.policy.allocation == "uniform"
+    assert (cache.options.scoring.method, cache.options.size.allocation) == ("reconstruction", "heads")
+    assert Strategy(kv_budget=64).plan(model).cache.options.size.allocation == "uniform"
     with pytest.raises(ValueError, match="kv_scoring applies to a compressed cache"):
         Strategy(kv_scoring="reconstruction")
     with pytest.raises(ValueError, match="kv_scoring must be one of attention, reconstruction, attention"):

@@ -20,10 +20,11 @@ from transformers import AttentionInterface
 from decodekit.cache import CompressedCache
 from decodekit.cache.matching import MASS_RIDGE, MATCH_KEPT_SHARE_LEAST, RIDGE, matched_entries, spread
 from decodekit.cache.quantize import rotate as turn
-from decodekit.cache.scoring import waiting_attention
+from decodekit.cache.received import waiting_attention
 from decodekit.cache.size import full_cache_bytes
 from decodekit.cache.storage import storage_bytes
 from tests.families import build_family_model
+from tests.test_cache_memory import bytes_by_hand
 from tests.test_kv_allocation import TEXT, _ids
 from tests.tiny import build_model
 
@@ -53,8 +54,14 @@ def _prefill(model, ids, **options) -> CompressedCache:
     return cache
 
 
-def _units(layer) -> list:
-    return list(getattr(layer, "units", (layer,)))
+def _count(layer, row: int, head: int) -> int:
+    """How many entries row ``row``'s KV head ``head`` holds (its segment's first slots)."""
+    return int(torch.as_tensor(layer.storage.lengths_host)[row, head])
+
+
+def _field(layer, name: str, row: int, head: int) -> torch.Tensor:
+    """Field ``name`` of the entries row ``row``'s KV head ``head`` holds, in slot order."""
+    return layer.storage.read(name, layer.longest)[row, head, : _count(layer, row, head)]
 
 
 def _ridge_values(attention: np.ndarray, outputs: np.ndarray, own: np.ndarray) -> np.ndarray:
@@ -175,38 +182,38 @@ def test_the_first_layer_is_refit_for_the_replays_queries(replay):
     queries, keys, values = _first_layer_projections(model, PROMPT)
     group = queries.shape[0] // keys.shape[0]
     scaling = 1 / math.sqrt(keys.shape[-1])
-    for head, unit in enumerate(_units(cache.layers[0])):
-        live = unit.live[0, 0]
-        kept = unit.positions[0, 0, live].long().numpy()
+    first = cache.layers[0]
+    for head in range(first.storage.heads):
+        kept = _field(first, "positions", 0, head).long().numpy()
         assert 0 < len(kept) < PROMPT.shape[1]
         reference = queries[head * group : (head + 1) * group].reshape(-1, keys.shape[-1]).double().numpy()
         attention = torch.softmax(torch.from_numpy(reference @ keys[head].double().numpy().T * scaling), dim=-1)
         attention = attention.numpy()
         shares, outputs = attention[:, kept], attention @ values[head].double().numpy()
-        weights = np.exp(unit.biases[0, 0, live].double().numpy())
+        weights = np.exp(_field(first, "biases", 0, head).double().numpy())
         _, optimum = _mass_optimum(shares)
         assert _mass_objective(shares, weights) <= optimum * (1 + 1e-3) + 1e-5  # (biases held in float16)
         weighted = shares * weights
         weighted /= weighted.sum(axis=1, keepdims=True)
         expected = _ridge_values(weighted, outputs, values[head, kept].double().numpy())
-        np.testing.assert_allclose(unit.values[0, 0, live].double().numpy(), expected, atol=2e-3, rtol=2e-3)
-    assert all(unit.biased for unit in _units(cache.layers[0])) and not cache.layers[1].biased
-    assert all(not unit.matched and unit.biases is None for unit in _units(cache.layers[1]))
+        np.testing.assert_allclose(_field(first, "values", 0, head).double().numpy(), expected, atol=2e-3, rtol=2e-3)
+    assert first.biased and not cache.layers[1].biased
+    assert not cache.layers[1].matched and "biases" not in cache.layers[1].storage.fields
 
 
 def _stored_entries(cache: CompressedCache) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """Per layer and KV head of row 0: its live entries' keys (rotary applied, not turned), values and biases."""
+    """Per layer and KV head of row 0: its entries' keys (rotary applied, not turned), values and biases, in slot
+    order."""
     stored = []
     for layer in cache.layers:
         heads = []
-        for unit in _units(layer):
-            keys, values = unit.dense()
-            if unit.reads_turned_keys:
-                keys = turn(keys.float())
-            for kv_head in range(keys.shape[1]):
-                live = unit.live[0, kv_head]
-                biases = unit.biases[0, kv_head, live].float() if unit.biases is not None else None
-                heads.append((keys[0, kv_head, live].float(), values[0, kv_head, live].float(), biases))
+        keys, values = layer.decoded()
+        if layer.coding.rotated_reads:
+            keys = turn(keys.float())
+        for kv_head in range(keys.shape[1]):
+            count = _count(layer, 0, kv_head)
+            biases = _field(layer, "biases", 0, kv_head).float() if "biases" in layer.storage.fields else None
+            heads.append((keys[0, kv_head, :count].float().clone(), values[0, kv_head, :count].float().clone(), biases))
         stored.append(heads)
     return stored
 
@@ -235,7 +242,7 @@ def _attention_by_hand(stored):
 
 @pytest.mark.parametrize(
     ("implementation", "options"),
-    [("sdpa", {}), ("eager", {}), ("sdpa", {"kv_bits": 4, "residual_length": 0}), ("sdpa", {"allocation": "global"}),
+    [("sdpa", {}), ("eager", {}), ("sdpa", {"kv_bits": 4, "residual_length": 0}), ("sdpa", {"allocation": "layers"}),
      ("sdpa", {"allocation": "uniform", "matched_layers": 2})],
 )  # fmt: skip
 def test_later_passes_read_the_kept_entries_with_their_biases(implementation, options):
@@ -261,12 +268,12 @@ def test_later_passes_read_the_kept_entries_with_their_biases(implementation, op
 
 
 def _biases_by_position(cache: CompressedCache, row: int = 0) -> list[dict[int, float]]:
-    """Per unit of the first layer: each live entry's position and bias, for ``row``."""
+    """Per KV head of the first layer: each entry's position and bias, for ``row``."""
+    first = cache.layers[0]
     maps = []
-    for unit in _units(cache.layers[0]):
-        live = unit.live[row, 0]
-        positions = unit.positions[row, 0, live].tolist()
-        maps.append(dict(zip(positions, unit.biases[row, 0, live].tolist(), strict=True)))
+    for head in range(first.storage.heads):
+        positions = _field(first, "positions", row, head).tolist()
+        maps.append(dict(zip(positions, _field(first, "biases", row, head).tolist(), strict=True)))
     return maps
 
 
@@ -313,16 +320,18 @@ def test_rows_of_a_batch_are_refit_as_each_alone(four_layers, budget):
     assert torch.equal(together, torch.cat(alone))
     caches = [_prefill(model, ids, compression_ratio=None, budget=budget) for ids in (first, second)]
     both = _prefill(model, torch.cat([first, second]), compression_ratio=None, budget=budget)
-    kept = [unit.live[row, 0].sum().item() for unit in _units(both.layers[0]) for row in range(2)]
+    kept = [_count(both.layers[0], row, head) for head in range(both.layers[0].storage.heads) for row in range(2)]
     least = math.ceil(MATCH_KEPT_SHARE_LEAST * first.shape[1])
     # At the floor the first layer's heads keep less than MATCH_KEPT_SHARE_LEAST of the prompt and are not refit.
     assert both.layers[0].biased == (budget > 8) == any(count >= least for count in kept)
+    layer = both.layers[0]
     for row, single in enumerate(caches):
-        for unit, alone_unit in zip(_units(both.layers[0]), _units(single.layers[0]), strict=True):
-            live, alone_live = unit.live[row, 0], alone_unit.live[0, 0]
-            assert torch.equal(unit.positions[row, 0, live], alone_unit.positions[0, 0, alone_live])
-            torch.testing.assert_close(unit.biases[row, 0, live], alone_unit.biases[0, 0, alone_live])
-            torch.testing.assert_close(unit.values[row, 0, live], alone_unit.values[0, 0, alone_live])
+        alone_layer = single.layers[0]
+        for head in range(layer.storage.heads):
+            for name in ("positions", "biases", "values"):
+                torch.testing.assert_close(_field(layer, name, row, head), _field(alone_layer, name, 0, head),
+                                           rtol=0 if name == "positions" else None,
+                                           atol=0 if name == "positions" else None)  # fmt: skip
 
 
 @pytest.mark.parametrize("kv_bits", [None, 4])
@@ -335,11 +344,12 @@ def test_a_memory_fraction_holds_with_the_biases(four_layers, kv_bits):
     for fraction in (0.1, 0.05):
         cache = _prefill(model, ids, compression_ratio=None, memory_fraction=fraction, **widths)
         assert cache.layers[0].biased
-        biases = [unit._biases for unit in _units(cache.layers[0])]
+        biases = cache.layers[0].storage.flat["biases"]
         held = list(cache.layers[0].held_tensors())
-        assert all(any(tensor is bias for tensor in held) for bias in biases)
+        assert any(tensor is biases for tensor in held)
         assert cache.memory_bytes() == sum(storage_bytes(t for layer in cache.layers
                                                          for t in layer.held_tensors()).values())  # fmt: skip
+        assert cache.memory_bytes() == bytes_by_hand(cache, model)  # a float16 bias per slot of the first layer
         length, token = ids.shape[1], ids[:, -1:]
         with torch.no_grad():
             for _ in range(8):
@@ -374,19 +384,27 @@ def test_the_exact_ring_holds_the_refit_values(four_layers):
     settings = {"kv_bits": 4, "recent_tokens": 16, "compression_ratio": 0.85}
     cache, unrefit = (_prefill(model, _ids(tokenizer), matched_layers=count, **settings) for count in (1, 0))
     farther = 0
-    for unit, plain in zip(_units(cache.layers[0]), _units(unrefit.layers[0]), strict=True):
-        assert torch.equal(unit.positions, plain.positions)  # the refit changes no choice
-        quantizer = unit.quantizers["values"]
-        coded = {"codes": unit.values, "scales": unit.value_scales, "offsets": unit.value_offsets}
-        from_codes = quantizer.decode(coded, torch.float32)
-        read = unit.dense()[1].float()
-        ring = unit.recent_values.shape[2]
-        held = unit.recent_positions[(unit.positions % ring).long()] == unit.positions  # [1, 1, slots]
+    layer, plain = cache.layers[0], unrefit.layers[0]
+    assert layer.biased and not plain.biased
+    positions = layer.positions()
+    assert torch.equal(positions, plain.positions())  # the refit changes no choice
+    quantizer = layer.coding.quantizers["values"]
+    stop = layer.longest
+    scales = layer.storage.read("value_scales", stop)
+    coded = {"codes": layer.storage.read("values", stop), "scales": scales,
+             "offsets": layer.storage.read("value_offsets", stop)}  # fmt: skip
+    from_codes = quantizer.decode(coded, torch.float32)
+    read = layer.decoded()[1].float()
+    plain_read = plain.decoded()[1].float()
+    ring = layer.coding.residual_values.shape[2]
+    everywhere = layer.coding.residual_positions[(positions % ring).long()] == positions  # [1, heads, slots]
+    half_step = scales.float().repeat_interleave(quantizer.group_size, dim=-1) / 2
+    for head in range(layer.storage.heads):
+        held, entry = everywhere[0, head], positions[0, head] >= 0
         assert held.sum() == 16
-        half_step = unit.value_scales.float().repeat_interleave(quantizer.group_size, dim=-1) / 2
-        assert ((read - from_codes).abs() <= half_step + 1e-3)[held].all()
-        assert torch.equal(read[~held], from_codes[~held])
-        farther += int(((plain.dense()[1].float() - from_codes).abs() > half_step + 1e-3)[held].any())
+        assert ((read[0, head] - from_codes[0, head]).abs() <= half_step[0, head] + 1e-3)[held].all()
+        assert torch.equal(read[0, head][~held & entry], from_codes[0, head][~held & entry])
+        farther += int(((plain_read[0, head] - from_codes[0, head]).abs() > half_step[0, head] + 1e-3)[held].any())
     assert farther > 0
 
 
@@ -394,9 +412,10 @@ def test_scores_after_the_refit_count_the_biases():
     """A decoding step's attention, as the scores receive it, is the softmax of each logit plus its bias."""
     model = build_family_model("llama")
     cache = _prefill(model, PROMPT, eviction_interval=1)
-    unit = _units(cache.layers[0])[0]
-    assert unit.biased
-    before = dict(zip(unit.positions[0, 0].tolist(), unit.scores[0, 0].tolist(), strict=True))
+    layer = cache.layers[0]
+    assert layer.biased
+    count = _count(layer, 0, 0)
+    before = list(zip(layer.positions()[0, 0, :count].tolist(), layer.scores()[0, 0, :count].tolist(), strict=True))
     keys, _, biases = _stored_entries(cache)[0][0]
     captured = {}
     projection = model.model.layers[0].self_attn.q_proj
@@ -411,15 +430,15 @@ def test_scores_after_the_refit_count_the_biases():
     queries = captured["q"].view(config.num_attention_heads, head_dim)[:2]  # the two query heads of KV head 0
     half = head_dim // 2
     queries = queries * cos[0, 0] + torch.cat([-queries[:, half:], queries[:, :half]], dim=-1) * sin[0, 0]
-    new_key = unit.dense()[0][0, 0, unit.positions[0, 0] == length].float()
+    new_key = layer.decoded()[0][0, 0, layer.positions()[0, 0] == length].float()
     logits = torch.cat([queries @ keys.T, queries @ new_key.T], dim=-1) / math.sqrt(head_dim)
     paid = (logits + torch.cat([biases, torch.zeros(1)])).softmax(dim=-1).mean(dim=0)
-    live = unit.live[0, 0]
-    after = dict(zip(unit.positions[0, 0, live].tolist(), unit.scores[0, 0, live].tolist(), strict=True))
+    count = _count(layer, 0, 0)
+    after = dict(zip(layer.positions()[0, 0, :count].tolist(), layer.scores()[0, 0, :count].tolist(), strict=True))
     assert len(after) >= len(before)  # the step evicted at most one entry
-    for index, position in enumerate(sorted(before)):  # the stored entries, in slot (position) order
+    for index, (position, score) in enumerate(before):  # the stored entries, in slot order (as ``keys``)
         if position in after:
-            expected = before[position] * cache.policy.score_decay + paid[index].item()
+            expected = score * cache.options.scoring.score_decay + paid[index].item()
             assert after[position] == pytest.approx(expected, rel=1e-4, abs=1e-6)
     assert after[length] == pytest.approx(paid[-1].item(), rel=1e-4)
 
@@ -430,7 +449,7 @@ def test_waiting_steps_count_the_biases():
     generator = torch.Generator().manual_seed(4)
     queries, keys = torch.randn(1, 4, 3, 8, generator=generator), torch.randn(1, 2, 7, 8, generator=generator)
     biases = torch.randn(1, 2, 7, generator=generator)
-    got = waiting_attention(queries, keys, first=4, scaling=0.35, decay=0.5, biases=biases.half())
+    got = waiting_attention(queries, keys, 4, scaling=0.35, decay=0.5, biases=biases.half())
     expected = torch.zeros(1, 2, 7)
     for step in range(3):
         for head in range(4):
@@ -456,8 +475,8 @@ def test_sliding_window_layers_are_left_as_they_are():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"matched_layers": -1}, r"matched_layers must be an integer >= 0; got -1"),
-        ({"matched_layers": "one"}, r"matched_layers must be an integer >= 0; got 'one'"),
+        ({"matched_layers": -1}, r"matched_layers must be an integer >= 0 or None; got -1"),
+        ({"matched_layers": "one"}, r"matched_layers must be an integer >= 0 or None; got 'one'"),
         ({"matched_layers": 1, "scoring": "attention", "allocation": "uniform"},
          r"matched_layers needs scoring='reconstruction'"),
     ],
@@ -477,7 +496,7 @@ def test_the_kv_matched_layers_field_reaches_the_cache_and_the_command_line(tiny
 
     model, tokenizer = tiny
     strategy = Strategy(kv_compression_ratio=0.5, kv_scoring="reconstruction", kv_matched_layers=2)
-    assert strategy.plan(model).cache.policy.matched_layers == 2
+    assert strategy.plan(model).cache.options.scoring.matched_layers == 2
     prompt = "The class statement creates a new class object and binds it to a name. " * 4
     expected = generate_text(model, tokenizer, [prompt], strategy, max_new_tokens=8)[0]
     code = main(["generate", prompt, "--model", str(tiny_model_dir), "--max-new-tokens", "8", "--kv-ratio", "0.5",

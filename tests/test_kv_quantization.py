@@ -203,18 +203,20 @@ def _exact_first_layer(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _assert_within_a_step(layer, exact_keys, exact_values, *, ring_in_use: bool = True):
-    """Every live entry of ``layer`` reads (``dense``) within half a quantization step of the exact entry at
-    its position, and entries held in the recent ring read exactly (in 16 bits)."""
-    keys, values = layer.dense()
-    positions = layer.positions.long().clamp(max=exact_keys.shape[2] - 1)  # dead entries may be past the end
+    """Every entry ``layer`` holds reads (``decoded``) within half a quantization step of the exact entry at
+    its position, and entries held in the residual window read exactly (in 16 bits)."""
+    keys, values = layer.decoded()
+    held_positions = layer.positions().long()  # -1 past a segment's entries
+    live = (held_positions >= 0)[..., None]
+    assert bool(live.any())
+    positions = held_positions.clamp(min=0, max=exact_keys.shape[2] - 1)
     index = positions[..., None].expand(-1, -1, -1, keys.shape[-1])
     true_keys, true_values = exact_keys.gather(2, index), exact_values.gather(2, index)
-    if layer.reads_turned_keys:  # attention reads the keys turned, as they were coded
+    if layer.coding.rotated_reads:  # attention reads the keys turned, as they were coded
         true_keys = rotate(true_keys)
-    group = layer.quantizers["keys"].group_size
-    key_step = layer.key_scales.float().repeat_interleave(group, -1)
-    value_step = layer.value_scales.float().repeat_interleave(group, -1)
-    live = layer.live[..., None]
+    group = layer.coding.quantizers["keys"].group_size
+    key_step = layer.storage.read("key_scales", layer.longest).float().repeat_interleave(group, -1)
+    value_step = layer.storage.read("value_scales", layer.longest).float().repeat_interleave(group, -1)
     tolerance = 1e-3  # float16 rounding of the ring and of the scales' products
     # Keys are coded turned by an orthonormal matrix: each turned channel errs by at most half its step, so the
     # key's error has at most the length of those half steps (an orthonormal turn keeps lengths).
@@ -225,13 +227,14 @@ def _assert_within_a_step(layer, exact_keys, exact_values, *, ring_in_use: bool 
     assert ((value_error <= value_step / 2 + tolerance) | ~live).all()
     if not ring_in_use:
         return
-    ring = layer.recent_positions[(layer.positions % layer.recent_keys.shape[2]).long()] == layer.positions
+    residual = layer.coding.residual_keys.shape[2]
+    ring = layer.coding.residual_positions[(positions % residual).long()] == held_positions
     assert ring.any()
     # Within float16's rounding (the full cache's own passes may differ in the last float32 bits), far
     # inside a quantization step.
     in_ring = ring[..., None] & live
     assert (((keys - true_keys).abs() <= true_keys.abs() * 2.0**-10 + 1e-6) | ~in_ring).all()
-    if layer.quantizers["keys"].bits == 4:  # where a step is wide enough to tell the ring from the codes
+    if layer.coding.quantizers["keys"].bits == 4:  # where a step is wide enough to tell the ring from the codes
         assert (key_step[in_ring.expand_as(key_step)] > 1e-2).all()
 
 
@@ -275,9 +278,9 @@ def test_a_cropped_tokens_ring_slot_never_stands_for_an_older_token(fresh):
     cache.crop(-10)
     layer = cache.layers[0]
     assert layer.seen == ids.shape[1]
-    live_positions = layer.positions[layer.live]
+    live_positions = layer.positions()[layer.positions() >= 0]
     assert live_positions.max() == ids.shape[1] - 1
-    _ring = layer.recent_positions
+    _ring = layer.coding.residual_positions
     assert not (_ring[(live_positions % 8).long()] == live_positions).any()  # every recent slot was overwritten
     _assert_within_a_step(layer, exact_keys, exact_values, ring_in_use=False)
 
@@ -288,10 +291,10 @@ def test_rows_reordered_by_beam_search_keep_their_codes_and_rings(fresh):
     cache = CompressedCache(model, budget=40, kv_bits=8)
     with torch.no_grad():
         model(**batch, past_key_values=cache)
-    before = [layer.dense() for layer in cache.layers]
+    before = [tuple(part.clone() for part in layer.decoded()) for layer in cache.layers]
     cache.reorder_cache(torch.tensor([1, 0]))
     for (keys, values), layer in zip(before, cache.layers, strict=True):
-        after_keys, after_values = layer.dense()
+        after_keys, after_values = layer.decoded()
         assert torch.equal(after_keys, keys.flip(0)) and torch.equal(after_values, values.flip(0))
 
 
@@ -397,8 +400,8 @@ def test_keys_may_keep_more_bits_than_values(fresh):
         model(ids, past_key_values=cache)
     layer = cache.layers[0]
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    assert layer.keys.dtype == layer.values.dtype == torch.uint8
-    assert layer.keys.shape[-1] == head_dim and layer.values.shape[-1] == head_dim // 2
+    assert layer.storage.fields["keys"].dtype == layer.storage.fields["values"].dtype == torch.uint8
+    assert layer.storage.read("keys").shape[-1] == head_dim and layer.storage.read("values").shape[-1] == head_dim // 2
     kept = {}
     for bits, key_bits in ((8, None), (4, 8), (4, 5), (4, None)):
         sized = CompressedCache(model, memory_fraction=0.5, kv_bits=bits, key_bits=key_bits)
@@ -417,9 +420,9 @@ def test_keys_may_keep_more_bits_than_values(fresh):
     [
         ({}, 0.5, (4, 8)), ({}, 0.45, (4, 8)), ({}, 0.44, (4, 4)), ({}, 0.25, (4, 4)),
         ({"scoring": "attention+novelty"}, 0.3, (4, 4)),
-        ({"scoring": "reconstruction", "allocation": "global"}, 0.25, (4, 8)),
-        ({"scoring": "reconstruction", "allocation": "global"}, 0.2, (4, 8)),
-        ({"scoring": "reconstruction", "allocation": "global"}, 0.19, (4, 4)),
+        ({"scoring": "reconstruction", "allocation": "layers"}, 0.25, (4, 8)),
+        ({"scoring": "reconstruction", "allocation": "layers"}, 0.2, (4, 8)),
+        ({"scoring": "reconstruction", "allocation": "global"}, 0.19, (4, 4)),  # (the earlier spelling)
         ({"scoring": "reconstruction"}, 0.5, (4, 8)), ({"scoring": "reconstruction"}, 0.45, (4, 8)),
         ({"scoring": "reconstruction"}, 0.44, (4, 5)), ({"scoring": "reconstruction"}, 0.1, (4, 5)),
         ({"scoring": "reconstruction"}, 0.099, (4, 4)), ({"scoring": "reconstruction"}, 0.05, (4, 4)),
@@ -431,14 +434,15 @@ def test_a_byte_sized_cache_told_no_widths_takes_the_documented_ones(fresh, opti
     # when layers share it; when heads share it, keys in 5 bits from 10% to 45%; else both in 4; no exact residual
     # when heads share the budget.
     model, _ = fresh
-    policy = CompressedCache(model, memory_fraction=fraction, **options).policy
-    assert (policy.kv_bits, policy.key_bits) == widths
-    residual = 0 if options == {"scoring": "reconstruction"} else policy.recent_tokens
-    assert policy.exact_recent == residual
+    cache = CompressedCache(model, memory_fraction=fraction, **options)
+    stored = cache.options.storage
+    assert (stored.kv_bits, stored.key_bits) == widths
+    residual = 0 if options == {"scoring": "reconstruction"} else cache.options.size.recent_tokens
+    assert stored.residual_length == residual
     sized_by_hand = CompressedCache(
         model, memory_fraction=fraction, kv_bits=4, key_bits=widths[1], residual_length=residual, **options
     )
-    assert policy.entry_bytes == sized_by_hand.policy.entry_bytes  # a token costs what those widths cost
+    assert cache.policy.entry_bytes == sized_by_hand.policy.entry_bytes  # a token costs what those widths cost
 
 
 def test_five_bit_codes_need_a_head_size_in_eights():
@@ -454,7 +458,7 @@ def test_five_bit_codes_need_a_head_size_in_eights():
         with pytest.raises(ValueError, match=r"head_dim \(12\).*5-bit codes a multiple of 8"):
             CompressedCache(model, budget=40, **widths)
     cache = CompressedCache(model, memory_fraction=0.25, scoring="reconstruction")
-    assert (cache.policy.kv_bits, cache.policy.key_bits) == (4, 4)
+    assert (cache.options.storage.kv_bits, cache.options.storage.key_bits) == (4, 4)
     with torch.no_grad():
         model(torch.randint(3, 64, (1, 120), generator=torch.Generator().manual_seed(1)), past_key_values=cache)
     assert cache.kept_tokens < 120
@@ -462,9 +466,9 @@ def test_five_bit_codes_need_a_head_size_in_eights():
 
 def test_a_residual_length_given_to_a_byte_sized_cache_is_kept(fresh):
     model, _ = fresh
-    policy = CompressedCache(model, memory_fraction=0.1, scoring="reconstruction", residual_length=16).policy
-    assert policy.exact_recent == 16
-    assert CompressedCache(model, budget=40, kv_bits=4, scoring="reconstruction").policy.exact_recent == 32
+    options = CompressedCache(model, memory_fraction=0.1, scoring="reconstruction", residual_length=16).options
+    assert options.storage.residual_length == 16
+    assert CompressedCache(model, budget=40, kv_bits=4, scoring="reconstruction").options.storage.residual_length == 32
 
 
 @pytest.mark.parametrize(("bits", "held"), [(None, torch.float32), (16, torch.float16), (4, torch.float16)])
@@ -481,12 +485,12 @@ def test_waiting_steps_queries_are_held_in_the_storage_width(fresh, bits, held):
             position = torch.tensor([[ids.shape[1] + step]])
             model(token, past_key_values=cache, position_ids=position)
     layer = cache.layers[0]
-    waiting = [part for step in layer._pending.steps for part in step]
-    assert len(layer._pending) >= 1  # steps since the last eviction
+    waiting = layer.scorer.waiting.held_tensors()
+    assert len(layer.scorer.waiting) >= 1  # steps since the last eviction
     assert {part.dtype for part in waiting} == {held}
     config = model.config
     per_step = (config.num_attention_heads * config.head_dim + 2 * config.head_dim) * held.itemsize
-    assert sum(part.numel() * part.element_size() for part in waiting) == len(layer._pending) * per_step
+    assert sum(part.numel() * part.element_size() for part in waiting) == len(layer.scorer.waiting) * per_step
 
 
 # -- the exact residual (residual_length) -----------------------------------------------------------
@@ -500,7 +504,7 @@ def test_a_residual_of_any_length_reads_within_a_step_while_decoding(fresh, resi
     cache = CompressedCache(model, budget=48, kv_bits=4, eviction_interval=interval, residual_length=residual)
 
     def check(layer, exact_keys, exact_values):
-        assert layer.recent_keys.shape[2] == residual
+        assert layer.coding.residual_keys.shape[2] == residual
         _assert_within_a_step(layer, exact_keys, exact_values, ring_in_use=residual > 0)
 
     _decode_checking_each_pass(model, tokenizer, cache, steps=12, seed=2, check=check)
@@ -518,7 +522,7 @@ def test_the_residual_holds_exactly_its_own_bytes(fresh):
         held[residual] = cache.memory_bytes()
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    ring = cache.policy.recent_tokens * (2 * config.num_key_value_heads * head_dim * 2 + 4)
+    ring = cache.options.size.recent_tokens * (2 * config.num_key_value_heads * head_dim * 2 + 4)
     assert held[None] - held[0] == config.num_hidden_layers * ring
 
 
@@ -579,10 +583,10 @@ def test_coded_keys_read_turned_give_what_turning_them_back_gives(family, option
     ids = torch.randint(3, VOCAB, (1, 72), generator=torch.Generator().manual_seed(0))
     turned_back = CompressedCache(model, **options)
     for layer in turned_back.layers:
-        layer.reads_turned_keys = False
+        layer.coding.rotated_reads = False
     expected = _passes(model, turned_back, ids, steps=12)
     cache = CompressedCache(model, **options)
-    assert all(layer.reads_turned_keys == (family not in ("qwen3", "gemma3")) for layer in cache.layers)
+    assert all(layer.coding.rotated_reads == (family not in ("qwen3", "gemma3")) for layer in cache.layers)
     decoded = []
     original_decode = Quantizer.decode
 
@@ -595,9 +599,7 @@ def test_coded_keys_read_turned_give_what_turning_them_back_gives(family, option
         logits = _passes(model, cache, ids, steps=12)
     for got, want in zip(logits, expected, strict=True):
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
-    units = [unit for layer in cache.layers for unit in getattr(layer, "units", (layer,))]
-    oracle = [unit for layer in turned_back.layers for unit in getattr(layer, "units", (layer,))]
-    for unit, reference in zip(units, oracle, strict=True):
-        assert torch.equal(unit.kept_positions(), reference.kept_positions())
-        torch.testing.assert_close(unit.scores, reference.scores, atol=1e-5, rtol=1e-4)
+    for layer, reference in zip(cache.layers, turned_back.layers, strict=True):
+        assert torch.equal(layer.kept_positions(), reference.kept_positions())
+        torch.testing.assert_close(layer.scores(), reference.scores(), atol=1e-5, rtol=1e-4)
     assert decoded and any(decoded) == (family in ("qwen3", "gemma3"))

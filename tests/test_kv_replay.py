@@ -52,7 +52,7 @@ def test_replay_scores_follow_prefix_overlap_and_scope(tiny, tiny_model_dir, chu
     ids = tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :40]
     sinks = 2
     cache = CompressedCache(
-        eager, compression_ratio=0.0, scoring="reconstruction", allocation="global", sink_tokens=sinks,
+        eager, compression_ratio=0.0, scoring="reconstruction", allocation="layers", sink_tokens=sinks,
         recent_tokens=1, reconstruction_chunk=chunk, replay_prefix=list(prefix), replay_overlap=overlap,
         replay_scope=scope, replay="forward",
     )  # fmt: skip
@@ -60,8 +60,10 @@ def test_replay_scores_follow_prefix_overlap_and_scope(tiny, tiny_model_dir, chu
         eager(ids, past_key_values=cache)
     expected = _expected_replay_scores(eager, ids, chunk, prefix, overlap, scope, sinks)
     for layer, scores in zip(cache.layers, expected, strict=True):
-        assert layer.slots == ids.shape[1]  # the replayed pieces were forgotten
-        torch.testing.assert_close(layer.scores[0], scores, atol=1e-5, rtol=1e-4)
+        # The replayed pieces were forgotten: each head holds the prompt's tokens alone.
+        assert torch.as_tensor(layer.storage.lengths_host).tolist() == [[ids.shape[1]] * layer.storage.heads]
+        assert torch.equal(layer.kept_positions()[0], torch.arange(ids.shape[1]).int().expand(layer.storage.heads, -1))
+        torch.testing.assert_close(layer.scores()[0], scores, atol=1e-5, rtol=1e-4)
 
 
 def test_replay_options_change_the_scores_and_the_default_is_the_plain_replay(tiny, tiny_model_dir):
@@ -72,12 +74,12 @@ def test_replay_options_change_the_scores_and_the_default_is_the_plain_replay(ti
 
     def scores(**options):
         cache = CompressedCache(
-            eager, compression_ratio=0.0, scoring="reconstruction", allocation="global", reconstruction_chunk=16,
+            eager, compression_ratio=0.0, scoring="reconstruction", allocation="layers", reconstruction_chunk=16,
             **options,
         )  # fmt: skip
         with torch.no_grad():
             eager(ids, past_key_values=cache)
-        return torch.stack([layer.scores for layer in cache.layers])
+        return torch.stack([layer.scores() for layer in cache.layers])
 
     plain = scores()
     torch.testing.assert_close(plain, scores(replay_prefix=(), replay_overlap=0, replay_scope="prompt"))
@@ -94,9 +96,13 @@ def test_replay_options_evict_to_the_target_under_heads(fresh_tiny):
     )  # fmt: skip
     with torch.no_grad():
         model(ids, past_key_values=cache)
-    assert sum(unit.kept for unit in cache.units) == len(cache.units) * 20
+    assert cache.options.size.allocation == "heads"
+    counts = [int(count) for layer in cache.layers for count in torch.as_tensor(layer.storage.lengths_host).flatten()]
+    assert sum(counts) == len(counts) * 20
     assert cache.get_seq_length() == ids.shape[1]
-    assert all(unit.replay_span is None and not unit.replaying for unit in cache.units)
+    for layer in cache.layers:
+        assert layer.scorer.replay_span is None and not layer.scorer.replaying and not layer.transient
+        assert bool((layer.positions() < ids.shape[1]).all())  # the replayed pieces were forgotten
 
 
 @pytest.mark.parametrize(
@@ -121,7 +127,7 @@ def test_a_tensor_prefix_is_taken_as_token_ids(fresh_tiny):
     model, _ = fresh_tiny
     prefix = torch.tensor([[4, 5]])
     cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", replay_prefix=prefix)
-    assert cache.policy.replay_prefix == (4, 5)
+    assert cache.options.replay.prefix == (4, 5)
 
 
 def test_output_norm_weighting_follows_kvzip_plus(tiny, tiny_model_dir):
@@ -148,7 +154,7 @@ def test_output_norm_weighting_follows_kvzip_plus(tiny, tiny_model_dir):
     for handle in handles:
         handle.remove()
     cache = CompressedCache(
-        eager, compression_ratio=0.0, scoring="reconstruction", allocation="global", replay_output_norms=True
+        eager, compression_ratio=0.0, scoring="reconstruction", allocation="layers", replay_output_norms=True
     )
     with torch.no_grad():
         eager(ids, past_key_values=cache)
@@ -160,17 +166,18 @@ def test_output_norm_weighting_follows_kvzip_plus(tiny, tiny_model_dir):
         output_norms = torch.einsum("xhd,htd->htx", blocks, per_head_values).norm(dim=-1)  # [heads, prompt]
         weighted = weights[0, :, length:, :length] / hidden_norms[None, :, None] * output_norms[:, None, :]
         expected = weighted.amax(dim=1).view(kv_heads, -1, length).amax(dim=1)
-        torch.testing.assert_close(layer.scores[0], expected, atol=1e-5, rtol=1e-4)
-    plain = CompressedCache(eager, compression_ratio=0.0, scoring="reconstruction", allocation="global")
+        torch.testing.assert_close(layer.scores()[0], expected, atol=1e-5, rtol=1e-4)
+    plain = CompressedCache(eager, compression_ratio=0.0, scoring="reconstruction", allocation="layers")
     with torch.no_grad():
         eager(ids, past_key_values=plain)
-    assert not torch.allclose(plain.layers[0].scores, cache.layers[0].scores, atol=1e-4)
-    assert all(layer.replay_weights is None for layer in cache.units)
+    assert not torch.allclose(plain.layers[0].scores(), cache.layers[0].scores(), atol=1e-4)
+    assert all(layer.scorer.replay_weights is None for layer in cache.layers)
 
 
 def test_each_head_stored_apart_scores_as_its_layer_does_under_every_replay_option(tiny, tiny_model_dir):
-    """``allocation="heads"`` hands each KV head its own query heads' weights: its replay scores equal the ones the
-    whole layer gives that head."""
+    """``allocation="heads"`` (each KV head a segment of its own length) weighs each KV head by its own query heads:
+    its replay scores equal the ones a layer whose heads keep one number (``allocation="layers"``) gives that
+    head."""
     _, tokenizer = tiny
     eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
     ids = tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :40]
@@ -178,13 +185,15 @@ def test_each_head_stored_apart_scores_as_its_layer_does_under_every_replay_opti
         "compression_ratio": 0.0, "scoring": "reconstruction", "reconstruction_chunk": 16, "replay_prefix": [5, 6],
         "replay_overlap": 4, "replay_scope": "chunk", "replay_output_norms": True,
     }  # fmt: skip
-    whole = CompressedCache(eager, allocation="global", **options)
+    whole = CompressedCache(eager, allocation="layers", **options)
     apart = CompressedCache(eager, allocation="heads", **options)
     with torch.no_grad():
         eager(ids, past_key_values=whole)
         eager(ids, past_key_values=apart)
     kv_heads = eager.config.num_key_value_heads
-    for index, layer in enumerate(whole.layers):
+    for layer, heads in zip(whole.layers, apart.layers, strict=True):
+        assert heads.storage.heads == kv_heads
+        assert torch.equal(heads.positions(), layer.positions())
+        whole_scores, apart_scores = layer.scores(), heads.scores()
         for head in range(kv_heads):
-            unit = apart.units[index * kv_heads + head]
-            torch.testing.assert_close(unit.scores[0, 0], layer.scores[0, head], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(apart_scores[0, head], whole_scores[0, head], atol=1e-6, rtol=1e-5)

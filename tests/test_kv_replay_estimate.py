@@ -19,13 +19,14 @@ PROMPT = torch.randint(3, 384, (1, 40), generator=torch.Generator().manual_seed(
 def _scores(model, replay: str, **options) -> list[torch.Tensor]:
     """Per layer ``[kv_heads, tokens]``: the reconstruction scores of ``PROMPT``, nothing evicted."""
     cache = CompressedCache(
-        model, compression_ratio=0.0, scoring="reconstruction", allocation="global", sink_tokens=0,
+        model, compression_ratio=0.0, scoring="reconstruction", allocation="layers", sink_tokens=0,
         reconstruction_chunk=options.pop("chunk", 16), replay=replay, **options,
     )  # fmt: skip
     with torch.no_grad():
         model(PROMPT, past_key_values=cache)
-    assert all(layer.slots == PROMPT.shape[1] for layer in cache.layers)
-    return [layer.scores[0] for layer in cache.layers]
+    for layer in cache.layers:  # every head holds the prompt alone, each token in its own slot
+        assert torch.equal(layer.positions()[0], torch.arange(PROMPT.shape[1]).int().expand(layer.storage.heads, -1))
+    return [layer.scores()[0] for layer in cache.layers]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -134,14 +135,19 @@ def test_the_estimate_feeds_no_second_pass_and_evicts_to_a_byte_size():
             model(ids, past_key_values=cache)
         assert len(calls) == passes
         assert cache.memory_bytes() <= 0.25 * full_cache_bytes(model, ids.shape[1], element_size=2)
-        assert len({unit.kept for unit in cache.units}) > 1
+        assert len(set(_head_counts(cache))) > 1
+
+
+def _head_counts(cache) -> list[int]:
+    """Per (layer, row, KV head): the tokens it keeps."""
+    return [int(count) for layer in cache.layers for count in torch.as_tensor(layer.storage.lengths_host).flatten()]
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"replay": "later"}, "replay must be one of 'auto', 'forward', 'prompt_queries'"),
-        ({"allocation": "uniform"}, "needs allocation 'heads' or 'global'"),
+        ({"allocation": "uniform"}, "needs allocation 'heads' or 'layers'"),
         ({"observation_window": 8}, "needs observation_window=None"),
         ({"replay_prefix": [5]}, "needs no replay_prefix"),
         ({"replay_overlap": 2}, "needs replay_overlap=0"),
@@ -168,8 +174,10 @@ def test_the_kv_replay_field_reaches_the_cache_and_the_command_line(tiny, tiny_m
 
     model, tokenizer = tiny
     strategy = Strategy(kv_memory_fraction=0.25, kv_scoring="reconstruction", kv_replay="prompt_queries")
-    assert strategy.plan(model).cache.policy.replay == "prompt_queries"
-    assert Strategy(kv_memory_fraction=0.25, kv_scoring="reconstruction").plan(model).cache.policy.replay == "auto"
+    assert strategy.plan(model).cache.options.replay.mode == "prompt_queries"
+    assert Strategy(kv_memory_fraction=0.25, kv_scoring="reconstruction").plan(model).cache.options.replay.mode == (
+        "auto"
+    )
     prompt = "The class statement creates a new class object and binds it to a name. " * 4
     expected = generate_text(model, tokenizer, [prompt], strategy, max_new_tokens=8)[0]
     code = main(["generate", prompt, "--model", str(tiny_model_dir), "--max-new-tokens", "8", "--kv-memory", "0.25",
@@ -212,10 +220,11 @@ def test_rows_of_a_batch_keep_and_decode_what_each_keeps_alone(tiny, size):
                               max_new_tokens=10)  # fmt: skip
     assert torch.equal(together, torch.cat(alone))
     for row in range(2):
-        for unit, own in zip(caches[2].units, caches[row].units, strict=True):
-            kept, expected = unit.kept_positions()[row], own.kept_positions()[0]  # -1: a row keeping fewer
-            assert torch.equal(kept[kept >= 0], expected[expected >= 0])
-    assert all(unit.kept >= 36 for unit in caches[2].units)  # no head below the sinks and the recent window
+        for layer, own in zip(caches[2].layers, caches[row].layers, strict=True):
+            for head in range(layer.storage.heads):
+                kept, expected = layer.kept_positions()[row, head], own.kept_positions()[0, head]  # -1: keeping fewer
+                assert torch.equal(kept[kept >= 0], expected[expected >= 0])
+    assert min(_head_counts(caches[2])) >= 36  # no head below the sinks and the recent window
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -229,11 +238,11 @@ def test_half_precision_estimates_follow_the_float32_one(tiny, dtype):
     ids = torch.randint(3, 384, (1, 64), generator=torch.Generator().manual_seed(3))
 
     def scores(model):
-        cache = CompressedCache(model, compression_ratio=0.0, scoring="reconstruction", allocation="global",
+        cache = CompressedCache(model, compression_ratio=0.0, scoring="reconstruction", allocation="layers",
                                 reconstruction_chunk=32, replay="prompt_queries")  # fmt: skip
         with torch.no_grad():
             model(ids, past_key_values=cache)
-        return torch.stack([layer.scores.float() for layer in cache.layers])
+        return torch.stack([layer.scores().float() for layer in cache.layers])
 
     exact = scores(model)
     half = scores(build_model(tokenizer, num_layers=2).to(dtype))
@@ -246,7 +255,7 @@ def test_a_one_token_prompt_and_a_later_pass_are_not_replayed():
     model = build_family_model("llama")
     cache = CompressedCache(model, budget=36, scoring="reconstruction", replay="prompt_queries")
     output = model.generate(PROMPT[:, :1], past_key_values=cache, do_sample=False, max_new_tokens=50, pad_token_id=2)
-    assert output.shape[1] == 51 and all(unit.kept <= 37 for unit in cache.units)
+    assert output.shape[1] == 51 and max(_head_counts(cache)) <= 37
 
 
 def test_a_prompt_given_as_embeddings_needs_no_token_ids_to_be_estimated():
@@ -260,11 +269,12 @@ def test_a_prompt_given_as_embeddings_needs_no_token_ids_to_be_estimated():
                                 recent_tokens=4, replay=replay)  # fmt: skip
         with torch.no_grad():
             model(**prompt, past_key_values=cache)
-        return [unit.kept_positions() for unit in cache.units]
+        return [layer.kept_positions() for layer in cache.layers]
 
     by_embeddings, by_ids = kept("prompt_queries", inputs_embeds=embeddings), kept("prompt_queries", input_ids=PROMPT)
     assert all(torch.equal(a, b) for a, b in zip(by_embeddings, by_ids, strict=True))
-    assert sum(part.shape[-1] for part in by_ids) == len(by_ids) * PROMPT.shape[1] // 2
+    heads = sum(part.shape[0] * part.shape[1] for part in by_ids)  # (layer, row, KV head)s
+    assert sum(int((part >= 0).sum()) for part in by_ids) == heads * PROMPT.shape[1] // 2
     with pytest.raises(ValueError, match="needs the first forward pass to receive the whole prompt's input_ids"):
         kept("forward", inputs_embeds=embeddings)
 
@@ -295,7 +305,7 @@ def test_auto_estimates_where_a_head_keeps_half_the_prompt_and_replays_elsewhere
         with torch.no_grad():
             model(ids, past_key_values=cache)
         assert len(calls) == (1 if estimated else 1 + 3)
-        kept[replay] = [unit.kept_positions() for unit in cache.units]
+        kept[replay] = [layer.kept_positions() for layer in cache.layers]
     if len(kept) == 2:
         (auto, named) = kept.values()
         assert all(torch.equal(a, b) for a, b in zip(auto, named, strict=True))
@@ -312,7 +322,8 @@ def test_auto_takes_a_prompt_given_as_embeddings_only_where_it_estimates():
                                 recent_tokens=4)  # fmt: skip
         if ratio == 0.5:
             model(inputs_embeds=embeddings, past_key_values=cache)
-            assert sum(unit.kept for unit in cache.units) == len(cache.units) * PROMPT.shape[1] // 2
+            counts = _head_counts(cache)
+            assert sum(counts) == len(counts) * PROMPT.shape[1] // 2
         else:
             with pytest.raises(ValueError, match="with a replay pass needs the first forward pass to receive"):
                 model(inputs_embeds=embeddings, past_key_values=cache)

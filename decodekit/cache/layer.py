@@ -11,6 +11,7 @@ A forward pass goes ``begin_pass`` (the mask it needs), ``observe`` (its queries
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from collections.abc import Callable
@@ -113,6 +114,16 @@ class CompressedLayer(CacheLayerMixin):
         # next steps' tokens will have, written by the last eviction: those steps write their keys and values alone.
         self._quiet_steps = 0
         self._prepared: tuple[int, int] | None = None  # (the storage's keys tensor id, the first slot not prepared)
+
+    def __deepcopy__(self, memo: dict) -> CompressedLayer:
+        """A deep copy whose device count of tokens seen is its own count's memory again (as on a CPU)."""
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            setattr(copied, name, value if name == "module" else copy.deepcopy(value, memo))
+        if self.seen_device is not None and self.seen_device.device.type == "cpu":
+            copied.seen_device = torch.from_numpy(copied._seen)
+        return copied
 
     # -- what transformers asks -------------------------------------------------------------------------------------
 
@@ -402,11 +413,11 @@ class CompressedLayer(CacheLayerMixin):
         and no more (a fixed target's segments at most its target and one step's token), freeing the rest."""
         storage = self.storage
         lengths = storage.lengths_host
-        if self.static_capacity:  # the most a fixed target holds: its target and a step's token, in every segment
+        if self.policy.fixed_target(self.rows) is not None:  # the most a fixed target holds: it and a step's token
             wanted = np.maximum(self.targets() + 1, lengths)
         else:
             wanted = lengths + self.policy.growth_room()
-        if self.static_capacity or self.shares is None:
+        if self.shares is None or self.options.size.allocation != "heads":
             wanted = np.full_like(wanted, wanted.max())
         storage.resize(wanted)
 
@@ -581,7 +592,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.padding_held:
             self._drop_padding()
         prompt = self.matched and self.prompt_queries is not None
-        before = self.decoded() if prompt else None
+        before = tuple(part.clone() for part in self.decoded()) if prompt else None  # (the eviction moves entries)
         longest = self.longest
         priority = self.priority(longest)
         valid = storage.valid(longest)
@@ -700,6 +711,8 @@ class CompressedLayer(CacheLayerMixin):
             return []
         held = [*self.storage.held_tensors(), *self.coding.held_tensors(), *self.scorer.held_tensors(),
                 self.pads_device]  # fmt: skip
+        if self.seen_device is not None:
+            held.append(self.seen_device)
         if self.prompt_queries is not None:
             held.extend(part for part in (self.prompt_queries.columns, self.prompt_queries.cos,
                                           self.prompt_queries.sin) if part is not None)  # fmt: skip

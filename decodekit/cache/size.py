@@ -125,13 +125,13 @@ def entry_bytes(
         ring = 2 * residual_length * head_dim * stored + residual_length * 4 / kv_heads
     if widths[0] in CODED_BITS:  # the Hadamard matrix that turns coded keys, one for the whole cache
         ring += rotation_block(head_dim) ** 2 * 4 / units
-    bookkeeping = 4 + (4 if value_norms else 0) + 4 + 1  # score, value norm, position, live
+    bookkeeping = 4 + (4 if value_norms else 0) + 4  # score, value norm, position
     # The queries of the steps waiting to be scored, with their rotation (held in 16 bits when keys and values are
     # stored in 16 bits or fewer), and the reserved slots.
     waiting = eviction_interval * (query_heads * head_dim + 2 * head_dim) * min(stored, element) / kv_heads
     kept = sum(coded) + bookkeeping
     reserved = (reserved_room(eviction_interval, grows=True) + 1) * kept  # a size in bytes grows with the tokens
-    padding = 32 / kv_heads  # the row's padding, a free-slot index and its allocated share (allocation="global")
+    padding = 32 / kv_heads  # the row's padding and count of tokens seen, each segment's start and length
     biased = min(matched_layers, config.num_hidden_layers) * kv_heads  # the (layer, KV head) pairs that hold biases
     return EntryBytes(
         kept, ring + waiting + reserved + padding, 2 * head_dim * 2, units,

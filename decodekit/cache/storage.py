@@ -13,6 +13,7 @@ the device (``lengths``, sharing the host's memory on a CPU).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -78,6 +79,16 @@ class EntryStorage:
         self.device = torch.device(device)
         self._set_host_lengths(np.zeros((batch, heads), dtype=np.int64))
         self._lay_out(np.full((batch, heads), capacity, dtype=np.int64), None)
+
+    def __deepcopy__(self, memo: dict) -> EntryStorage:
+        """A deep copy whose device lengths share its own host lengths' memory again (on a CPU)."""
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        if self.device.type == "cpu":
+            copied.lengths = torch.from_numpy(copied._lengths_host)
+        return copied
 
     def _set_host_lengths(self, lengths: np.ndarray) -> None:
         """Hold ``lengths`` as the host's lengths, and the device's (a view of them on a CPU)."""
@@ -290,8 +301,13 @@ class EntryStorage:
         order; ``counts`` (host ``[batch, heads]``, or one int) of them in each segment, the others dropped."""
         count = slots.shape[-1]
         starts = self.starts[..., None]
-        source = (starts + slots).flatten()
-        target = (starts + torch.arange(count, device=self.device)).flatten()
+        place = torch.arange(count, device=self.device)
+        source, target = starts + slots, starts + place
+        if not isinstance(counts, int):  # lanes past a segment's count write the scratch slot
+            kept = torch.from_numpy(np.ascontiguousarray(counts)).to(self.device)[..., None]
+            source = torch.where(place < kept, source, self.flat_slots)
+            target = torch.where(place < kept, target, self.flat_slots)
+        source, target = source.flatten(), target.flatten()
         for tensor in self.flat.values():
             tensor.index_copy_(0, target, tensor.index_select(0, source))
         self.set_lengths(counts)

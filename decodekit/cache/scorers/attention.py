@@ -138,4 +138,8 @@ class AttentionScorer:
         self.waiting_from = None
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return self.waiting.held_tensors()
+        """The waiting steps' queries and rotation, and each segment's first waiting slot where they differ."""
+        held = self.waiting.held_tensors()
+        if isinstance(self.waiting_from, torch.Tensor):
+            held.append(self.waiting_from)
+        return held

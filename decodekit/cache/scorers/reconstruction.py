@@ -176,6 +176,7 @@ def replay_prompt(cache, model: nn.Module, input_ids: torch.Tensor | None) -> No
     for layer in layers:
         layer.waits_for_prompt_scores = False
         layer.evict(length)
+        layer.fit_capacity()
 
 
 def _replay_forward(cache, model: nn.Module, input_ids: torch.Tensor, length: int) -> None:
