@@ -59,7 +59,7 @@ def print_top(title: str, events, microseconds, tokens: int, top: int) -> None:
 
 
 def compiled_step_parser(description: str) -> argparse.ArgumentParser:
-    """The arguments of a benchmark of compiled decoding steps (this one, ``kv_compiled_bound.py``): the device, the
+    """The arguments of a benchmark of compiled decoding steps (this one): the device, the
     model's shape, the prompt's length and ``torch.compile``'s mode."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

@@ -125,14 +125,14 @@ def test_a_budget_holds_after_prefill_and_throughout_decoding(fresh, interval):
     assert all(max(slots) <= budget + 1 for slots in recorder.slots)  # + the slot the next token takes
     assert cache.get_seq_length() == batch["input_ids"].shape[1] + 79
     # By hand: per slot fp32 keys and values, a position, a score and a value norm; one scratch slot; each segment's
-    # start and length (int64) and each row's padding (int64). Nothing else is held between steps (no waiting steps:
-    # a padded batch scores every step).
+    # start and length (int64), each row's padding (int64) and the count of tokens seen (int64). Nothing else is held
+    # between steps (no waiting steps: a padded batch scores every step).
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     rows, heads = batch["input_ids"].shape[0], config.num_key_value_heads
     per_slot = 2 * head_dim * 4 + 4 + 4 + 4
-    expected = sum((rows * heads * layer.storage.capacity + 1) * per_slot + 2 * rows * heads * 8 + rows * 8
-                   for layer in cache.layers)  # fmt: skip
+    expected = sum((rows * heads * layer.storage.capacity + 1) * per_slot + 2 * rows * heads * 8 + rows * 8 + 8
+                   for layer in cache.layers)  # fmt: skip  (+ the count of tokens seen, on the device: int64)
     assert cache.memory_bytes() == expected
 
 

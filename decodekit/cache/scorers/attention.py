@@ -69,7 +69,7 @@ class AttentionScorer:
             stored = layer.coding.stored_dtype
             if stored.itemsize < columns.dtype.itemsize:  # held in the storage's 16 bits
                 columns, cos, sin = columns.to(stored), cos.to(stored), sin.to(stored)
-            self.waiting.add((columns, cos, sin), scaling=step.scaling, room=self.options.size.eviction_interval)
+            self.waiting.add((columns, cos, sin), scaling=step.scaling)
             self.to_queries = step.to_queries
             return
         self.flush(layer)
