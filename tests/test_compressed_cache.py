@@ -198,11 +198,12 @@ def test_decoding_one_prompt_holds_budget_plus_one_slots_and_matches_the_padded_
         storage_bytes(tensor for layer in alone_cache.layers for tensor in layer.storage.flat.values()).values()
     )
     assert entries <= config.num_hidden_layers * (config.num_key_value_heads * (budget + 1) + 1) * per_slot
-    # Beyond the entries: each segment's start and length and the row's padding (int64 each) and at most
+    # Beyond the entries: each segment's start and length, the row's padding and the count of tokens seen (int64
+    # each) and at most
     # ``interval - 1`` waiting steps' queries (fp32, every query head) with their rotation (cos and sin, shared by the
     # layers).
     waiting = (interval - 1) * (config.num_hidden_layers * config.num_attention_heads + 2) * head_dim * 4
-    counts = config.num_hidden_layers * (2 * config.num_key_value_heads * 8 + 8)
+    counts = config.num_hidden_layers * (2 * config.num_key_value_heads * 8 + 8 + 8)  # (+ the count of tokens seen)
     assert alone_cache.memory_bytes() - entries <= counts + waiting
 
 
@@ -570,7 +571,11 @@ def test_reconstruction_scores_are_the_most_attention_a_replayed_prompt_pays(tin
 
     seen = []
     original = reconstruction.union_of_ranks
-    monkeypatch.setattr(reconstruction, "union_of_ranks", lambda a, b, v: seen.append((a.clone(), b.clone())) or original(a, b, v))
+    def capture(attention, replay, valid):
+        seen.append((attention.clone(), replay.clone()))
+        return original(attention, replay, valid)
+
+    monkeypatch.setattr(reconstruction, "union_of_ranks", capture)
     _, tokenizer = tiny
     eager = LlamaForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").eval()
     ids = _batch(tokenizer, [PROMPTS[1] + " " + PROMPTS[0]])["input_ids"]

@@ -238,12 +238,12 @@ def test_compiled_steps_filling_a_budget_longer_than_the_prompt_take_the_same_nu
     slots, as StaticCache makes ``max_cache_len``), the steps fill it and then evict one token each: past the first
     two compiled steps one graph runs, given the same numbers at every step (each segment's length is counted on the
     device) and returning the logits alone, through the step that fills the budget and the evictions after it; the
-    tokens are eager decoding's, and the host's counts, read after the steps, are the kept entries. ``spare``: the budget's slots the prompt leaves
-    unfilled (0: none, the prompt fills the budget; 1: the room holds one dead slot besides the freed one; 80: more
-    than the steps fill, so no step evicts); with keys and values in 4 bits too, and for a left-padded batch (whose
-    second row holds half the tokens, so that it fills up even where the first fills the budget, or overflows it:
-    -40, a budget between the rows' lengths, where the prompt's eviction leaves the second row fewer dead slots
-    than its padding)."""
+    tokens are eager decoding's, and the host's counts, read after the steps, are the kept entries. ``spare``: the
+    budget's slots the prompt leaves unfilled (0: none, the prompt fills the budget; 1: the room holds one dead slot
+    besides the freed one; 80: more than the steps fill, so no step evicts); with keys and values in 4 bits too, and
+    for a left-padded batch (whose second row holds half the tokens, so that it fills up even where the first fills
+    the budget, or overflows it: -40, a budget between the rows' lengths, where the prompt's eviction leaves the
+    second row fewer dead slots than its padding)."""
     model, tokenizer = fresh
     batch = prompt_batch(tokenizer, rows=2, padded=padded)
     prompt = batch["input_ids"]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+import decodekit.cache.attention as attention
 from decodekit.cache import CompressedCache
-from decodekit.cache import attention
 from decodekit.cache.coding import PlainCoding, QuantizedCoding
 from decodekit.cache.storage import EntryStorage, Field
 from tests.decode_steps import prompt_batch

@@ -30,7 +30,7 @@ from decodekit import (
     generate_text,
 )
 from decodekit import models as models_module
-from decodekit.cache.policy import EvictionPolicy
+from decodekit.cache.options import SizeOptions
 from decodekit.cli import main
 from decodekit.decoders import LengthNormalization, beam_search
 from decodekit.demo.engine import GENERATION_THREAD, stream
@@ -283,7 +283,7 @@ def test_every_real_number_type_is_accepted_alike(value, expected):
 def test_integer_types_are_accepted_and_bools_rejected_everywhere():
     strategy = Strategy(top_k=np.int64(5), num_beams=None, kv_budget=torch.tensor(64))
     assert (strategy.top_k, strategy.kv_budget) == (5, 64) and type(strategy.top_k) is int
-    assert EvictionPolicy(budget=np.int32(64)).budget == 64
+    assert SizeOptions(budget=np.int32(64)).budget == 64 and type(SizeOptions(budget=np.int32(64)).budget) is int
     for fields in ({"temperature": True}, {"top_p": np.bool_(True)}, {"top_k": True}, {"kv_budget": True},
                    {"frequency_penalty": False}, {"top_k": 2.5}, {"num_beams": 2.0}):  # fmt: skip
         with pytest.raises(ValueError, match=f"{next(iter(fields))} must be"):

@@ -121,7 +121,7 @@ def test_a_cache_strategy_builds_a_fresh_compressed_cache_per_call(tiny):
     first, second = strategy.generate_kwargs(model), strategy.generate_kwargs(model)
     assert isinstance(first["past_key_values"], CompressedCache)
     assert first["past_key_values"] is not second["past_key_values"]
-    assert first["past_key_values"].policy.budget == 64
+    assert first["past_key_values"].options.size.budget == 64
     with pytest.raises(ValueError, match="need the model"):
         strategy.generate_kwargs()
 
@@ -129,8 +129,8 @@ def test_a_cache_strategy_builds_a_fresh_compressed_cache_per_call(tiny):
 @pytest.mark.parametrize(
     ("fields", "interval", "residual"),
     [
-        ({"kv_budget": 64}, 8, None),  # the cache's own defaults
-        ({"kv_budget": 64, "kv_eviction_interval": 1}, 1, None),
+        ({"kv_budget": 64}, 8, 32),  # the cache's own defaults (the residual window: the recent tokens)
+        ({"kv_budget": 64, "kv_eviction_interval": 1}, 1, 32),
         ({"kv_budget": 64, "kv_bits": 8, "kv_eviction_interval": 5, "kv_residual_length": 0}, 5, 0),
         ({"kv_bits": 4, "kv_residual_length": 3}, 8, 3),  # every token kept, in 4 bits
         ({"kv_memory_fraction": 0.25, "kv_residual_length": 16}, 8, 16),
@@ -138,5 +138,5 @@ def test_a_cache_strategy_builds_a_fresh_compressed_cache_per_call(tiny):
 )
 def test_the_eviction_interval_and_residual_fields_reach_the_cache(tiny, fields, interval, residual):
     model, _ = tiny
-    policy = Strategy(**fields).generate_kwargs(model)["past_key_values"].policy
-    assert (policy.eviction_interval, policy.residual_length) == (interval, residual)
+    options = Strategy(**fields).generate_kwargs(model)["past_key_values"].options
+    assert (options.size.eviction_interval, options.storage.residual_length) == (interval, residual)

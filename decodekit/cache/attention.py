@@ -74,10 +74,10 @@ def read_decoded(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoding step's attention over decoded ``keys`` and ``values`` ``[batch, kv_heads, slots, head_dim]`` (float32)
-    for ``query`` ``[batch, heads, 1, head_dim]``, with the pass's ``mask`` (``[batch, heads, 1, slots]``, boolean or
-    logit offsets; None: every slot) and a logit cap. Returns the output ``[batch, 1, heads, head_dim]`` in the query's
-    dtype and each entry's probability summed over the query heads that share its KV head, ``[batch, kv_heads,
-    slots]``, for its score.
+    for ``query`` ``[batch, heads, 1, head_dim]``, with the pass's ``mask`` (per KV head ``[batch, kv_heads, 1,
+    slots]`` or per query head ``[batch, heads, 1, slots]``, boolean or logit offsets; None: every slot) and a logit
+    cap. Returns the output ``[batch, 1, heads, head_dim]`` in the query's dtype and each entry's probability summed
+    over the query heads that share its KV head, ``[batch, kv_heads, slots]``, for its score.
 
     Example:
         >>> keys, values = torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
@@ -92,8 +92,9 @@ def read_decoded(
     logits = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scaling)  # [batch, kv_heads, group, slots]
     if softcap is not None:
         logits.div_(softcap).tanh_().mul_(softcap)
-    if mask is not None:  # (the model's own mask may have one head)
-        mask = mask.expand(batch, heads, 1, slots).reshape(batch, kv_heads, group, slots)
+    if mask is not None:
+        if mask.shape[1] == heads and heads != kv_heads:  # (a mask per query head: grouped)
+            mask = mask.reshape(batch, kv_heads, group, slots)
         logits = logits.masked_fill_(~mask, -math.inf) if mask.dtype == torch.bool else logits.add_(mask)
     probabilities = logits.softmax(dim=-1)
     output = torch.matmul(probabilities, values)  # [batch, kv_heads, group, head_dim]

@@ -175,20 +175,22 @@ class QuantizedCoding:
         residual window still holds exact; keys rotated where reads are rotated. ``valid``: the slots that hold an
         entry, ``[batch, heads, stop]`` (None: from the host's lengths); ``dtype``: default the model's."""
         dtype = dtype or self.model_dtype
+        coded = ("keys", "values", "key_scales", "key_offsets", "value_scales", "value_offsets")
+        names = [name for name in coded if name in storage.fields] + (["positions"] if self.residual_length else [])
+        read = storage.read_many(names, stop)
         decoded = []
         for part in PARTS:
             quantizer = self.quantizers[part]
             if quantizer is None:
-                decoded.append(storage.read(part, stop).to(dtype, copy=True))
+                decoded.append(read[part].to(dtype, copy=True))
                 continue
             prefix = part[:-1]
-            coded = {name: storage.read(field, stop) for name, field in
-                     (("codes", part), ("scales", f"{prefix}_scales"), ("offsets", f"{prefix}_offsets"))}  # fmt: skip
+            coded = {"codes": read[part], "scales": read[f"{prefix}_scales"], "offsets": read[f"{prefix}_offsets"]}
             rotated = part == "keys" and self.rotated_reads
             decoded.append(quantizer.decode(coded, dtype, turn_back=not rotated))
         keys, values = decoded
         if self.residual_length:
-            positions = storage.read("positions", stop)
+            positions = read["positions"]
             if valid is None and (not storage.equal_lengths or storage.length_range[0] < stop):
                 valid = storage.valid(stop)
             if valid is not None:

@@ -30,7 +30,8 @@ def check(layer) -> None:
     if not layer.static_capacity or not layer.storage.rectangular:
         raise ValueError(
             "compiled decoding steps need a size fixed in tokens or bytes (budget or max_bytes) and allocation "
-            "'uniform' or 'layers': sizes that grow with the tokens seen, and heads of their own lengths, decode eagerly"
+            "'uniform' or 'layers': sizes that grow with the tokens seen, and heads of their own lengths, decode "
+            "eagerly"
         )
     if layer.padding_held:
         raise ValueError(

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from decodekit.cache import attention
+import decodekit.cache.attention as attention
 from decodekit.cache.coding import PlainCoding, QuantizedCoding
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.observer import bind, queries_can_rotate
@@ -92,7 +92,8 @@ class CompressedCache(Cache):
         layers = []
         for index, module in enumerate(modules):
             coding = _coding(stored)
-            coding.rotated_reads = coding.quantized and coding.quantizers["keys"] is not None and queries_can_rotate(module)
+            keys_coded = coding.quantized and coding.quantizers["keys"] is not None
+            coding.rotated_reads = keys_coded and queries_can_rotate(module)
             layer = CompressedLayer(resolved, self.policy, scorer_class(resolved), coding,
                                     matched=index < resolved.scoring.matched_layers)  # fmt: skip
             layer.waits_for_prompt_scores = scorer_class.replays

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from decodekit.cache import attention, compiled, matching
+import decodekit.cache.attention as attention
+import decodekit.cache.compiled as compiled
+import decodekit.cache.matching as matching
 from decodekit.cache.eviction import best_in_slot_order, lowest, protect, removal_moves
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import hadamard, rotation_block
@@ -59,6 +61,7 @@ class Pass:
     received: torch.Tensor | None = None  # what a decoding step's own attention paid each entry, when the layer read it
     waits: bool = False  # whether its scoring waits for the next eviction (the scorer's ``may_wait``)
     group: int = 1  # query heads per KV head, where the layer read the step's attention itself
+    reads_itself: bool = False  # whether the layer computes the step's attention itself (``attention.py``)
 
     def queries(self) -> torch.Tensor:
         """The observed tokens' queries, rotated to their positions: ``[batch, heads, tokens, head_dim]``."""
@@ -145,7 +148,7 @@ class CompressedLayer(CacheLayerMixin):
 
     @seen.setter
     def seen(self, value: int) -> None:
-        self.seen  # (read back first: a count the device changed is then overwritten, not later read over this one)
+        _ = self.seen  # (read back first: a count the device changed is overwritten now, not read back over this one)
         self._seen[...] = value
         if self.seen_device is not None and self.seen_device.device.type != "cpu":
             self.seen_device.fill_(value)
@@ -223,10 +226,18 @@ class CompressedLayer(CacheLayerMixin):
             self.held_pads = self.pads.copy()
             self._padding_held = bool(self.pads.any())
             self.window, self.softcap = sliding_window, softcap
-        self._pass = Pass(query_length, first)
-        if first or not self.needs_mask(query_length):
+        self._pass = step = Pass(query_length, first)
+        if first:
             return None
+        step.reads_itself = self._reads_itself(step)
+        if step.reads_itself or not self.needs_mask(query_length):
+            return None  # (a step the layer reads itself makes its own mask: ``_read_mask``)
         return self.pass_mask(query_length)
+
+    @property
+    def reads_step_itself(self) -> bool:
+        """Whether the coming pass is a decoding step whose attention this layer computes itself."""
+        return self._pass is not None and self._pass.reads_itself
 
     def needs_mask(self, query_length: int) -> bool:
         """Whether the coming pass needs a mask of its own: rows or heads of different lengths, a padded batch (the
@@ -292,9 +303,10 @@ class CompressedLayer(CacheLayerMixin):
                 "cache.update() directly; after unbind(model), build a new CompressedCache(model, ...)"
             )
         if torch.compiler.is_compiling():
-            step.keys, step.values = compiled.update(self, step, key_states, value_states)
-            return step.keys, step.values
-        batch, heads, new, head_dim = key_states.shape
+            keys, values = compiled.update(self, step, key_states, value_states)
+            step.keys, step.values = keys, values
+            return keys, values
+        batch, heads, new, _ = key_states.shape
         if self.storage is None:
             self._start(key_states)
         fields, read_keys = self.coding.encode(key_states, value_states)
@@ -319,7 +331,7 @@ class CompressedLayer(CacheLayerMixin):
             self.coding.remember(read_keys, value_states, positions)
         if step.first:
             keys, values = read_keys, value_states  # the pass's own tokens, exact
-        elif self._reads_itself(step):
+        elif step.reads_itself:
             attention.expect(id(self.module()), partial(self._attend, step, read_keys, value_states))
             return read_keys, value_states  # (the module's attention call comes back to ``_attend``)
         elif self.coding.reads_in_place():
@@ -364,7 +376,25 @@ class CompressedLayer(CacheLayerMixin):
             and (not self.coding.reads_in_place() or not self.storage.rectangular)
         )  # fmt: skip
 
-    def _attend(self, step: Pass, read_keys, value_states, query, scaling, mask) -> torch.Tensor:
+    def _read_mask(self, stop: int) -> torch.Tensor | None:
+        """What a decoding step the layer reads itself may see among each segment's first ``stop`` slots, its own
+        token included, ``[batch, heads, 1, stop]``: boolean, or logit offsets where entries carry biases; None where
+        it sees every slot."""
+        storage = self.storage
+        if storage.equal_lengths and not self.padding_held and self.window is None and not self.biased:
+            return None
+        slot = torch.arange(stop, device=storage.device)
+        visible = slot < storage.lengths[..., None]
+        if self.padding_held:
+            visible &= slot >= self.pads_device[:, None, None]
+        if self.window is not None:
+            visible &= self.seen - 1 - storage.read("positions", stop) < self.window
+        visible = visible[:, :, None, :]
+        if not self.biased:
+            return visible
+        return torch.where(visible, storage.read("biases", stop).float()[:, :, None, :], -math.inf)
+
+    def _attend(self, step: Pass, read_keys, value_states, query, scaling, model_mask) -> torch.Tensor:
         """The step's attention over every stored entry, its own token exact: on the Triton kernels where they apply
         (``_triton_attention.py``: the codes read where they lie), else over the entries decoded; its probabilities
         kept for the scorer."""
@@ -382,6 +412,7 @@ class CompressedLayer(CacheLayerMixin):
             return output
         keys, values = self.coding.decode(self.storage, self.longest, dtype=torch.float32)
         self._write_pass_exact(keys, values, read_keys, value_states, step.new_slots)
+        mask = self._read_mask(self.longest)
         output, step.received = attention.read_decoded(query, keys, values, scaling, mask, self.softcap)
         step.keys, step.values, step.group = keys, values, query.shape[1] // self.storage.heads
         return output

@@ -268,7 +268,7 @@ def _before_attention(module: nn.Module, cache, layer, hidden_states: torch.Tens
         visible = layer.begin_pass(length)
     if visible is None:
         model_mask = kwargs.get("attention_mask")
-        if first_pass or not isinstance(model_mask, torch.Tensor):
+        if first_pass or not isinstance(model_mask, torch.Tensor) or layer.reads_step_itself:
             return None
         if model_mask.shape[-1] == layer.get_mask_sizes(length)[0]:
             return None
