@@ -80,6 +80,14 @@ class PlainCoding:
     def remember(self, read_keys, values, positions) -> None:
         """Nothing: plain entries are exact."""
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """Nothing beyond the storage."""
+        return {}
+
+    def restore(self, model_dtype: torch.dtype, tensors: dict[str, torch.Tensor], device) -> None:
+        """Take up a saved cache's dtypes (``state`` holds nothing)."""
+        self.model_dtype, self.stored_dtype = model_dtype, storage_dtype(model_dtype, self.kv_bits)
+
     def write_values(self, storage: EntryStorage, slots, fitted: torch.Tensor, positions, lanes=None) -> None:
         """Store ``fitted`` (float32 ``[batch, heads, n, dim]``) as the values at each segment's ``slots``."""
         storage.write_slots(slots, {"values": in_dtype(fitted.to(self.model_dtype), self.stored_dtype)}, lanes)
@@ -246,6 +254,18 @@ class QuantizedCoding:
             rows, heads, lanes_held = held.nonzero(as_tuple=True)
             exact = fitted[rows, heads, lanes_held].to(self.residual_values.dtype)
             self.residual_values[rows, heads, ring_slots[rows, heads, lanes_held]] = exact
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The residual window, to be saved (``persist.py``)."""
+        return {"residual_keys": self.residual_keys, "residual_values": self.residual_values,
+                "residual_positions": self.residual_positions}  # fmt: skip
+
+    def restore(self, model_dtype: torch.dtype, tensors: dict[str, torch.Tensor], device) -> None:
+        """Take up a saved cache's dtypes and residual window (``state``)."""
+        self.model_dtype, self.stored_dtype = model_dtype, storage_dtype(model_dtype, 16)
+        self.residual_keys = tensors["residual_keys"].to(device)
+        self.residual_values = tensors["residual_values"].to(device)
+        self.residual_positions = tensors["residual_positions"].to(device)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the residual window's rows ``rows``."""

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import os
 import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Self
 
 import torch
 from torch import nn
 from transformers import Cache
 
 import decodekit.cache.attention as attention
+import decodekit.cache.persist as persist
 from decodekit.cache.coding import PlainCoding, QuantizedCoding
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.observer import bind, queries_can_rotate
@@ -101,6 +107,8 @@ class CompressedCache(Cache):
             layers.append(layer)
         attention.install()
         super().__init__(layers=layers)
+        self._model = weakref.ref(model)
+        self.token_ids: list[int] | None = None  # the tokens the cache was filled with, where a caller said (``save``)
 
     def layer_for(self, module: nn.Module) -> CompressedLayer:
         """The cache layer that serves attention ``module``; ValueError for another model's module."""
@@ -120,6 +128,36 @@ class CompressedCache(Cache):
     def after_prompt(self, model: nn.Module, input_ids: torch.Tensor | None) -> None:
         """After the prompt's pass: let the scorer score it (a replay of the prompt), then evict."""
         self.layers[0].scorer.after_prompt(self, model, input_ids)
+
+    def save(self, path: str | os.PathLike, token_ids: Sequence[int] | None = None) -> Path:
+        """Write this cache to ``path`` (safetensors and a JSON header, no pickle; atomically: a save stopped midway
+        leaves no file): every layer's kept entries as stored, the options, and what a later ``load`` checks (the
+        model's identity and weights' fingerprint, the dtype, the format's version). ``token_ids``: the tokens the
+        cache was filled with, recorded so that a caller can check a document's ids (default: ``token_ids``).
+
+        Example (with ``model`` and a tokenized document ``ids``)::
+
+            cache = CompressedCache(model, memory_fraction=0.1, scoring="reconstruction")
+            model(ids, past_key_values=cache)
+            cache.save("doc.kv", token_ids=ids[0].tolist())
+            answer_from = CompressedCache.load("doc.kv", model).fork()  # one fork per question
+        """
+        model = self._model()
+        if model is None:
+            raise ValueError("the model this CompressedCache was built for is gone: it cannot be saved")
+        return persist.save(self, path, model, self.token_ids if token_ids is None else list(token_ids))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: nn.Module, device: torch.device | str | None = None) -> Self:
+        """A cache rebuilt from a file ``save`` wrote, bound to ``model`` (on ``device``, default the model's). A file
+        made for another model or checkpoint, another dtype, in a newer format, truncated or corrupted is refused with
+        a ValueError naming what does not match."""
+        return persist.load(cls, path, model, device)
+
+    def fork(self) -> Self:
+        """An independent copy, bound to the same model: ask one question of a compressed document per fork, and the
+        document stays as it was for the next."""
+        return copy.deepcopy(self)
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         """Queries follow the stored entries physically (the attention mask is built on stored entries); inside a

@@ -105,6 +105,7 @@ class CompressedLayer(CacheLayerMixin):
         self.window: int | None = None  # the attention module's sliding window, and its logit cap
         self.softcap: float | None = None
         self.dtype: torch.dtype | None = None
+        self.head_dim = 0
         self.shares: tuple[np.ndarray, np.ndarray] | None = None  # host counts [batch, heads], bases [batch]
         self.biased = False  # whether refit entries carry log-mass biases (``matching.py``)
         self.transient = False  # whether the passes' tokens are forgotten after them (a replay)
@@ -461,16 +462,20 @@ class CompressedLayer(CacheLayerMixin):
     def _start(self, key_states: torch.Tensor) -> None:
         """The first pass: make the storage for its rows and heads."""
         batch, heads, new, head_dim = key_states.shape
-        self.dtype = key_states.dtype
+        self.dtype, self.head_dim = key_states.dtype, head_dim
         self.coding.start(key_states)
         if self.static_capacity:
             device_count = torch.from_numpy(self._seen)
             self.seen_device = device_count if key_states.is_cuda is False else device_count.to(key_states.device)
+        self.storage = EntryStorage(self._fields(head_dim), batch, heads, new, key_states.device)
+        self._set_pads(self.pads)
+
+    def _fields(self, head_dim: int) -> dict[str, Field]:
+        """What the storage holds per entry: the coding's fields, the position, the scorer's and a refit's bias."""
         fields = {**self.coding.fields(head_dim), "positions": Field((), torch.int32), **self.scorer.fields()}
         if self.matched:
             fields["biases"] = Field((), BIAS_DTYPE)
-        self.storage = EntryStorage(fields, batch, heads, new, key_states.device)
-        self._set_pads(self.pads)
+        return fields
 
     def _write_pass_exact(self, keys, values, read_keys, value_states, new_slots) -> None:
         """Write the pass's own keys (as attention reads them) and values, exact, where they were stored."""
@@ -734,6 +739,51 @@ class CompressedLayer(CacheLayerMixin):
         self.coding.reset()
 
     # -- size -------------------------------------------------------------------------------------------------------
+
+    # -- state ------------------------------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Everything this layer holds, as tensors and numbers, for a saved cache (``persist.py``): the storage, the
+        residual window, each row's padding, the shares, the tokens seen and the attention module's shape. Waiting
+        steps are scored first; ValueError before the prompt's scores are in (there is nothing to keep yet)."""
+        if self.storage is None or self.waits_for_prompt_scores or self.transient or self._pass is not None:
+            raise ValueError("a CompressedCache can be saved once its prompt has been seen and scored")
+        self.scorer.flush(self)
+        tensors, storage_numbers = self.storage.state()
+        tensors = {f"storage.{name}": tensor for name, tensor in tensors.items()}
+        tensors.update({f"coding.{name}": tensor for name, tensor in self.coding.state().items()})
+        tensors["pads"], tensors["held_pads"] = torch.from_numpy(self.pads.copy()), torch.from_numpy(self.held_pads)
+        if self.shares is not None:
+            tensors["share_counts"], tensors["share_bases"] = (torch.from_numpy(part) for part in self.shares)
+        numbers = {
+            "storage": storage_numbers, "seen": self.seen, "window": self.window, "softcap": self.softcap,
+            "dtype": str(self.dtype).removeprefix("torch."), "biased": self.biased, "padding_held": self.padding_held,
+            "head_dim": self.head_dim,
+        }  # fmt: skip
+        return tensors, numbers
+
+    def restore(self, tensors: dict[str, torch.Tensor], numbers: dict, device: torch.device | str) -> None:
+        """Hold what ``state`` gave (on ``device``), as the layer that saved it did after its last pass."""
+        self.reset()
+        self.dtype = getattr(torch, numbers["dtype"])
+        coding_state = {name.removeprefix("coding."): t for name, t in tensors.items() if name.startswith("coding.")}
+        self.coding.restore(self.dtype, coding_state, device)
+        self.head_dim = numbers["head_dim"]
+        fields = self._fields(self.head_dim)
+        storage_state = {name.removeprefix("storage."): t for name, t in tensors.items() if name.startswith("storage.")}
+        self.storage = EntryStorage.from_state(fields, storage_state, numbers["storage"], device)
+        self._set_pads(tensors["pads"].numpy().astype(np.int64).copy())
+        self.held_pads = tensors["held_pads"].numpy().astype(np.int64).copy()
+        self._padding_held = bool(numbers["padding_held"])
+        self.window, self.softcap, self.biased = numbers["window"], numbers["softcap"], bool(numbers["biased"])
+        self.waits_for_prompt_scores = False
+        if self.static_capacity:
+            self.seen_device = torch.from_numpy(self._seen)
+            if torch.device(device).type != "cpu":
+                self.seen_device = self.seen_device.to(device)
+        self.seen = int(numbers["seen"])
+        if "share_counts" in tensors:
+            self.allocate(tensors["share_counts"].numpy(), tensors["share_bases"].numpy())
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds on the device: the storage, the residual window, the waiting steps' queries,

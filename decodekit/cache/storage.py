@@ -352,6 +352,32 @@ class EntryStorage:
         self._set_host_lengths(self.lengths_host[rows_host].copy())
         self._lay_out(capacities, source)
 
+    # -- state ----------------------------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The storage as tensors (every field's flat tensor, each segment's capacity and length) and numbers, to be
+        saved (``persist.py``) and given back to ``from_state``."""
+        tensors = {f"field.{name}": tensor for name, tensor in self.flat.items()}
+        tensors["capacities"] = torch.from_numpy(self.capacities.copy())
+        tensors["lengths"] = torch.from_numpy(self.lengths_host.copy())
+        return tensors, {"batch": self.batch, "heads": self.heads}
+
+    @classmethod
+    def from_state(
+        cls, fields: dict[str, Field], tensors: dict[str, torch.Tensor], numbers: dict, device: torch.device | str
+    ) -> EntryStorage:
+        """A storage holding what ``state`` gave, on ``device``; ValueError where the tensors do not fit ``fields``."""
+        storage = cls(fields, numbers["batch"], numbers["heads"], 0, device)
+        capacities = tensors["capacities"].numpy().astype(np.int64)
+        storage._set_host_lengths(tensors["lengths"].numpy().astype(np.int64).copy())
+        storage._lay_out(capacities, None)
+        for name, field in fields.items():
+            held = tensors.get(f"field.{name}")
+            if held is None or held.dtype != field.dtype or tuple(held.shape) != tuple(storage.flat[name].shape):
+                raise ValueError(f"the saved storage's field {name!r} does not fit this cache's layout")
+            storage.flat[name].copy_(held)
+        return storage
+
     # -- size -----------------------------------------------------------------------------------------------------
 
     def held_tensors(self) -> list[torch.Tensor]:
