@@ -4,11 +4,11 @@ coded, with each scheme, and nothing is evicted.
 The context is prefilled into a full cache; its keys (or values) are replaced by their coded-and-decoded
 copies; the continuation is then scored over them in one pass. The schemes:
 
-- ``rotated`` (what ``CompressedCache`` stores): each entry turned by a Hadamard matrix, then per-token
+- ``rotated`` (what ``CompressedCache`` stores): each entry rotated by a Hadamard matrix, then per-token
   groups of ``--group`` channels (``Quantizer(rotated=True)``); also in 5 and 8 bits (every other scheme codes 4);
 - ``rotated, first token exact`` / ``first 4 exact``: the same, with the attention sink's keys left exact;
 - ``rotated, groups of 16``: twice the scales and offsets;
-- ``rotated in blocks of N``: the same, turned by a block-diagonal Hadamard matrix of N-channel blocks instead
+- ``rotated in blocks of N``: the same, rotated by a block-diagonal Hadamard matrix of N-channel blocks instead
   of the whole entry (a turn that costs N / head_dim of the whole one's products when decoding);
 - ``plain``: per-token groups of channels as they are (``Quantizer()``);
 - ``channel magnitude``: each channel first divided by its largest size over the context (the previous
@@ -43,10 +43,10 @@ def _coded(quantizer: Quantizer) -> Callable[[torch.Tensor], torch.Tensor]:
 def _rotated_in_blocks(group: int, block: int) -> Callable[[torch.Tensor], torch.Tensor]:
     plain = Quantizer(4, group)
 
-    def turn(states: torch.Tensor) -> torch.Tensor:
+    def hadamard_rotate(states: torch.Tensor) -> torch.Tensor:
         return (states.unflatten(-1, (-1, block)) @ hadamard(block, states.device)).flatten(-2)
 
-    return lambda states: turn(plain.decode(plain.encode(turn(states.float())), torch.float32))
+    return lambda states: hadamard_rotate(plain.decode(plain.encode(hadamard_rotate(states.float())), torch.float32))
 
 
 def _channel_magnitude(group: int) -> Callable[[torch.Tensor], torch.Tensor]:

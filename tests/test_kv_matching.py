@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 
 from decodekit.cache import CompressedCache
 from decodekit.cache.matching import MASS_RIDGE, MATCH_KEPT_SHARE_LEAST, RIDGE, matched_entries, spread
-from decodekit.cache.quantize import rotate as turn
+from decodekit.cache.quantize import rotate as hadamard_rotate
 from decodekit.cache.received import waiting_attention
 from decodekit.cache.size import full_cache_bytes
 from decodekit.cache.storage import storage_bytes
@@ -202,14 +202,14 @@ def test_the_first_layer_is_refit_for_the_replays_queries(replay):
 
 
 def _stored_entries(cache: CompressedCache) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """Per layer and KV head of row 0: its entries' keys (rotary applied, not turned), values and biases, in slot
+    """Per layer and KV head of row 0: its entries' keys (rotary applied, not rotated), values and biases, in slot
     order."""
     stored = []
     for layer in cache.layers:
         heads = []
         keys, values = layer.decoded()
         if layer.coding.rotated_reads:
-            keys = turn(keys.float())
+            keys = hadamard_rotate(keys.float())
         for kv_head in range(keys.shape[1]):
             count = _count(layer, 0, kv_head)
             biases = _field(layer, "biases", 0, kv_head).float() if "biases" in layer.storage.fields else None
@@ -248,7 +248,7 @@ def _attention_by_hand(stored):
 def test_later_passes_read_the_kept_entries_with_their_biases(implementation, options):
     """A continuation through the cache equals attention written out by hand over what the cache stores, each
     entry's logit plus its bias, head by head: the mask the cache hands the model carries the biases, under SDPA
-    and eager attention, heads of their own lengths side by side, coded and turned keys, every allocation. (Coded
+    and eager attention, heads of their own lengths side by side, coded and rotated keys, every allocation. (Coded
     entries are read from their codes alone here: a pass's own tokens take the exact ring's slots of older ones.)"""
     model = build_family_model("llama")
     model.config._attn_implementation = implementation

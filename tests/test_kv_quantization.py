@@ -168,7 +168,7 @@ def test_a_rotated_quantizer_codes_the_turned_entry_and_turns_the_decoded_one_ba
 
 
 def test_rotation_shrinks_the_error_of_keys_with_outlier_channels():
-    """Keys whose channel 3 is 20 times the others' size (as real keys' outlier channels are): the turned coding's
+    """Keys whose channel 3 is 20 times the others' size (as real keys' outlier channels are): the rotated coding's
     error is well below that of coding the channels as they are (about 1.1 against 1.9 here)."""
     keys = torch.randn(200, 64, generator=torch.Generator().manual_seed(0))
     keys[:, 3] *= 20
@@ -212,13 +212,13 @@ def _assert_within_a_step(layer, exact_keys, exact_values, *, ring_in_use: bool 
     positions = held_positions.clamp(min=0, max=exact_keys.shape[2] - 1)
     index = positions[..., None].expand(-1, -1, -1, keys.shape[-1])
     true_keys, true_values = exact_keys.gather(2, index), exact_values.gather(2, index)
-    if layer.coding.rotated_reads:  # attention reads the keys turned, as they were coded
+    if layer.coding.rotated_reads:  # attention reads the keys rotated, as they were coded
         true_keys = rotate(true_keys)
     group = layer.coding.quantizers["keys"].group_size
     key_step = layer.storage.read("key_scales", layer.longest).float().repeat_interleave(group, -1)
     value_step = layer.storage.read("value_scales", layer.longest).float().repeat_interleave(group, -1)
     tolerance = 1e-3  # float16 rounding of the ring and of the scales' products
-    # Keys are coded turned by an orthonormal matrix: each turned channel errs by at most half its step, so the
+    # Keys are coded rotated by an orthonormal matrix: each rotated channel errs by at most half its step, so the
     # key's error has at most the length of those half steps (an orthonormal turn keeps lengths).
     key_error = (keys - true_keys).norm(dim=-1, keepdim=True)
     key_bound = (key_step / 2).norm(dim=-1, keepdim=True)
@@ -548,7 +548,7 @@ def test_a_bad_residual_length_is_refused_by_name(fresh, bad):
         CompressedCache(model, budget=40, kv_bits=4, residual_length=bad)
 
 
-# -- coded keys read turned -------------------------------------------------------------------------
+# -- coded keys read rotated -------------------------------------------------------------------------
 
 
 def _passes(model, cache, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -575,8 +575,8 @@ def _passes(model, cache, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
 )
 def test_coded_keys_read_turned_give_what_turning_them_back_gives(family, options):
     """Where a module's queries reach attention as its projection made them (no query norm), its coded keys are
-    read turned, as coded, and its queries are turned alike: the logits, the kept tokens and their scores are
-    those of keys turned back (the layers told not to read them turned), and no stored key is turned back."""
+    read rotated, as coded, and its queries are rotated alike: the logits, the kept tokens and their scores are
+    those of keys rotated back (the layers told not to read them rotated), and no stored key is rotated back."""
     from tests.families import VOCAB, build_family_model
 
     model = build_family_model(family)
@@ -591,7 +591,7 @@ def test_coded_keys_read_turned_give_what_turning_them_back_gives(family, option
     original_decode = Quantizer.decode
 
     def recording_decode(quantizer, coded, dtype, **kwargs):
-        decoded.append(quantizer.rotated and kwargs.get("turn_back", True))
+        decoded.append(quantizer.rotated and kwargs.get("rotate_back", True))
         return original_decode(quantizer, coded, dtype, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:

@@ -87,7 +87,7 @@ def _naive_scores(model, ids: torch.Tensor, chunk: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize(("chunk", "kv_bits"), [(16, None), (64, None), (16, 4)])
 def test_the_estimate_matches_a_naive_loop_in_every_layer(chunk, kv_bits):
     """In every layer, the estimate is what the naive loop computes from the prompt pass's projections. With 4-bit
-    storage the layer reads its keys turned by a Hadamard matrix, which the estimate must undo around its move."""
+    storage the layer reads its keys rotated by a Hadamard matrix, which the estimate must undo around its move."""
     model = build_family_model("llama")
     estimated = _scores(model, "prompt_queries", chunk=chunk, kv_bits=kv_bits)
     for layer, expected in zip(estimated, _naive_scores(model, PROMPT, chunk), strict=True):

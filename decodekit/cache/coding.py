@@ -1,7 +1,7 @@
 """How a layer's keys and values are stored: as they are (``PlainCoding``) or as integer codes with group scales
 and offsets (``QuantizedCoding``), and how attention reads them back.
 
-A coding names the storage fields it needs, turns a pass's keys and values into them, and decodes stored entries
+A coding names the storage fields it needs, makes them of a pass's keys and values, and decodes stored entries
 for attention. Quantized keys are coded after a Hadamard rotation (``quantize.py``); where the attention module's
 queries can be rotated alike (``rotated_reads``), attention reads the keys as coded, never rotated back. The last
 ``residual_length`` tokens are also held exact in a residual window (KIVI's full-precision recent tokens), and
@@ -163,7 +163,7 @@ class QuantizedCoding:
             coded = value_coding.encode_together(rotated, self.stored_dtype, [key_coding, value_coding])
             encoded = list(zip(coded, rotated, strict=True))
         else:
-            encoded = [None if quantizer is None else quantizer.encode_turned(states, self.stored_dtype)
+            encoded = [None if quantizer is None else quantizer.encode_rotated(states, self.stored_dtype)
                        for quantizer, states in ((key_coding, keys), (value_coding, values))]  # fmt: skip
         for part, states, pair in zip(PARTS, (keys, values), encoded, strict=True):
             if pair is None:
@@ -195,7 +195,7 @@ class QuantizedCoding:
             prefix = part[:-1]
             coded = {"codes": read[part], "scales": read[f"{prefix}_scales"], "offsets": read[f"{prefix}_offsets"]}
             rotated = part == "keys" and self.rotated_reads
-            decoded.append(quantizer.decode(coded, dtype, turn_back=not rotated))
+            decoded.append(quantizer.decode(coded, dtype, rotate_back=not rotated))
         keys, values = decoded
         if self.residual_length:
             positions = read["positions"]

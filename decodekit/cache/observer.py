@@ -9,11 +9,11 @@ the rows of a batch keep different tokens, the mask that hides each row's dead e
 the module runs lets the layer evict. With any other cache, or none, the wrapper calls the module's
 own ``forward`` at once and the forward pass is unchanged.
 
-Where a layer stores its keys coded and turned by a Hadamard matrix (``kv_bits`` or ``key_bits`` of 4, 5 or 8),
-the wrapper of the query projection also hands the module query columns turned alike
-(``rotary.turned_query_columns``), so that attention reads the keys as coded, without turning every stored
+Where a layer stores its keys coded and rotated by a Hadamard matrix (``kv_bits`` or ``key_bits`` of 4, 5 or 8),
+the wrapper of the query projection also hands the module query columns rotated alike
+(``rotary.rotated_query_columns``), so that attention reads the keys as coded, without rotating every stored
 key back at every pass; scores, and so the module's output, are unchanged (a module with a query norm
-between projection and attention keeps its queries, and its keys are turned back).
+between projection and attention keeps its queries, and its keys are rotated back).
 
 A wrapped ``forward`` costs one Python call; a forward hook would send every call of the module
 down PyTorch's slower hooked path, about 6% of a decoding step of a small model whose steps are
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from decodekit.cache.rotary import turned_query_columns
+from decodekit.cache.rotary import rotated_query_columns
 
 HOOKS_ATTRIBUTE = "_decodekit_compression_hooks"
 # Set on a module whose forward decodekit wrapped (so that it is never wrapped twice).
@@ -173,12 +173,12 @@ def _plain_queries(head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def queries_can_rotate(module: nn.Module) -> bool:
     """Whether ``module``'s queries can be Hadamard-rotated through its projection's output
-    (``turned_query_columns``): the columns become the queries as they are (no query norm between them)."""
+    (``rotated_query_columns``): the columns become the queries as they are (no query norm between them)."""
     return not isinstance(getattr(module, "q_norm", None), nn.Module)
 
 
 def _queries_maker(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What turns ``module``'s query columns into its queries (``queries_from_projection``)."""
+    """What makes ``module``'s queries of its query columns (``queries_from_projection``)."""
     if isinstance(getattr(module, "q_norm", None), nn.Module):
         return partial(queries_from_projection, module)
     return _plain_queries(module.head_dim)
@@ -279,7 +279,7 @@ def _before_attention(module: nn.Module, cache, layer, hidden_states: torch.Tens
 
 def _capture_queries(module: nn.Module, to_queries, forward, *args, **kwargs) -> torch.Tensor:
     """The query projection's forward (``forward``), which also hands the layer of a pending pass the observed
-    tokens' query columns, as the module's own projection made them, with their rotation; the layer turns them
+    tokens' query columns, as the module's own projection made them, with their rotation; the layer rotates them
     into queries (``to_queries``) when it scores, which a decoding step between evictions does not."""
     output = forward(*args, **kwargs)
     passes = _PENDING.passes
@@ -288,7 +288,7 @@ def _capture_queries(module: nn.Module, to_queries, forward, *args, **kwargs) ->
         return output
     layer, window, (cos, sin) = pending
     if layer.coding.rotated_reads:  # the layer's coded keys are read rotated: rotate the queries alike
-        output = _with_turned_queries(module, output, cos, sin)
+        output = _with_rotated_queries(module, output, cos, sin)
     observed = output
     if window < observed.shape[1]:
         observed, cos, sin = observed[:, -window:], cos[:, -window:], sin[:, -window:]
@@ -296,11 +296,11 @@ def _capture_queries(module: nn.Module, to_queries, forward, *args, **kwargs) ->
     return output
 
 
-def _with_turned_queries(module: nn.Module, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The query projection's output with its query columns turned (``turned_query_columns``), the others kept."""
+def _with_rotated_queries(module: nn.Module, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The query projection's output with its query columns rotated (``rotated_query_columns``), the others kept."""
     width = module.config.num_attention_heads * module.head_dim
-    turned = turned_query_columns(projected[..., :width], module.head_dim, cos, sin)
-    return turned if projected.shape[-1] == width else torch.cat([turned, projected[..., width:]], dim=-1)
+    rotated = rotated_query_columns(projected[..., :width], module.head_dim, cos, sin)
+    return rotated if projected.shape[-1] == width else torch.cat([rotated, projected[..., width:]], dim=-1)
 
 
 def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -3,9 +3,9 @@
 Each entry (one token of one row and KV head) is quantized on its own, in groups of ``group_size``
 channels, asymmetrically (``value ~ offset + code * scale``), so that eviction, beam reorders and
 crop move an entry's codes with it and never re-quantize anything. Keys have outlier channels (what
-KIVI quantizes per channel for); here a key is first turned by an orthonormal Hadamard matrix
+KIVI quantizes per channel for); here a key is first rotated by an orthonormal Hadamard matrix
 (``rotated=True``), which spreads an outlier channel's size over all channels, so that no channel
-dominates a group's range; decoding turns it back (the matrix is its own inverse). Measured with
+dominates a group's range; decoding rotates it back (the matrix is its own inverse). Measured with
 4-bit keys of the default model's prompts (``benchmarks/results/kv_key_coding_cpu.txt``), this takes
 the perplexity rise from +1.41% (each channel divided by its magnitude) to +0.01%.
 
@@ -93,11 +93,11 @@ def hadamard(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def rotate(values: torch.Tensor) -> torch.Tensor:
-    """``values`` ``[..., head_dim]`` (float32) turned by the block-diagonal Hadamard matrix of
+    """``values`` ``[..., head_dim]`` (float32) rotated by the block-diagonal Hadamard matrix of
     :func:`rotation_block`; rotating twice gives ``values`` back."""
     block = rotation_block(values.shape[-1])
-    turned = values.unflatten(-1, (-1, block)) @ hadamard(block, values.device)
-    return turned.flatten(-2)
+    rotated = values.unflatten(-1, (-1, block)) @ hadamard(block, values.device)
+    return rotated.flatten(-2)
 
 
 @dataclass(frozen=True)
@@ -147,18 +147,18 @@ class Quantizer:
     def encode(self, values: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Code ``values`` ``[..., head_dim]``: ``codes`` (uint8, packed below 8 bits), and ``scales`` and
         ``offsets`` ``[..., groups]`` in ``dtype`` (by default ``values``' own)."""
-        return self.encode_turned(values, dtype)[0]
+        return self.encode_rotated(values, dtype)[0]
 
-    def encode_turned(
+    def encode_rotated(
         self, values: torch.Tensor, dtype: torch.dtype | None = None
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """``encode``, and the values as coded, in float32: turned when ``rotated``."""
+        """``encode``, and the values as coded, in float32: rotated when ``rotated``."""
         dtype = dtype or values.dtype
-        turned = self.as_coded(values)
-        return self._encode_float(turned, dtype, values.shape[-1]), turned
+        rotated = self.as_coded(values)
+        return self._encode_float(rotated, dtype, values.shape[-1]), rotated
 
     def as_coded(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` as this quantizer codes them: in float32, turned when ``rotated``."""
+        """``values`` as this quantizer codes them: in float32, rotated when ``rotated``."""
         return rotate(values.float()) if self.rotated else values.float()
 
     def groups_like(self, other: Quantizer) -> bool:
@@ -211,7 +211,7 @@ class Quantizer:
         levels: torch.Tensor | None = None,
         packs: bool = True,
     ) -> dict[str, torch.Tensor]:
-        """The codes, scales and offsets of ``values`` (float32, turned already when ``rotated``); ``levels``: the
+        """The codes, scales and offsets of ``values`` (float32, rotated already when ``rotated``); ``levels``: the
         largest code of each leading index of ``values`` (``_levels``) where it is not ``self.levels``; ``packs``:
         whether codes below 8 bits are packed (else one uint8 code per channel)."""
         grouped = values.unflatten(-1, (self.groups(head_dim), self.group_size))
@@ -234,22 +234,23 @@ class Quantizer:
         coded: dict[str, torch.Tensor],
         dtype: torch.dtype,
         *,
-        turn_back: bool = True,
+        rotate_back: bool = True,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The values ``coded`` stands for, in ``dtype``; with ``turn_back=False``, entries coded turned (``rotated``)
-        are left turned (for attention whose queries are turned alike: see ``rotary.turned_query_columns``).
+        """The values ``coded`` stands for, in ``dtype``; with ``rotate_back=False``, entries coded rotated
+        (``rotated``) are left rotated (for attention whose queries are rotated alike: see
+        ``rotary.rotated_query_columns``).
 
         ``out``: a tensor of the decoded shape and ``dtype`` (or a view of one) to write them into; a float32 ``out``
-        is decoded in place (unless entries are turned back), with no tensor of the decoded size made beside it."""
+        is decoded in place (unless entries are rotated back), with no tensor of the decoded size made beside it."""
         codes, scales, offsets = coded["codes"], coded["scales"], coded["offsets"]
-        turns = self.rotated and turn_back
-        in_place = out is not None and out.dtype == torch.float32 and not turns
+        rotates = self.rotated and rotate_back
+        in_place = out is not None and out.dtype == torch.float32 and not rotates
         decoded = out if in_place else codes.new_empty((*scales.shape[:-1], self._width(codes)), dtype=torch.float32)
         self._unpack(codes, decoded)
         grouped = decoded.view(*scales.shape, -1)
         grouped.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
-        if turns:
+        if rotates:
             decoded = rotate(decoded)
         if in_place:
             return out

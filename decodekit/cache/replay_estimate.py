@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from decodekit.cache.quantize import rotate as turn
+from decodekit.cache.quantize import rotate as hadamard_rotate
 from decodekit.cache.rotary import rotate
 
 # Logits held at once: on a CPU a block that stays in the core's cache (4 MiB of float32; a 3072-token prompt's
@@ -32,7 +32,7 @@ def rotation_past(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
     covers (positions 0 to ``tokens - 1``), as float32 ``(cos, sin)`` ``[batch, rotary]``: the turn of the last
     position composed with the turn of position 1, made a plain rotation (without the attention scaling some rotary
     types fold into cos and sin). It is as exact as the embedding's own last position: 16-bit cos and sin stay
-    within their rounding, where turning by position 1 again and again would multiply its error.
+    within their rounding, where rotating by position 1 again and again would multiply its error.
 
     Example:
         >>> angles = torch.arange(7.0)[None, :, None] * torch.tensor([0.5, 0.1])  # positions 0..6, two frequencies
@@ -48,13 +48,13 @@ def rotation_past(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, t
     return (turn_cos / length).float(), (turn_sin / length).float()
 
 
-def moved_back(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, turned: bool) -> torch.Tensor:
+def moved_back(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotated: bool) -> torch.Tensor:
     """``keys`` ``[batch, heads, slots, head_dim]`` (float32, rotary already applied) moved back by the float32
-    turn ``cos``, ``sin`` ``[batch, rotary]`` (``rotation_past``); ``turned``: the keys are turned by the Hadamard
-    matrix, as a layer that reads its coded keys turned holds them (the matrix is its own inverse)."""
-    keys = turn(keys) if turned else keys
+    turn ``cos``, ``sin`` ``[batch, rotary]`` (``rotation_past``); ``rotated``: the keys are rotated by the Hadamard
+    matrix, as a layer that reads its coded keys rotated holds them (the matrix is its own inverse)."""
+    keys = hadamard_rotate(keys) if rotated else keys
     moved = rotate(keys, cos[:, None, None], -sin[:, None, None])
-    return turn(moved) if turned else moved
+    return hadamard_rotate(moved) if rotated else moved
 
 
 @torch.no_grad()
@@ -66,7 +66,7 @@ def replay_scores(
     sin: torch.Tensor,
     *,
     chunk: int,
-    turned: bool = False,
+    rotated: bool = False,
     sliding_window: int | None = None,
     softcap: float | None = None,
     kernels: bool = False,
@@ -89,7 +89,7 @@ def replay_scores(
     grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, length, head_dim)
     keys = keys.float()
     shift_cos, shift_sin = rotation_past(cos, sin)
-    moved = moved_back(keys, shift_cos, shift_sin, turned)
+    moved = moved_back(keys, shift_cos, shift_sin, rotated)
     if kernels and sliding_window is None and softcap is None:
         from decodekit.cache._triton_replay import replay_scores as with_kernels
 

@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from decodekit.cache.quantize import rotate as turn
+from decodekit.cache.quantize import rotate as hadamard_rotate
 
 
 def rotate_half(tensor: torch.Tensor) -> torch.Tensor:
@@ -27,58 +27,59 @@ def rotate(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotary = cos.shape[-1]
     if rotary == queries.shape[-1]:
         return queries * cos + rotate_half(queries) * sin
-    turned, kept = queries[..., :rotary], queries[..., rotary:]
-    return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
+    rotated, kept = queries[..., :rotary], queries[..., rotary:]
+    return torch.cat([rotated * cos + rotate_half(rotated) * sin, kept], dim=-1)
 
 
-def turned_query_columns(columns: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotated_query_columns(columns: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Query columns ``[batch, tokens, heads * head_dim]`` changed so that the attention module's own rotary
-    embedding (``cos``, ``sin``: ``[batch, tokens, rotary]``) makes of them the rotary queries turned by the
-    Hadamard matrix that coded keys are turned by (``quantize.rotate``): rotated, turned, rotated back.
+    embedding (``cos``, ``sin``: ``[batch, tokens, rotary]``) makes of them the rotary queries rotated by the
+    Hadamard matrix that coded keys are rotated by (``quantize.rotate``): rotated, rotated, rotated back.
 
-    Attention scores are unchanged when queries and keys are turned by the same orthonormal matrix, so a
-    layer whose queries are turned this way reads its coded keys without turning them back.
+    Attention scores are unchanged when queries and keys are rotated by the same orthonormal matrix, so a
+    layer whose queries are rotated this way reads its coded keys without rotating them back.
 
     Example:
         >>> columns, angles = torch.randn(1, 3, 8), torch.rand(1, 3, 2).repeat(1, 1, 2)  # 2 heads of 4; 3 tokens
         >>> cos, sin = angles.cos(), angles.sin()
         >>> rotary = lambda x: rotate(x.view(1, 3, 2, 4), cos[:, :, None], sin[:, :, None])
-        >>> torch.allclose(rotary(turned_query_columns(columns, 4, cos, sin)), turn(rotary(columns)), atol=1e-5)
+        >>> rotated = rotary(rotated_query_columns(columns, 4, cos, sin))
+        >>> torch.allclose(rotated, hadamard_rotate(rotary(columns)), atol=1e-5)
         True
     """
     batch, tokens, _ = columns.shape
     queries = columns.float().view(batch, tokens, -1, head_dim)
     if tokens == 1:  # a decoding step: one product with the step's matrix, made once for all layers
-        turned = torch.matmul(queries, _step_turn(head_dim, cos, sin)[:, None])
-        return turned.view(batch, tokens, -1).to(columns.dtype)
-    return _turned(queries, cos, sin).view(batch, tokens, -1).to(columns.dtype)
+        rotated = torch.matmul(queries, _step_rotation(head_dim, cos, sin)[:, None])
+        return rotated.view(batch, tokens, -1).to(columns.dtype)
+    return _rotated(queries, cos, sin).view(batch, tokens, -1).to(columns.dtype)
 
 
-def _turned(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``queries`` ``[batch, tokens, heads, head_dim]`` (float32) rotated, turned and rotated back."""
+def _rotated(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``queries`` ``[batch, tokens, heads, head_dim]`` (float32) rotated, rotated and rotated back."""
     cos, sin = cos.float()[:, :, None], sin.float()[:, :, None]
-    return rotate(turn(rotate(queries, cos, sin)), cos, -sin)
+    return rotate(hadamard_rotate(rotate(queries, cos, sin)), cos, -sin)
 
 
-# The last decoding step's turning matrices, with (weak references to) the rotary embedding they were made for:
+# The last decoding step's rotating matrices, with (weak references to) the rotary embedding they were made for:
 # the model hands every layer of a forward pass the same ``cos`` and ``sin`` tensors.
-_STEP_TURN = threading.local()
+_STEP_ROTATION = threading.local()
 
 
-def _step_turn(head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _step_rotation(head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``[batch, head_dim, head_dim]``: per row, the matrix that a one-token pass's query rows (``[..., head_dim]``)
-    are multiplied by to be rotated, turned and rotated back (``_turned`` of the identity's rows).
+    are multiplied by to be rotated, rotated and rotated back (``_turned`` of the identity's rows).
 
     Eager, it is made once per pass and kept for the pass's other layers. Inside a compiled step it is not kept: a
     step's graph would return the matrix and the embedding it was made for, to store them, and a CUDA graph
     overwrites what it returned when it runs again; the compiler makes it once per graph all the same."""
     compiling = torch.compiler.is_compiling()
-    made = None if compiling else getattr(_STEP_TURN, "made", None)
+    made = None if compiling else getattr(_STEP_ROTATION, "made", None)
     if made is not None and made[0]() is cos and made[1]() is sin and made[2].shape[-1] == head_dim:
         return made[2]
     batch = cos.shape[0]
     identity = torch.eye(head_dim, device=cos.device).expand(batch, 1, head_dim, head_dim)
-    matrix = _turned(identity, cos, sin)[:, 0]  # row i: the i-th unit query rotated, turned and rotated back
+    matrix = _rotated(identity, cos, sin)[:, 0]  # row i: the i-th unit query rotated, rotated and rotated back
     if not compiling:
-        _STEP_TURN.made = (weakref.ref(cos), weakref.ref(sin), matrix)
+        _STEP_ROTATION.made = (weakref.ref(cos), weakref.ref(sin), matrix)
     return matrix

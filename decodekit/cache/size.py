@@ -123,7 +123,7 @@ def entry_bytes(
     ring = 0.0
     if set(CODED_BITS) & set(widths):  # exact recent keys and values and their positions
         ring = 2 * residual_length * head_dim * stored + residual_length * 4 / kv_heads
-    if widths[0] in CODED_BITS:  # the Hadamard matrix that turns coded keys, one for the whole cache
+    if widths[0] in CODED_BITS:  # the Hadamard matrix that rotates coded keys, one for the whole cache
         ring += rotation_block(head_dim) ** 2 * 4 / units
     bookkeeping = 4 + (4 if value_norms else 0) + 4  # score, value norm, position
     # The queries of the steps waiting to be scored, with their rotation (held in 16 bits when keys and values are

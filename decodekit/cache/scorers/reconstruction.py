@@ -100,7 +100,7 @@ class ReconstructionScorer(AttentionScorer):
             return
         scores = replay_scores(
             queries, keys, step.scaling, step.cos, step.sin, chunk=self.options.replay.chunk,
-            turned=layer.coding.rotated_reads, sliding_window=layer.window, softcap=layer.softcap,
+            rotated=layer.coding.rotated_reads, sliding_window=layer.window, softcap=layer.softcap,
             kernels=layer.scores_on_triton,
         )  # fmt: skip
         layer.storage.write_prefix("scores", scores)
