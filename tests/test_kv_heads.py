@@ -262,7 +262,7 @@ def test_the_prompt_pass_is_scored_only_where_its_attention_counts(four_layers, 
     model, tokenizer = four_layers
     ids = _ids(tokenizer)
     scored = []
-    received, replayed = AttentionScorer.received, ReconstructionScorer._score_replay
+    received, replayed = AttentionScorer.received, ReconstructionScorer.score_replay
 
     def counted(self, *args, **kwargs):
         scored.append(self.replaying)
@@ -281,7 +281,7 @@ def test_the_prompt_pass_is_scored_only_where_its_attention_counts(four_layers, 
         return cache, list(scored)
 
     monkeypatch.setattr(AttentionScorer, "received", counted)
-    monkeypatch.setattr(ReconstructionScorer, "_score_replay", counted_replay)
+    monkeypatch.setattr(ReconstructionScorer, "score_replay", counted_replay)
     cache, calls = prefill()
     assert calls and all(calls) == (allocation != "uniform")  # only replay passes were scored, or the prompt too
     monkeypatch.setattr(ReconstructionScorer, "ranks_by_replay_alone", property(lambda self: False))

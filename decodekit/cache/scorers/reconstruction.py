@@ -55,7 +55,7 @@ class ReconstructionScorer(AttentionScorer):
 
     def after_pass(self, layer, step) -> None:
         if self.replaying:
-            self._score_replay(layer, step)
+            self.score_replay(layer, step)
             return
         if step.first and self.ranks_by_replay_alone:
             if estimates_replay(self.options, layer.policy, layer.seen, layer.rows):
@@ -63,7 +63,7 @@ class ReconstructionScorer(AttentionScorer):
             return  # the replay's scores replace anything this pass's queries would give
         super().after_pass(layer, step)
 
-    def _score_replay(self, layer, step) -> None:
+    def score_replay(self, layer, step) -> None:
         """A replayed chunk: each entry keeps the most attention any of its queries pays it."""
         queries = step.queries()
         weights = None
