@@ -85,8 +85,11 @@ def test_scores_equal_the_eager_attention_each_token_receives(family):
         window = layer.window
         seen_by = (30 - keys if window is None else torch.clamp(30 - keys, max=window)).float()
         expected = (weights[0].sum(dim=1) / seen_by).view(kv_heads, -1, 30).mean(dim=1)
-        assert torch.equal(layer.positions()[0], keys.expand(kv_heads, -1).int())  # each slot holds its own token
-        torch.testing.assert_close(layer.scores()[0], expected, atol=1e-5, rtol=1e-4)
+        # Each slot holds its own token: every one, or under a sliding window the window's last tokens, as the full
+        # cache holds them (the others can never be seen again).
+        held = keys if layer.cap is None else keys[-layer.cap :]
+        assert torch.equal(layer.positions()[0], held.expand(kv_heads, -1).int())
+        torch.testing.assert_close(layer.scores()[0], expected[:, held], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -106,7 +109,8 @@ def test_heads_stored_apart_score_each_token_as_the_whole_layer_does(family):
     for whole, apart in zip(caches["layers"].layers, caches["heads"].layers, strict=True):
         whole_scores, apart_scores = whole.scores(), apart.scores()
         assert apart.storage.heads == whole_scores.shape[1] > 1
-        assert torch.as_tensor(apart.storage.lengths_host).tolist() == [[40] * apart.storage.heads]
+        held = 40 if apart.cap is None else apart.cap  # a windowed layer holds its window's tokens, as DynamicCache
+        assert torch.as_tensor(apart.storage.lengths_host).tolist() == [[held] * apart.storage.heads]
         assert torch.equal(apart.positions(), whole.positions())
         for head in range(apart.storage.heads):
             torch.testing.assert_close(apart_scores[:, head], whole_scores[:, head], atol=1e-6, rtol=1e-5)

@@ -33,6 +33,11 @@ def check(layer) -> None:
             "'uniform' or 'layers': sizes that grow with the tokens seen, and heads of their own lengths, decode "
             "eagerly"
         )
+    if layer.storage.capacity < layer.compiled_target() + 1:
+        raise ValueError(
+            "compiled decoding steps need the storage's whole room (the budget and a step's token): use "
+            "eviction_interval=1, whose prompt pass makes it, or a prompt at least as long as the budget"
+        )
     if layer.padding_held:
         raise ValueError(
             "compiled decoding steps of a left-padded batch need the padding dropped: use eviction_interval=1, or let "
@@ -106,13 +111,13 @@ def end(layer, step) -> None:
     scores.mul_(layer.scorer.decay).add_(received)
     lengths = storage.lengths
     target = layer.compiled_target()  # an int, or a tensor per row and head under a shared allocation
-    after = target - layer.policy.interval + 1
+    after = target - layer.interval + 1
     after = after.clamp(min=layer.policy.floor) if isinstance(after, torch.Tensor) else max(after, layer.policy.floor)
     keep = torch.where(lengths > target, after, lengths)
     importance = layer.scorer.importance(layer, capacity)
     pads = layer.pads_device[:, None, None]
     priority = protect(importance, positions, seen, size.sink_tokens, size.recent_tokens, pads, layer.window)
-    victims = lowest(priority, valid, layer.policy.interval)
+    victims = lowest(priority, valid, layer.interval)
     sources, targets, lanes = removal_moves(victims, lengths, lengths - keep)
     storage.move(sources, targets, lanes)
     lengths.copy_(keep)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import weakref
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ import decodekit.cache.attention as attention
 import decodekit.cache.persist as persist
 from decodekit.cache.coding import PlainCoding, QuantizedCoding
 from decodekit.cache.layer import CompressedLayer
-from decodekit.cache.observer import bind, queries_can_rotate
+from decodekit.cache.observer import bind, logit_softcap, queries_can_rotate, sliding_window
 from decodekit.cache.options import ReplayOptions, ScoringOptions, SizeOptions, StorageOptions, group_options, resolve
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.scorers import SCORERS
@@ -84,16 +85,20 @@ class CompressedCache(Cache):
         head_dim = _head_dim(model)
         self.options = resolved = resolve(grouped, head_dim)
         size, stored = resolved.size, resolved.storage
+        scorer_class = SCORERS[resolved.scoring.method]
+        modules = bind(model, replays=scorer_class.replays)
+        windows = [sliding_window(module) for module in modules]
         by_bytes = None
         if size.in_bytes:
             by_bytes = entry_bytes(
                 model, kv_bits=stored.kv_bits, key_bits=stored.key_bits, group_size=stored.group_size,
                 residual_length=stored.residual_length, eviction_interval=size.eviction_interval,
                 value_norms=resolved.ranks_by_value_norm, matched_layers=resolved.scoring.matched_layers,
+                caps=tuple(math.inf if window is None else window - 1 for window in windows),
             )  # fmt: skip
         self.policy = EvictionPolicy(size, by_bytes)
-        scorer_class = SCORERS[resolved.scoring.method]
-        modules = bind(model, replays=scorer_class.replays)
+        if by_bytes is not None:
+            self.policy.check_room(windows)
         self._layer_of_module = {id(module): index for index, module in enumerate(modules)}
         layers = []
         for index, module in enumerate(modules):
@@ -101,7 +106,8 @@ class CompressedCache(Cache):
             keys_coded = coding.quantized and coding.quantizers["keys"] is not None
             coding.rotated_reads = keys_coded and queries_can_rotate(module)
             layer = CompressedLayer(resolved, self.policy, scorer_class(resolved), coding,
-                                    matched=index < resolved.scoring.matched_layers)  # fmt: skip
+                                    matched=index < resolved.scoring.matched_layers, window=windows[index],
+                                    softcap=logit_softcap(module))  # fmt: skip
             layer.waits_for_prompt_scores = scorer_class.replays
             layer.module = weakref.ref(module)
             layers.append(layer)

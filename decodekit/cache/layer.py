@@ -83,7 +83,17 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, options, policy: EvictionPolicy, scorer, coding, *, matched: bool = False) -> None:
+    def __init__(
+        self,
+        options,
+        policy: EvictionPolicy,
+        scorer,
+        coding,
+        *,
+        matched: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.options, self.policy, self.scorer, self.coding = options, policy, scorer, coding
         self.matched = matched
@@ -102,8 +112,12 @@ class CompressedLayer(CacheLayerMixin):
         # reads what it reads there): each row's first ``held_pads`` slots, never scored or counted.
         self.held_pads: np.ndarray | None = None
         self._padding_held = False
-        self.window: int | None = None  # the attention module's sliding window, and its logit cap
-        self.softcap: float | None = None
+        # The attention module's sliding window and logit cap. A windowed layer holds at most ``window - 1`` tokens,
+        # as transformers' own cache holds (``cap``), and evicts at every step, so that it never holds a token its
+        # window has passed.
+        self.window, self.softcap = window, softcap
+        self.cap = None if window is None else window - 1
+        self.interval = 1 if window is not None else policy.interval
         self.dtype: torch.dtype | None = None
         self.head_dim = 0
         self.shares: tuple[np.ndarray, np.ndarray] | None = None  # host counts [batch, heads], bases [batch]
@@ -209,13 +223,10 @@ class CompressedLayer(CacheLayerMixin):
         self,
         query_length: int,
         pads: torch.Tensor | None = None,
-        *,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
     ) -> torch.Tensor | None:
         """Prepare a pass of ``query_length`` tokens; return the attention mask it needs, ``[batch, heads,
         query_length, keys]`` (boolean, or float logit offsets where entries carry biases), or None where the
-        model's own mask is right. ``pads``, ``sliding_window`` and ``softcap`` are read on the first pass only."""
+        model's own mask is right. ``pads`` (each row's left padding) is read on the first pass only."""
         if torch.compiler.is_compiling():
             self._pass = Pass(query_length, False)
             return compiled.begin(self, query_length)
@@ -226,7 +237,6 @@ class CompressedLayer(CacheLayerMixin):
             self._set_pads(pads.to("cpu", torch.long).numpy().copy())
             self.held_pads = self.pads.copy()
             self._padding_held = bool(self.pads.any())
-            self.window, self.softcap = sliding_window, softcap
         self._pass = step = Pass(query_length, first)
         if first:
             return None
@@ -437,16 +447,21 @@ class CompressedLayer(CacheLayerMixin):
         room = self.policy.growth_room()
         fixed = self.policy.fixed_target(self.rows)
         if fixed is not None and self.shares is None:
+            fixed = fixed if self.cap is None else min(fixed, self.cap)
             room = max(min(room, fixed - self.longest), 0)
         return room
 
     def fit_capacity(self) -> None:
         """After a pass of several tokens: give each segment room for the decoding steps until its next eviction
-        and no more (a fixed target's segments at most its target and one step's token), freeing the rest."""
+        and no more (a fixed target's segments at most its target and one step's token), freeing the rest; a cache
+        that evicts at every step under a budget in tokens (what compiled steps run) holds that whole room at once,
+        as transformers' StaticCache holds ``max_cache_len``."""
         storage = self.storage
         lengths = storage.lengths_host
-        if self.policy.fixed_target(self.rows) is not None:  # the most a fixed target holds: it and a step's token
+        if self.policy.keeps_one_room():  # compiled steps' one room: the target and a step's token, as StaticCache
             wanted = np.maximum(self.targets() + 1, lengths)
+        elif self.policy.fixed_target(self.rows) is not None:  # room for the steps until the next eviction
+            wanted = np.maximum(np.minimum(lengths + self.interval, self.targets() + 1), lengths)
         else:
             wanted = lengths + self.policy.growth_room()
         if self.shares is None or self.options.size.allocation != "heads":
@@ -456,7 +471,8 @@ class CompressedLayer(CacheLayerMixin):
     def compiled_target(self) -> int | torch.Tensor:
         """A compiled step's target: the fixed size, or per row and head under a shared allocation (a tensor)."""
         if self.shares is None:
-            return self.policy.fixed_target(self.storage.batch)
+            fixed = self.policy.fixed_target(self.storage.batch)
+            return fixed if self.cap is None else min(fixed, self.cap)
         return self._device_targets
 
     def _start(self, key_states: torch.Tensor) -> None:
@@ -593,11 +609,12 @@ class CompressedLayer(CacheLayerMixin):
     def targets(self) -> torch.Tensor:
         """Host ``[batch, heads]``: how many tokens each row and head may keep now."""
         real = self.seen - self.pads
-        row_targets = self.policy.targets(real, self.rows)
+        row_targets = self.policy.targets(real, self.rows, self.cap)
         if self.shares is None:
             return np.repeat(row_targets[:, None], self.storage.heads, axis=1)
         counts, bases = self.shares
-        return self.policy.shared(row_targets, counts, bases)
+        shared = self.policy.shared(row_targets, counts, bases)
+        return shared if self.cap is None else np.minimum(shared, self.cap)
 
     def priority(self, stop: int) -> torch.Tensor:
         """``[batch, heads, stop]``: the rank of each entry for eviction: the sinks and recent tokens above every
@@ -618,7 +635,7 @@ class CompressedLayer(CacheLayerMixin):
         storage = self.storage
         lengths = storage.lengths_host - self.held_pads[:, None]  # (real entries: padding never counts)
         targets = self.targets()
-        keep = self.policy.kept_counts(lengths, targets, new)
+        keep = self.policy.kept_counts(lengths, targets, new, self.interval)
         drops = lengths - keep
         most = int(drops.max())
         if most == 0:
@@ -733,7 +750,6 @@ class CompressedLayer(CacheLayerMixin):
         self._seen_stale = False
         self.pads = self.pads_device = self.held_pads = self.shares = self.prompt_queries = self._pass = None
         self._padding_held = False
-        self.window = self.softcap = None
         self.biased = self.transient = False
         self.scorer.reset()
         self.coding.reset()

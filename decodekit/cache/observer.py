@@ -171,6 +171,11 @@ def _plain_queries(head_dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return partial(split_heads, head_dim=head_dim)
 
 
+def logit_softcap(module: nn.Module) -> float | None:
+    """The module's attention logit cap (Gemma 2's), or None."""
+    return getattr(module, "attn_logit_softcapping", None)
+
+
 def queries_can_rotate(module: nn.Module) -> bool:
     """Whether ``module``'s queries can be Hadamard-rotated through its projection's output
     (``rotated_query_columns``): the columns become the queries as they are (no query norm between them)."""
@@ -191,7 +196,7 @@ def _output_grams(module: nn.Module) -> torch.Tensor:
     return torch.einsum("xhd,xhe->hde", blocks, blocks)
 
 
-def _sliding_window(module: nn.Module) -> int | None:
+def sliding_window(module: nn.Module) -> int | None:
     """The module's local-attention window: its own attribute (per layer type), else its config's."""
     if hasattr(module, "sliding_window"):
         window = module.sliding_window
@@ -262,8 +267,7 @@ def _before_attention(module: nn.Module, cache, layer, hidden_states: torch.Tens
     first_pass = layer.storage is None
     if first_pass:
         pads = _left_padding(kwargs.get("attention_mask"), batch, hidden_states.device)
-        softcap = getattr(module, "attn_logit_softcapping", None)
-        visible = layer.begin_pass(length, pads, sliding_window=_sliding_window(module), softcap=softcap)
+        visible = layer.begin_pass(length, pads)
     else:
         visible = layer.begin_pass(length)
     if visible is None:

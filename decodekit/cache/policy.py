@@ -6,6 +6,7 @@ All of it is host arithmetic on numbers or NumPy arrays, so that no decision rea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,12 +57,15 @@ class EvictionPolicy:
             return max(self.entry_bytes.tokens_within(self.size.max_bytes / rows), self.floor)
         return None
 
-    def target(self, seen: int, rows: int = 1) -> int:
-        """How many tokens a row that has seen ``seen`` real tokens keeps (at most); ``rows`` share ``max_bytes``."""
-        return int(self.targets(np.array([seen]), rows)[0])
+    def target(self, seen: int, rows: int = 1, cap: int | None = None) -> int:
+        """How many tokens a row that has seen ``seen`` real tokens keeps (at most); ``rows`` share ``max_bytes``;
+        ``cap``: the layer's most (a sliding window's ``window - 1``)."""
+        return int(self.targets(np.array([seen]), rows, cap)[0])
 
-    def targets(self, seen: np.ndarray, rows: int = 1) -> np.ndarray:
-        """``target`` of each row of ``seen`` (host ``[batch]`` real tokens seen), float64 arithmetic."""
+    def targets(self, seen: np.ndarray, rows: int = 1, cap: int | None = None) -> np.ndarray:
+        """``target`` of each row of ``seen`` (host ``[batch]`` real tokens seen), float64 arithmetic. A layer with a
+        ``cap`` (a sliding window's ``window - 1``: what transformers' own cache holds there) keeps at most that: a
+        budget and a byte size are met within it, a ratio is of what the window holds."""
         seen = np.asarray(seen, dtype=np.int64)
         fixed = self.fixed_target(rows)
         if fixed is not None:
@@ -69,11 +73,44 @@ class EvictionPolicy:
         elif self.size.memory_fraction is not None:
             entry = self.entry_bytes
             counted = seen.astype(np.float64)
-            allowed = self.size.memory_fraction * counted * entry.full - counted * entry.biases_per_seen
-            kept = np.floor((allowed - entry.fixed) / entry.kept).astype(np.int64)
+            allowed = self.size.memory_fraction * entry.held(counted) * entry.full - counted * entry.biases_per_seen
+            tokens = entry.tokens_for((allowed - entry.fixed) / entry.kept)
+            kept = np.floor(np.minimum(tokens, 2.0**62)).astype(np.int64)
         else:
-            kept = np.ceil((1.0 - self.size.compression_ratio) * seen.astype(np.float64)).astype(np.int64)
-        return np.maximum(kept, self.floor)
+            held = seen if cap is None else np.minimum(seen, cap)
+            kept = np.ceil((1.0 - self.size.compression_ratio) * held.astype(np.float64)).astype(np.int64)
+        if cap is None:
+            return np.maximum(kept, self.floor)
+        return np.minimum(np.maximum(kept, min(self.floor, cap)), cap)
+
+    def check_room(self, windows: list[int | None]) -> None:
+        """Refuse a size in bytes that can never hold the sinks and the recent window (``floor`` tokens, or a window's
+        all where it holds fewer) of every layer: ``max_bytes`` for one row, and ``memory_fraction`` where every layer
+        has a sliding window (the full cache then stops growing at its windows); the message names the option, the
+        model's window and the smallest allowed value."""
+        entry = self.entry_bytes
+        floor = np.array([float(self.floor)])
+        needed = float(entry.held(floor)[0]) * (entry.kept + entry.biases_per_kept) + entry.fixed  # per (layer, head)
+        shortest = min((window for window in windows if window is not None), default=None)
+        what = f"the sinks and the recent window ({self.floor} tokens per layer and KV head"
+        shorter = shortest is not None and shortest - 1 < self.floor
+        what += f", or a sliding window's {shortest - 1} where it is shorter)" if shorter else ")"
+        if self.size.max_bytes is not None and self.size.max_bytes < needed * entry.units:
+            raise ValueError(
+                f"max_bytes={self.size.max_bytes} cannot hold {what}: the smallest allowed is "
+                f"{math.ceil(needed * entry.units)}"
+            )
+        if self.size.memory_fraction is None or any(window is None for window in windows):
+            return
+        # the full cache's bytes per (layer, head), at most
+        most = entry.full * float(entry.held(np.array([np.inf]))[0])
+        least = needed / most
+        if self.size.memory_fraction < least:
+            smallest = f"the smallest allowed is {least:.3g}" if least <= 1 else "no memory_fraction fits this model"
+            raise ValueError(
+                f"memory_fraction={self.size.memory_fraction} leaves no room for {what} on a model whose every layer "
+                f"holds its sliding window of {shortest} tokens: {smallest} (use a budget or a compression_ratio)"
+            )
 
     def shared(self, targets: np.ndarray, counts: np.ndarray, bases: np.ndarray) -> np.ndarray:
         """Per row and head, ``[batch, heads]``: the target under a shared allocation that gave a (row, head)
@@ -91,10 +128,14 @@ class EvictionPolicy:
         target = self.target(seen, rows)
         return live if live <= target else max(target - self.slack(new), self.floor)
 
-    def kept_counts(self, lengths: np.ndarray, targets: np.ndarray, new: int) -> np.ndarray:
-        """``kept`` for host arrays of lengths and targets of the same shape."""
-        slack = self.slack(new)
-        return np.where(lengths <= targets, lengths, np.maximum(targets - slack, self.floor))
+    def kept_counts(
+        self, lengths: np.ndarray, targets: np.ndarray, new: int, interval: int | None = None
+    ) -> np.ndarray:
+        """``kept`` for host arrays of lengths and targets of the same shape (``interval``: the layer's own, where it
+        evicts at other intervals)."""
+        slack = (self.interval if interval is None else interval) - 1 if new == 1 else 0
+        floor = np.minimum(targets, self.floor)  # (a window smaller than the floor keeps what it holds)
+        return np.where(lengths <= targets, lengths, np.maximum(targets - slack, floor))
 
     def keeps_one_room(self) -> bool:
         """Whether decoding steps keep one storage of ``budget + 1`` slots: one eviction per step under a budget in

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from decodekit.cache.quantize import Quantizer, rotation_block
 from decodekit.settings import CODED_BITS
 
@@ -76,9 +78,16 @@ class EntryBytes:
     most one per token seen (``biases_per_seen``, per pair and token seen: a size that grows with the tokens), and
     a row holds at most one per kept token (``biases_per_kept``: a fixed size).
 
+    ``caps``: per layer, the most tokens the layer ever holds (a sliding window's ``window - 1``, as transformers'
+    own cache holds; ``inf`` for full attention), which both the full cache and this one respect: a layer keeps
+    ``min(tokens, cap)`` where the others keep ``tokens``.
+
     Example:
         >>> EntryBytes(kept=100, fixed=1000, full=256, units=2).tokens_within(10_000)
         40
+        >>> windowed = EntryBytes(kept=100, fixed=1000, full=256, units=2, caps=(10.0, math.inf))
+        >>> windowed.tokens_within(10_000), float(windowed.held(np.array([70.0]))[0])  # (10 + 70) / 2 = 40 held
+        (70, 40.0)
     """
 
     kept: float
@@ -87,10 +96,36 @@ class EntryBytes:
     units: int
     biases_per_seen: float = 0.0
     biases_per_kept: float = 0.0
+    caps: tuple[float, ...] = (math.inf,)
+
+    def held(self, tokens: np.ndarray) -> np.ndarray:
+        """The mean over layers of what a layer holds when a full-attention layer holds ``tokens``: ``min(tokens,
+        cap)`` averaged (float64)."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        return np.mean([np.minimum(tokens, cap) for cap in self.caps], axis=0)
+
+    def tokens_for(self, held: np.ndarray) -> np.ndarray:
+        """The inverse of ``held``: the most tokens a full-attention layer may keep so that the layers' mean holding
+        is ``held`` (``inf`` where every layer's cap fits)."""
+        held = np.asarray(held, dtype=np.float64)
+        caps = sorted(self.caps)
+        count = len(caps)
+        result = np.full_like(held, np.inf)
+        below = 0.0  # the sum of the caps below the segment: there, mean = (below + (count - index) * tokens) / count
+        for index, cap in enumerate(caps):
+            tokens = (held * count - below) / (count - index)
+            result = np.where(np.isinf(result) & (tokens <= cap), tokens, result)  # (the first segment it falls in)
+            if math.isinf(cap):
+                break
+            below += cap
+        return result
 
     def tokens_within(self, row_bytes: float) -> int:
-        """How many tokens fit in ``row_bytes`` bytes of one row (all its layers and heads)."""
-        return math.floor((row_bytes / self.units - self.fixed) / (self.kept + self.biases_per_kept))
+        """How many tokens a full-attention layer keeps so that one row (all its layers and heads) fits in
+        ``row_bytes`` bytes (each windowed layer keeping at most its cap)."""
+        held = (row_bytes / self.units - self.fixed) / (self.kept + self.biases_per_kept)
+        tokens = float(self.tokens_for(np.array([held]))[0])
+        return math.floor(min(tokens, 2**62))
 
 
 def entry_bytes(
@@ -103,12 +138,13 @@ def entry_bytes(
     eviction_interval: int,
     value_norms: bool = True,
     matched_layers: int = 0,
+    caps: tuple[float, ...] = (math.inf,),
 ) -> EntryBytes:
     """The :class:`EntryBytes` of a compressed cache for ``model`` storing ``kv_bits`` per value (None: the
     model's dtype; keys in ``key_bits`` when given) in groups of ``group_size`` channels, holding the last
     ``residual_length`` tokens exact besides (quantized storage) and scoring the decoding steps every
     ``eviction_interval``, with each entry's value norm when ``value_norms`` (eviction ranks by it) and a bias
-    per entry in the first ``matched_layers`` layers."""
+    per entry in the first ``matched_layers`` layers; ``caps``: per layer, the most tokens it holds (``EntryBytes``)."""
     config = model.config.get_text_config()
     head_dim = attention_head_size(config)
     kv_heads, query_heads = config.num_key_value_heads, config.num_attention_heads
@@ -135,5 +171,5 @@ def entry_bytes(
     biased = min(matched_layers, config.num_hidden_layers) * kv_heads  # the (layer, KV head) pairs that hold biases
     return EntryBytes(
         kept, ring + waiting + reserved + padding, 2 * head_dim * 2, units,
-        biases_per_seen=BIAS_BYTES * biased / units, biases_per_kept=BIAS_BYTES if biased else 0.0,
+        biases_per_seen=BIAS_BYTES * biased / units, biases_per_kept=BIAS_BYTES if biased else 0.0, caps=caps,
     )  # fmt: skip
