@@ -173,6 +173,7 @@ def save(
     temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         save_file(tensors, temporary, metadata={"decodekit": json.dumps(header)})
+        os.chmod(temporary, 0o666 & ~_umask())  # (safetensors writes 0600: give it a new file's usual mode)
         with open(temporary, "rb+") as written:
             os.fsync(written.fileno())
         os.replace(temporary, path)
@@ -188,6 +189,18 @@ def _remove_stale_temporaries(path: Path) -> None:
         pid = temporary.name.removeprefix(f".{path.name}.").removesuffix(".partial")
         if pid.isdigit() and not _alive(int(pid)):
             temporary.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux); 0o022 where it cannot be read."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def _alive(pid: int) -> bool:
@@ -225,13 +238,13 @@ def read_header(path: str | os.PathLike) -> dict:
         header = read_header("doc.kv")
         print(header["token_ids"][:8], header["memory_bytes"], header["metadata"])
     """
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a folder, not a decodekit cache file")
     try:
         with safe_open(str(path), framework="pt") as file:
             metadata = file.metadata() or {}
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path} is a folder, not a decodekit cache file") from None
     except Exception as error:  # truncated, corrupted, or not safetensors at all
         raise ValueError(f"{path} is not a readable decodekit cache file ({_reason(error)})") from None
     try:
