@@ -384,3 +384,24 @@ def test_the_file_of_this_format_version_loads_and_continues_as_the_cache_compre
     _, logits = _follow_up(model, loaded, document, question, new_tokens=8)
     _, expected = _follow_up(model, anew, document, question, new_tokens=8)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # the default model: its 28M-value embedding, where a sampled fingerprint once indexed past the end
+def test_the_default_model_saves_and_loads_a_context_that_answers_as_in_place(real, tmp_path):
+    from pydoc_data.topics import topics
+
+    from decodekit.context import Context
+
+    model, tokenizer = real
+    options = {"memory_fraction": 0.1, "scoring": "reconstruction"}
+    document = topics["assert"] + topics["pass"]
+    context = Context.compress(model, tokenizer, document, CompressedCache(model, **options))
+    loaded = Context.load(context.save(tmp_path / "doc.kv"), model)
+    question = "Which statement does nothing?"
+    ids = torch.tensor([context.token_ids])
+    _, logits = _follow_up(model, loaded.cache, ids, torch.tensor([loaded.question_ids(tokenizer, question)]), None, 8)
+    in_place = Context.compress(model, tokenizer, document, CompressedCache(model, **options))
+    _, expected = _follow_up(model, in_place.cache, ids, torch.tensor([in_place.question_ids(tokenizer, question)]),
+                             None, 8)  # fmt: skip
+    assert torch.equal(logits, expected)
+    assert (tmp_path / "doc.kv").stat().st_size <= 0.11 * context.summary(model)["full_16bit_bytes"] + 64 * 1024
