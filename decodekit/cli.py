@@ -84,7 +84,14 @@ def add_strategy_flags(
     aliases: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
     """One flag per field of ``decodekit.fields`` of ``families``, grouped by family, with its range in the help;
-    ``aliases`` gives a field more flags (``{"kv_memory_fraction": ("--memory-fraction",)}``)."""
+    ``aliases`` gives a field more flags (``{"kv_memory_fraction": ("--memory-fraction",)}``).
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_strategy_flags(parser, ("cache",), {"kv_memory_fraction": ("--memory-fraction",)})
+        >>> parser.parse_args(["--memory-fraction", "0.1"]).kv_memory_fraction
+        0.1
+    """
     groups = {family: parser.add_argument_group(title) for family, title in GROUPS.items() if family in families}
     if "sampling" in groups:
         groups["sampling"].add_argument("--sample", action="store_true", help="sample at temperature 1 with no filter")

@@ -38,7 +38,13 @@ DEFAULT_CACHE = {"memory_fraction": 0.1, "scoring": "reconstruction"}
 
 def chat_frame(tokenizer: Any, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> tuple[str, str]:
     """The chat template's text before a user turn's content (with ``system_prompt`` when non-empty) and after it
-    (with the assistant's header); ValueError where the template does not hold the turn's text as it is."""
+    (with the assistant's header); ValueError where the template does not hold the turn's text as it is.
+
+    Example (with a ``tokenizer`` from ``load_model``)::
+
+        before, after = chat_frame(tokenizer)
+        print(repr(after))  # '<|im_end|>\\n<|im_start|>assistant\\n' for SmolLM2
+    """
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     text = tokenizer.apply_chat_template(
         [*system, {"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
@@ -225,7 +231,13 @@ class Context:
     ) -> Context:
         """Compress ``document`` into ``cache`` (a fresh ``CompressedCache`` bound to ``model``; default:
         ``CompressedCache(model, memory_fraction=0.1, scoring="reconstruction")``), framed by ``document_ids``;
-        ``progress`` as ``fill`` calls it."""
+        ``progress`` as ``fill`` calls it.
+
+        Example (with ``model`` and ``tokenizer`` from ``load_model``)::
+
+            context = Context.compress(model, tokenizer, text, CompressedCache(model, budget=512))
+            print(context.seen, context.kept, context.memory_bytes())
+        """
         chat = uses_chat_template(tokenizer, chat)
         ids = document_ids(tokenizer, document, chat=chat, system_prompt=system_prompt)
         return cls.from_ids(model, ids, cache, chat=chat, progress=progress)
@@ -241,7 +253,13 @@ class Context:
         progress: Callable[[int, int], None] | None = None,
     ) -> Context:
         """A context of a document already tokenized (``token_ids``, its framing included), compressed into
-        ``cache`` (default as ``compress``'s)."""
+        ``cache`` (default as ``compress``'s).
+
+        Example (with ``model`` and ``tokenizer`` from ``load_model``)::
+
+            context = Context.from_ids(model, tokenizer("The pass key is 71432. " * 50)["input_ids"])
+            print(context.ask(model, tokenizer, tokenizer(" The pass key is")["input_ids"], max_new_tokens=4))
+        """
         token_ids = [int(token) for token in token_ids]
         if not token_ids:
             raise ValueError("token_ids is empty: a context needs a document")
@@ -264,12 +282,24 @@ class Context:
         return self.cache.memory_bytes()
 
     def fork(self) -> Context:
-        """An independent copy: what one question changes in it leaves this context as it was."""
+        """An independent copy: what one question changes in it leaves this context as it was.
+
+        Example (with ``context``, ``model`` and ``question_ids``)::
+
+            copy = context.fork()
+            model(torch.tensor([copy.token_ids + question_ids]), past_key_values=copy.cache)  # context unchanged
+        """
         return Context(self.cache.fork(), list(self.token_ids), self.chat)
 
     def save(self, path: str | os.PathLike, **notes: Any) -> Path:
         """Write the context to ``path`` (``CompressedCache.save``: atomic, checked when loaded), with how its
-        questions are framed and any JSON ``notes`` (such as the document's file name)."""
+        questions are framed and any JSON ``notes`` (such as the document's file name).
+
+        Example (with a ``context``)::
+
+            context.save("report.kv", source="report.txt")
+            print(read_notes("report.kv"))  # {'chat': True, 'source': 'report.txt'}
+        """
         metadata = {METADATA_KEY: {"chat": self.chat, **notes}}
         return self.cache.save(path, token_ids=self.token_ids, metadata=metadata)
 
@@ -277,7 +307,13 @@ class Context:
     def load(cls, path: str | os.PathLike, model: Any, device: torch.device | str | None = None) -> Context:
         """A context read from a file ``save`` (or ``CompressedCache.save`` with the token ids of one row) wrote,
         bound to ``model``; ValueError naming what does not fit (another model or checkpoint, dtype, format
-        version, a truncated or corrupted file)."""
+        version, a truncated or corrupted file).
+
+        Example (with ``model`` and ``tokenizer`` from ``load_model``)::
+
+            context = Context.load("report.kv", model)
+            print(context.ask(model, tokenizer, "Who signed it?", max_new_tokens=24))
+        """
         header = persist.read_header(path)
         if header.get("token_ids") is None:
             raise ValueError(
@@ -291,7 +327,12 @@ class Context:
 
     def question_ids(self, tokenizer: Any, question: str | Sequence[int]) -> list[int]:
         """The token ids that follow the document's for ``question`` (text, framed as the document was; or token
-        ids, taken as they are)."""
+        ids, taken as they are).
+
+        Example (with a ``context`` and a ``tokenizer``)::
+
+            ids = context.token_ids + context.question_ids(tokenizer, "Who signed it?")  # what generate reads
+        """
         if isinstance(question, str):
             return question_ids(tokenizer, question, chat=self.chat)
         ids = [int(token) for token in question]
@@ -313,7 +354,14 @@ class Context:
         """Answer ``question`` (text, or token ids taken as they are) from a fork of the context, with ``strategy``
         (greedy by default; its own ``kv_`` fields are refused: the context brings its cache); ``full=True``
         answers as the document re-read with the full cache would instead (the baseline). Extra keyword arguments
-        go to ``model.generate`` (a ``streamer``...)."""
+        go to ``model.generate`` (a ``streamer``...).
+
+        Example (with a ``context``, ``model`` and ``tokenizer``)::
+
+            short = context.answer(model, tokenizer, "Who signed it?", max_new_tokens=24)
+            full = context.answer(model, tokenizer, "Who signed it?", max_new_tokens=24, full=True)
+            print(short.text, short.cache_bytes, "|", full.text, full.cache_bytes)
+        """
         check_max_new_tokens(max_new_tokens)
         strategy = strategy or Strategy()
         if not isinstance(strategy, Strategy):
@@ -351,12 +399,24 @@ class Context:
         max_new_tokens: int = 128,
         **generate_kwargs: Any,
     ) -> str:
-        """The text of ``answer(...)``: ``question`` answered from a fork of the context."""
+        """The text of ``answer(...)``: ``question`` answered from a fork of the context.
+
+        Example (with a ``context``, ``model`` and ``tokenizer``)::
+
+            for question in ["Who signed it?", "When?"]:
+                print(context.ask(model, tokenizer, question, Strategy(num_beams=4), max_new_tokens=24))
+        """
         return self.answer(model, tokenizer, question, strategy, max_new_tokens=max_new_tokens, **generate_kwargs).text
 
     def summary(self, model: Any) -> dict[str, int]:
         """The context's numbers: tokens seen and kept, bytes held, and the bytes a full 16-bit cache of the same
-        tokens holds."""
+        tokens holds.
+
+        Example (with a ``context`` and its ``model``)::
+
+            numbers = context.summary(model)
+            print(numbers["memory_bytes"] / numbers["full_16bit_bytes"])  # about 0.1 by default
+        """
         return {
             "tokens_seen": self.seen, "tokens_kept": self.kept, "memory_bytes": self.memory_bytes(),
             "full_16bit_bytes": full_cache_bytes(model, self.seen, element_size=2),
@@ -385,5 +445,10 @@ def held_bytes(cache: Cache) -> int:
 
 def read_notes(path: str | os.PathLike) -> Mapping[str, Any]:
     """What ``Context.save`` recorded of a context besides its cache (``chat``, the caller's notes); {} for a cache
-    saved without them."""
+    saved without them.
+
+    Example (with a file ``Context.save`` wrote)::
+
+        print(read_notes("report.kv"))  # {'chat': True, 'source': 'report.txt'}
+    """
     return (persist.read_header(path).get("metadata") or {}).get(METADATA_KEY) or {}

@@ -78,7 +78,13 @@ def weights_fingerprint(model: nn.Module) -> str:
 
 def model_identity(model: nn.Module) -> dict:
     """What a saved cache must match of ``model``: its attention's config fields and its weights' fingerprint
-    (``weights_fingerprint``)."""
+    (``weights_fingerprint``).
+
+    Example (with ``model`` from ``load_model``)::
+
+        identity = model_identity(model)
+        print(identity["config"]["num_key_value_heads"], identity["weights"])
+    """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     fields = {name: _plain(getattr(config, name, None)) for name in IDENTITY_FIELDS}
     return {"config": fields, "weights": {HASH: weights_fingerprint(model)}}
@@ -148,7 +154,12 @@ def save(
     disk and renamed over ``path`` once complete, so that a save stopped midway (an error, Ctrl-C, the process
     killed) leaves no partial file at ``path``. A temporary left by a killed save is removed by the next save to the
     same path. ``token_ids`` (checked against the tokens seen) and ``metadata`` (JSON) go into the header. Returns the
-    path."""
+    path.
+
+    Example (with a filled ``cache`` and its ``model``; ``CompressedCache.save`` calls it)::
+
+        save(cache, "doc.kv", model, token_ids=ids[0].tolist(), metadata={"source": "report.txt"})
+    """
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a folder: give a file name to save the cache to")
@@ -277,7 +288,12 @@ def _reason(error: Exception) -> str:
 
 
 def check_fits(header: dict, model: nn.Module, path) -> None:
-    """Refuse, in one line, a saved cache made for another model, checkpoint or dtype."""
+    """Refuse, in one line, a saved cache made for another model, checkpoint or dtype.
+
+    Example (with ``model`` from ``load_model``)::
+
+        check_fits(read_header("doc.kv"), model, "doc.kv")  # ValueError: ... saved for another checkpoint ...
+    """
     identity = model_identity(model)
     saved = header["model"]
     for name in IDENTITY_FIELDS:
@@ -295,7 +311,12 @@ def check_fits(header: dict, model: nn.Module, path) -> None:
 
 
 def load(cache_class, path: str | os.PathLike, model: nn.Module, device: torch.device | str | None = None):
-    """A cache of ``cache_class`` rebuilt from ``path`` and bound to ``model`` (on ``device``, default the model's)."""
+    """A cache of ``cache_class`` rebuilt from ``path`` and bound to ``model`` (on ``device``, default the model's).
+
+    Example (with ``model`` from ``load_model``; ``CompressedCache.load`` calls it)::
+
+        cache = load(CompressedCache, "doc.kv", model)
+    """
     from decodekit.cache.options import ReplayOptions, ScoringOptions, SizeOptions, StorageOptions
 
     header = read_header(path)

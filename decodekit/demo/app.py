@@ -248,6 +248,12 @@ class DemoSession:
         """Compress ``document`` for the calling session (replacing its previous one) to ``memory_fraction`` of a
         full 16-bit cache's bytes, with reconstruction scores (the questions are not known yet). Returns its
         numbers: ``{"tokens seen", "tokens kept", "compressed cache (KiB)", "full 16-bit cache (KiB)", "seconds"}``.
+
+        Example (a running demo, from ``gradio_client``)::
+
+            client = Client("http://127.0.0.1:7860/")
+            print(client.predict(document=open("report.txt").read(), memory_fraction=0.1,
+                                 api_name="/compress_document"))
         """
         from decodekit.cache import CompressedCache
         from decodekit.context import Context, document_ids
@@ -287,7 +293,13 @@ class DemoSession:
         """Answer ``question`` about the calling session's compressed document from a fork of it (the document
         stays as it was for the next question), and from the full cache that reads the document again. Returns
         ``{"question", "compressed": {"text", "cache (KiB)", "seconds"}, "full": {...}}``: each answer with the
-        bytes its cache holds after it."""
+        bytes its cache holds after it.
+
+        Example (the same ``client`` after ``/compress_document``)::
+
+            result = client.predict(question="Who signed it?", max_new_tokens=48, api_name="/ask_document")
+            print(result["compressed"]["text"], "|", result["full"]["text"])
+        """
         if not isinstance(question, str) or not question.strip():
             raise _user_error("Type a question first.")
         max_new_tokens = whole_number("max new tokens", max_new_tokens, 1, self.limits.max_new_tokens)
@@ -337,7 +349,12 @@ def _kib(count: int) -> float:
 
 def read_upload(path: str | None) -> str:
     """The text of an uploaded document file (UTF-8, at most ``MAX_UPLOAD_BYTES``), or a page error saying why
-    not; "" when nothing was uploaded."""
+    not; "" when nothing was uploaded.
+
+    Example:
+        >>> read_upload(None)
+        ''
+    """
     if not path:
         return ""
     size = os.path.getsize(path)
