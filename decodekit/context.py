@@ -126,6 +126,8 @@ def fill(
         raise TypeError(f"cache must be a CompressedCache; got {type(cache).__name__}")
     if cache.get_seq_length():
         raise ValueError("cache already holds tokens: fill a fresh CompressedCache")
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a tensor of token ids [rows, tokens]; got {type(input_ids).__name__}")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         shape = tuple(input_ids.shape)
         raise ValueError(f"input_ids must be [rows, tokens] with at least one token; got shape {shape}")

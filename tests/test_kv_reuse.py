@@ -405,3 +405,15 @@ def test_the_default_model_saves_and_loads_a_context_that_answers_as_in_place(re
                              None, 8)  # fmt: skip
     assert torch.equal(logits, expected)
     assert (tmp_path / "doc.kv").stat().st_size <= 0.11 * context.summary(model)["full_16bit_bytes"] + 64 * 1024
+
+
+def test_weights_made_under_inference_mode_are_fingerprinted_and_offloaded_ones_are_named(tiny):
+    _, tokenizer = tiny
+    with torch.inference_mode():
+        made = build_model(tokenizer)
+    reference = build_model(tokenizer)  # the same seed: the same weights
+    assert persist.weights_fingerprint(made) == persist.weights_fingerprint(reference)
+    with torch.device("meta"):
+        offloaded = build_model(tokenizer)
+    with pytest.raises(ValueError, match="is on the meta device, offloaded"):
+        persist.weights_fingerprint(offloaded)

@@ -62,9 +62,18 @@ def weights_fingerprint(model: nn.Module) -> str:
         (True, False)
     """
     parameters = sorted(model.named_parameters())
-    key = tuple((name, parameter.data_ptr(), parameter._version) for name, parameter in parameters)
+    offloaded = [name for name, parameter in parameters if parameter.device.type == "meta"]
+    if offloaded:
+        raise ValueError(
+            f"the model's weights are not all in memory ({offloaded[0]} is on the meta device, offloaded): a saved KV "
+            "cache checks every weight; load the model without offloading"
+        )
+    try:
+        key = tuple((name, parameter.data_ptr(), parameter._version) for name, parameter in parameters)
+    except RuntimeError:  # weights made under torch.inference_mode keep no version counter: hash them every time
+        key = None
     known = _FINGERPRINTS.get(model)
-    if known is not None and known[0] == key:
+    if key is not None and known is not None and known[0] == key:
         return known[1]
     digest = xxhash.xxh3_128()
     with torch.no_grad():
@@ -72,7 +81,8 @@ def weights_fingerprint(model: nn.Module) -> str:
             digest.update(f"{name} {tuple(parameter.shape)} {parameter.dtype}\n".encode())
             digest.update(_tensor_bytes(parameter))
     fingerprint = digest.hexdigest()
-    _FINGERPRINTS[model] = (key, fingerprint)
+    if key is not None:
+        _FINGERPRINTS[model] = (key, fingerprint)
     return fingerprint
 
 
