@@ -78,17 +78,33 @@ GROUPS = {
 }
 
 
-def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per field of ``decodekit.fields``, grouped by family, with its range in the help."""
-    groups = {family: parser.add_argument_group(title) for family, title in GROUPS.items()}
-    groups["sampling"].add_argument("--sample", action="store_true", help="sample at temperature 1 with no filter")
-    sizes = groups["cache"].add_mutually_exclusive_group()  # one cache size; the cache's options go with it
+def add_strategy_flags(
+    parser: argparse.ArgumentParser,
+    families: Sequence[str] = tuple(GROUPS),
+    aliases: dict[str, tuple[str, ...]] | None = None,
+) -> None:
+    """One flag per field of ``decodekit.fields`` of ``families``, grouped by family, with its range in the help;
+    ``aliases`` gives a field more flags (``{"kv_memory_fraction": ("--memory-fraction",)}``).
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_strategy_flags(parser, ("cache",), {"kv_memory_fraction": ("--memory-fraction",)})
+        >>> parser.parse_args(["--memory-fraction", "0.1"]).kv_memory_fraction
+        0.1
+    """
+    groups = {family: parser.add_argument_group(title) for family, title in GROUPS.items() if family in families}
+    if "sampling" in groups:
+        groups["sampling"].add_argument("--sample", action="store_true", help="sample at temperature 1 with no filter")
+    sizes = groups["cache"].add_mutually_exclusive_group() if "cache" in groups else None  # one cache size
     for field in FIELDS:
+        if field.family not in groups:
+            continue
         target = sizes if field.name in CACHE_SIZES else groups[field.family]
         span = f", {field.span}" if field.span else ""
         metavar = field.name.upper() if field.kind != "texts" else "JSON_LIST"
+        flags = (field.cli_flag, *(aliases or {}).get(field.name, ()))
         target.add_argument(
-            field.cli_flag, dest=field.name, type=_field_type(field), metavar=metavar, help=f"{field.help}{span}"
+            *flags, dest=field.name, type=_field_type(field), metavar=metavar, help=f"{field.help}{span}"
         )
 
 
@@ -108,6 +124,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Decoding strategies for transformers models.",
         epilog=_examples(
             'decodekit generate "The capital of France is" --max-new-tokens 16',
+            "decodekit compress report.txt --memory-fraction 0.1 -o report.kv",
             "decodekit eval --limit 12 --max-new-tokens 48 --out reports/",
             "decodekit demo --port 7860",
         ),
@@ -123,18 +140,24 @@ def _build_parser() -> argparse.ArgumentParser:
             'decodekit generate "Write a haiku about the sea." --temperature 0.8 --min-p 0.05',
             'decodekit generate "Explain gravity to a child." --num-beams 4 --length-normalization gnmt',
             'decodekit generate "Summarize: ..." --kv-budget 256 --model ./my-model --device-map auto',
+            'decodekit generate --context report.kv "Who signed the report?"   # after decodekit compress',
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("prompt", help="the prompt text (with --context: a question about the document)")
     add_model_flags(generate)
+    generate.add_argument(
+        "--context", metavar="FILE",
+        help="answer from a document compressed by decodekit compress into FILE (a fork of it: the file is not "
+        "changed); the model must be the one that compressed it",
+    )  # fmt: skip
     generate.add_argument(
         "--max-new-tokens", type=_bounded(int, 1), default=128, help="most tokens to generate, >= 1 (default 128)"
     )
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the model's chat template")
     generate.add_argument(
         "--system",
-        default=DEFAULT_SYSTEM_PROMPT,
+        default=None,
         help=f'system message for chat models (default: "{DEFAULT_SYSTEM_PROMPT}"; "" keeps the chat template\'s own)',
     )
     generate.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
@@ -147,6 +170,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--trace-json", metavar="FILE", help="write the step-by-step trace as JSON to FILE")
     add_strategy_flags(generate)
     generate.set_defaults(handler=_run_generate)
+    _add_compress_command(commands)
     _add_eval_command(commands)
     demo = commands.add_parser(
         "demo",
@@ -353,6 +377,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     from decodekit.models import load_model
 
     check_prompts([args.prompt])
+    if args.context:
+        return _run_with_context(args)
     if args.trace_json:
         _check_writable(args.trace_json, "--trace-json")
     try:
@@ -366,7 +392,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.trace or args.trace_json:
         return _run_traced(args, model, tokenizer, strategy)
     batch, plan = prepare(model, tokenizer, [args.prompt], strategy, chat=False if args.raw else None,
-                          system_prompt=args.system)  # fmt: skip
+                          system_prompt=_system(args))  # fmt: skip
     kwargs = plan.generate_kwargs()
     if not plan.streams and sys.stderr.isatty() and not args.no_stream:
         kwargs["on_step"] = BeamProgressLine(tokenizer)  # a beam's text can still change: show it on one line
@@ -383,6 +409,167 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _system(args: argparse.Namespace) -> str:
+    """``--system``, or the default system message when it was not given."""
+    return DEFAULT_SYSTEM_PROMPT if args.system is None else args.system
+
+
+def _run_with_context(args: argparse.Namespace) -> int:
+    """``generate --context FILE "QUESTION"``: the question answered from a fork of a compressed document."""
+    from transformers import TextStreamer, set_seed
+
+    from decodekit.cache.persist import read_header
+    from decodekit.context import Context
+    from decodekit.generation import check_max_new_tokens
+    from decodekit.models import load_model
+
+    cache_flags = [
+        field.cli_flag for field in FIELDS if field.family == "cache" and getattr(args, field.name) is not None
+    ]
+    if cache_flags:
+        raise ValueError(
+            f"{cache_flags[0]} applies when compressing (decodekit compress): the context {args.context} brings its "
+            "own cache"
+        )
+    for flag, given in (("--raw", args.raw), ("--system", args.system is not None)):
+        if given:
+            raise ValueError(f"{flag} does not apply with --context: the document's framing was fixed when it was "
+                             "compressed")  # fmt: skip
+    for flag, given in (("--trace", args.trace), ("--trace-json", args.trace_json)):
+        if given:
+            raise ValueError(f"{flag} does not apply with --context")
+    check_max_new_tokens(args.max_new_tokens)
+    read_header(args.context)  # a missing or unreadable file is named before the model loads
+    try:
+        strategy = strategy_from_args(args)
+    except (TypeError, ValueError) as error:
+        raise ValueError(in_flags(str(error))) from None
+    model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
+    context = Context.load(args.context, model)
+    if args.seed is not None:
+        set_seed(args.seed)
+    kwargs: dict[str, Any] = {}
+    if strategy.beam and sys.stderr.isatty() and not args.no_stream:
+        kwargs["on_step"] = BeamProgressLine(tokenizer)
+    elif not strategy.beam and not args.no_stream:
+        kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    answer = context.answer(model, tokenizer, args.prompt, strategy, max_new_tokens=args.max_new_tokens, **kwargs)
+    if "streamer" not in kwargs:
+        print(answer.text)
+    print(f"{cache_summary(model, answer.cache)} (a fork of {args.context})", file=sys.stderr)
+    return 0
+
+
+def _add_compress_command(commands: Any) -> None:
+    compress = commands.add_parser(
+        "compress",
+        help="compress a document's KV cache into a file, to ask it questions later (generate --context)",
+        description="Read the document FILE into a compressed KV cache and save it to one file: by default a tenth "
+        "of a full 16-bit cache's bytes, ranked by reconstruction (query-agnostic: which question comes is not "
+        "known yet). Then ask it questions, each from a fork of it, with decodekit generate --context OUT.",
+        epilog=_examples(
+            "decodekit compress report.txt --memory-fraction 0.1 -o report.kv",
+            'decodekit generate --context report.kv "Who signed the report?"',
+            "decodekit compress notes.md --kv-budget 512 -o notes.kv",
+            "decodekit compress book.txt --kv-ratio 0.9 --kv-scoring attention --model ./my-model",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compress.add_argument("file", metavar="FILE", help="the document: a UTF-8 text file, or - for standard input")
+    compress.add_argument("-o", "--output", metavar="OUT", help="the file to write (default: FILE with the suffix .kv)")
+    add_model_flags(compress)
+    compress.add_argument(
+        "--raw", action="store_true", help="keep the document as it is; by default a chat model gets it as the "
+        "start of a user turn, which each question ends",
+    )  # fmt: skip
+    compress.add_argument(
+        "--system", default=None,
+        help=f'system message for chat models (default: "{DEFAULT_SYSTEM_PROMPT}"; "" keeps the chat template\'s own)',
+    )  # fmt: skip
+    add_strategy_flags(compress, families=("cache",), aliases={"kv_memory_fraction": ("--memory-fraction",)})
+    compress.set_defaults(handler=_run_compress)
+
+
+def _read_document(path: str) -> str:
+    """The text of the document ``path`` (``-``: standard input); ValueError naming what is wrong."""
+    from pathlib import Path
+
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such file") from None
+        except IsADirectoryError:
+            raise ValueError(f"{path} is a folder: give a text file") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not UTF-8 text") from None
+        except OSError as error:
+            raise ValueError(f"cannot read {path}: {error.strerror}") from None
+    if not text.strip():
+        raise ValueError(f"{'standard input' if path == '-' else path} is empty: the document needs some text")
+    return text
+
+
+def _run_compress(args: argparse.Namespace) -> int:
+    """``compress FILE -o OUT``: the document read into a compressed cache, saved, with its numbers printed."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from decodekit.context import Context, document_ids
+    from decodekit.generation import uses_chat_template
+    from decodekit.models import load_model
+    from decodekit.strategies import Strategy
+
+    if args.output is None and args.file == "-":
+        raise ValueError("reading the document from standard input: name the file to write with -o")
+    output = args.output or str(Path(args.file).with_suffix(".kv"))
+    if args.file != "-" and Path(output).resolve() == Path(args.file).resolve():
+        raise ValueError(f"--output {output} is the document itself: name another file with -o")
+    _check_writable(output, "--output")
+    values = {field.name: getattr(args, field.name) for field in FIELDS if field.family == "cache"}
+    if all(values[name] is None for name in CACHE_SIZES):
+        values["kv_memory_fraction"] = 0.1
+    values["kv_scoring"] = values["kv_scoring"] or "reconstruction"
+    try:
+        strategy = Strategy(**values)
+    except (TypeError, ValueError) as error:
+        raise ValueError(in_flags(str(error))) from None
+    text = _read_document(args.file)
+    model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
+    chat = uses_chat_template(tokenizer, False if args.raw else None)
+    ids = document_ids(tokenizer, text, chat=chat, system_prompt=_system(args))
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and len(ids) >= limit:
+        raise ValueError(
+            f"{args.file} holds {len(ids)} tokens; the model reads at most {limit} positions, questions and answers "
+            "included: give a shorter document"
+        )
+    bars = []
+
+    def progress(done: int, total: int) -> None:  # the prompt's chunks (with a replay, its pass and the replay's)
+        if not bars:
+            bars.append(tqdm(total=total, unit="chunk", desc="compressing", file=sys.stderr, dynamic_ncols=True))
+        bars[0].update(done - bars[0].n)
+
+    try:
+        context = Context.from_ids(model, ids, strategy.plan(model).cache, chat=chat, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
+    path = context.save(output, source=Path(args.file).name if args.file != "-" else "-")
+    numbers = context.summary(model)
+    held, full = numbers["memory_bytes"], numbers["full_16bit_bytes"]
+    print(
+        f"{path}: {numbers['tokens_seen']} tokens seen, {numbers['tokens_kept']} kept per layer and KV head; "
+        f"{held:,} bytes in memory ({held / full:.1%} of a full 16-bit cache's {full:,}), "
+        f"{path.stat().st_size:,} bytes on disk"
+    )
+    return 0
+
+
 def _run_traced(args: argparse.Namespace, model: Any, tokenizer: Any, strategy: Any) -> int:
     """``generate --trace N`` / ``--trace-json FILE``: the text, then each step's candidates."""
     import json
@@ -391,7 +578,7 @@ def _run_traced(args: argparse.Namespace, model: Any, tokenizer: Any, strategy: 
 
     trace = generate_with_trace(
         model, tokenizer, args.prompt, strategy, top=args.trace or 5, max_new_tokens=args.max_new_tokens,
-        chat=False if args.raw else None, system_prompt=args.system,
+        chat=False if args.raw else None, system_prompt=_system(args),
     )  # fmt: skip
     print(trace.text)
     if args.trace:

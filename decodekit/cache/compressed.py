@@ -6,7 +6,7 @@ import copy
 import math
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -135,11 +135,16 @@ class CompressedCache(Cache):
         """After the prompt's pass: let the scorer score it (a replay of the prompt), then evict."""
         self.layers[0].scorer.after_prompt(self, model, input_ids)
 
-    def save(self, path: str | os.PathLike, token_ids: Sequence[int] | None = None) -> Path:
+    def save(
+        self, path: str | os.PathLike, token_ids: Sequence[int] | None = None, *, metadata: Mapping | None = None
+    ) -> Path:
         """Write this cache to ``path`` (safetensors and a JSON header, no pickle; atomically: a save stopped midway
         leaves no file): every layer's kept entries as stored, the options, and what a later ``load`` checks (the
-        model's identity and weights' fingerprint, the dtype, the format's version). ``token_ids``: the tokens the
-        cache was filled with, recorded so that a caller can check a document's ids (default: ``token_ids``).
+        model's identity and weights' fingerprint, the dtype, the format's version, a checksum of the contents).
+        ``token_ids``: the tokens the cache was filled with, one list per row for several rows, padding included
+        (default: ``self.token_ids``), recorded so that a caller can check a document's ids; ValueError unless each
+        row holds as many as the cache has seen. ``metadata``: the caller's own notes (JSON), read back with
+        ``persist.read_header(path)["metadata"]``.
 
         Example (with ``model`` and a tokenized document ``ids``)::
 
@@ -151,7 +156,8 @@ class CompressedCache(Cache):
         model = self._model()
         if model is None:
             raise ValueError("the model this CompressedCache was built for is gone: it cannot be saved")
-        return persist.save(self, path, model, self.token_ids if token_ids is None else list(token_ids))
+        token_ids = self.token_ids if token_ids is None else token_ids
+        return persist.save(self, path, model, token_ids, metadata)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: nn.Module, device: torch.device | str | None = None) -> Self:

@@ -1,8 +1,10 @@
-"""The Gradio app: one prompt, two strategies side by side, streamed with token probabilities.
+"""The Gradio app: one prompt, two strategies side by side, streamed with token probabilities; and a document
+compressed once and asked several questions, each from a fork, beside the full cache's answers.
 
 Started by ``decodekit demo [--port 7860] [--host 127.0.0.1] [--auth-file FILE] [--model ID_OR_DIR]``.
 Programs call it by name through ``gradio_client``: ``/generate`` (prompt, max_new_tokens, preset,
-settings) and ``/stop``.
+settings), ``/stop``, ``/compress_document`` (document, memory_fraction) and ``/ask_document`` (question,
+max_new_tokens).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +43,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 CONTROLS = tuple(field.name for field in FIELDS if field.widget)  # the table's fields with a demo widget
 INTEGER_CONTROLS = tuple(name for name in CONTROLS if BY_NAME[name].kind == "integer")
 MAX_PROMPT_TOKENS = 2048
+MAX_UPLOAD_BYTES = 1 << 20  # a document file read into the page
+QUESTION_ROOM = 64  # tokens a document leaves for a question within the model's positions
 
 
 @dataclass(frozen=True)
@@ -51,15 +57,21 @@ class DemoLimits:
         max_queue: requests waiting at most; past it a visitor is told the queue is full.
         max_beams: the largest beam count the page accepts (memory grows with it).
         max_new_tokens: the most tokens one run may generate.
+        max_document_tokens: the longest document the document tab compresses (and at most the model's positions
+            less room for a question and its answer).
+        max_documents: compressed documents held at once, one per visitor's session; the oldest is let go first.
     """
 
     max_concurrent: int = 2
     max_queue: int = 64
     max_beams: int = 8
     max_new_tokens: int = 512
+    max_document_tokens: int = 4096
+    max_documents: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrent", "max_queue", "max_beams", "max_new_tokens"):
+        for name in ("max_concurrent", "max_queue", "max_beams", "max_new_tokens", "max_document_tokens",
+                     "max_documents"):  # fmt: skip
             check_int(name, getattr(self, name), 1)
 
 
@@ -126,6 +138,7 @@ class DemoSession:
         self.limits = limits or DemoLimits()
         self._runs: dict[str, set[threading.Event]] = {}
         self._lock = threading.Lock()
+        self._documents: OrderedDict[str, Any] = OrderedDict()  # session -> its compressed document (a Context)
 
     def _begin(self, session: str) -> threading.Event:
         stop = threading.Event()
@@ -216,6 +229,106 @@ class DemoSession:
                 "done": update.done,
             }
 
+    # -- the document tab ---------------------------------------------------------------------------------------
+
+    def document_token_limit(self) -> int:
+        """The longest document compressed: ``max_document_tokens``, within the model's positions less room for a
+        question (``QUESTION_ROOM`` tokens) and the longest answer."""
+        limit = self.limits.max_document_tokens
+        positions = self._positions()
+        if positions is not None:
+            limit = min(limit, positions - self.limits.max_new_tokens - QUESTION_ROOM)
+        return max(limit, 1)
+
+    def _positions(self) -> int | None:
+        positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        return positions if isinstance(positions, int) else None
+
+    def compress_document(self, document: str, memory_fraction: float = 0.1, request: gr.Request = None) -> dict:
+        """Compress ``document`` for the calling session (replacing its previous one) to ``memory_fraction`` of a
+        full 16-bit cache's bytes, with reconstruction scores (the questions are not known yet). Returns its
+        numbers: ``{"tokens seen", "tokens kept", "compressed cache (KiB)", "full 16-bit cache (KiB)", "seconds"}``.
+
+        Example (a running demo, from ``gradio_client``)::
+
+            client = Client("http://127.0.0.1:7860/")
+            print(client.predict(document=open("report.txt").read(), memory_fraction=0.1,
+                                 api_name="/compress_document"))
+        """
+        from decodekit.cache import CompressedCache
+        from decodekit.context import Context, document_ids
+        from decodekit.generation import uses_chat_template
+
+        if not isinstance(document, str) or not document.strip():
+            raise _user_error("Paste or upload a document first.")
+        fraction = as_real(memory_fraction)
+        if fraction is None or not 0 < fraction <= 1:
+            raise _user_error(f"memory fraction must be a number in (0, 1]; got {memory_fraction!r}")
+        ids = document_ids(self.tokenizer, document)
+        limit = self.document_token_limit()
+        if len(ids) > limit:
+            raise _user_error(f"The document is too long: {len(ids)} tokens; at most {limit}.")
+        started = time.perf_counter()
+        try:
+            cache = CompressedCache(self.model, memory_fraction=fraction, scoring="reconstruction")
+            context = Context.from_ids(self.model, ids, cache, chat=uses_chat_template(self.tokenizer, None))
+        except (TypeError, ValueError) as error:
+            raise _user_error(str(error)) from None
+        seconds = time.perf_counter() - started
+        session = _session_of(request)
+        with self._lock:
+            self._documents.pop(session, None)
+            self._documents[session] = context
+            while len(self._documents) > self.limits.max_documents:
+                self._documents.popitem(last=False)
+        numbers = context.summary(self.model)
+        return {
+            "tokens seen": numbers["tokens_seen"], "tokens kept": numbers["tokens_kept"],
+            "compressed cache (KiB)": _kib(numbers["memory_bytes"]),
+            "full 16-bit cache (KiB)": _kib(numbers["full_16bit_bytes"]),
+            "seconds": round(seconds, 3),
+        }  # fmt: skip
+
+    def ask_document(self, question: str, max_new_tokens: int = 64, request: gr.Request = None) -> dict:
+        """Answer ``question`` about the calling session's compressed document from a fork of it (the document
+        stays as it was for the next question), and from the full cache that reads the document again. Returns
+        ``{"question", "compressed": {"text", "cache (KiB)", "seconds"}, "full": {...}}``: each answer with the
+        bytes its cache holds after it.
+
+        Example (the same ``client`` after ``/compress_document``)::
+
+            result = client.predict(question="Who signed it?", max_new_tokens=48, api_name="/ask_document")
+            print(result["compressed"]["text"], "|", result["full"]["text"])
+        """
+        if not isinstance(question, str) or not question.strip():
+            raise _user_error("Type a question first.")
+        max_new_tokens = whole_number("max new tokens", max_new_tokens, 1, self.limits.max_new_tokens)
+        with self._lock:
+            context = self._documents.get(_session_of(request))
+        if context is None:
+            raise _user_error("Compress a document first.")
+        positions = self._positions()
+        asked = len(context.question_ids(self.tokenizer, question))
+        if positions is not None and context.seen + asked + max_new_tokens > positions:
+            room = positions - context.seen - max_new_tokens
+            raise _user_error(f"The question is too long: {asked} tokens; at most {max(room, 0)} with this document "
+                              f"and {max_new_tokens} answer tokens.")  # fmt: skip
+        answers = {}
+        try:
+            for name, full in (("compressed", False), ("full", True)):
+                answer = context.answer(self.model, self.tokenizer, question, max_new_tokens=max_new_tokens,
+                                        full=full)  # fmt: skip
+                answers[name] = {"text": answer.text, "cache (KiB)": _kib(answer.cache_bytes),
+                                 "seconds": round(answer.seconds, 3)}  # fmt: skip
+        except (TypeError, ValueError) as error:
+            raise _user_error(str(error)) from None
+        return {"question": question, **answers}
+
+    def documents(self) -> int:
+        """How many compressed documents are held (one per session at most)."""
+        with self._lock:
+            return len(self._documents)
+
     def stop(self, request: gr.Request = None) -> int:
         """Stop every run of this visitor's session; return how many were running."""
         with self._lock:
@@ -228,6 +341,33 @@ class DemoSession:
 def _session_of(request: gr.Request | None) -> str:
     """The visitor's Gradio session; "local" for a call from Python without one."""
     return request.session_hash if request is not None and request.session_hash else "local"
+
+
+def _kib(count: int) -> float:
+    return round(count / 1024, 1)
+
+
+def read_upload(path: str | None) -> str:
+    """The text of an uploaded document file (UTF-8, at most ``MAX_UPLOAD_BYTES``), or a page error saying why
+    not; "" when nothing was uploaded.
+
+    Example:
+        >>> read_upload(None)
+        ''
+    """
+    if not path:
+        return ""
+    size = os.path.getsize(path)
+    if size > MAX_UPLOAD_BYTES:
+        raise _user_error(f"The file is too large: {size:,} bytes; at most {MAX_UPLOAD_BYTES:,}.")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except UnicodeDecodeError:
+        raise _user_error("The file is not UTF-8 text: upload a plain text file.") from None
+
+
+HISTORY_COLUMNS = ["question", "compressed answer", "compressed cache (KiB)", "full answer", "full cache (KiB)"]
 
 
 def check_settings(settings: Any) -> dict[str, Any]:
@@ -303,45 +443,103 @@ def _panel(title: str, preset: str) -> dict[str, Any]:
     return parts
 
 
+def _document_tab(session: DemoSession) -> None:
+    """The document tab: a document compressed once, then questions in turn, each answered from a fork of it beside
+    the full cache's answer, with the bytes each cache holds."""
+    limits = session.limits
+    gr.Markdown(
+        "Compress a document once, then ask it several questions. Each answer comes from a fork of the compressed "
+        "document (which stays as it was for the next question); beside it, the answer of the full cache, which "
+        "reads the whole document again for every question."
+    )
+    document = gr.Textbox(label="Document", lines=10, placeholder="Paste a text here, or upload a file below.")
+    upload = gr.File(label="Upload a text file", file_types=[".txt", ".md"], type="filepath")
+    with gr.Row():
+        fraction = gr.Slider(0.02, 0.5, value=0.1, step=0.01, label="Memory kept (a fraction of a full 16-bit cache)")
+        compress = gr.Button("Compress", variant="primary")
+    numbers = gr.JSON(label="Compressed document")
+    question = gr.Textbox(label="Question", lines=1, placeholder="Ask about the document.")
+    with gr.Row():
+        answer_tokens = gr.Slider(1, limits.max_new_tokens, value=64, step=1, label="Answer tokens at most")
+        ask = gr.Button("Ask", variant="primary")
+    with gr.Row():
+        compressed = gr.Textbox(label="From the compressed document (a fork)", lines=4)
+        full = gr.Textbox(label="From the full cache (the document read again)", lines=4)
+    history = gr.Dataframe(
+        headers=HISTORY_COLUMNS, value=[], label="Questions so far", wrap=True, interactive=False,
+        column_widths=["16%", "32%", "9%", "34%", "9%"],
+    )  # fmt: skip
+
+    def on_compress(text: str, memory_fraction: float, request: gr.Request):
+        return session.compress_document(text, memory_fraction, request), [], "", ""
+
+    def on_ask(text: str, tokens: float, asked: Any, request: gr.Request):
+        result = session.ask_document(text, tokens, request)
+        rows = asked.values.tolist() if isinstance(asked, pd.DataFrame) else list(asked or [])
+        rows.append([result["question"], result["compressed"]["text"], result["compressed"]["cache (KiB)"],
+                     result["full"]["text"], result["full"]["cache (KiB)"]])  # fmt: skip
+        return result["compressed"]["text"], result["full"]["text"], pd.DataFrame(rows, columns=HISTORY_COLUMNS)
+
+    upload.upload(read_upload, upload, document, api_visibility="private")
+    shared = {"concurrency_id": "generate", "concurrency_limit": limits.max_concurrent, "api_visibility": "private"}
+    compress.click(on_compress, [document, fraction], [numbers, history, compressed, full],
+                   api_name="compress_page", **shared)  # fmt: skip
+    ask.click(on_ask, [question, answer_tokens, history], [compressed, full, history], api_name="ask_page",
+              **shared)  # fmt: skip
+
+
 def build_app(model: Any, tokenizer: Any, limits: DemoLimits | None = None) -> gr.Blocks:
-    """The demo's Blocks, bound to ``model`` and ``tokenizer``."""
+    """The demo's Blocks, bound to ``model`` and ``tokenizer``: a tab of strategies side by side, a tab of a
+    document asked several questions."""
     limits = limits or DemoLimits()
     session = DemoSession(model, tokenizer, limits)
     with gr.Blocks(title="decodekit demo", analytics_enabled=False) as app:
-        gr.Markdown("# decodekit: decoding strategies side by side")
-        prompt = gr.Textbox("Write a short poem about the sea.", label="Prompt", lines=2)
-        with gr.Row():
-            max_new_tokens = gr.Slider(1, limits.max_new_tokens, value=64, step=1, label="Max new tokens")
-            run = gr.Button("Run", variant="primary")
-            stop = gr.Button("Stop")
-        with gr.Row():
-            panels = [_panel("Strategy A", "greedy"), _panel("Strategy B", "min-p 0.1, T=1.0")]
-        events = []
-        for index, panel in enumerate(panels):
-            names = {prompt: "prompt", max_new_tokens: "max_new_tokens", panel["preset"]: "preset"}
-            names.update({panel[name]: name for name in CONTROLS})
-            outputs = [panel["output"], panel["stats"], panel["candidates"], panel["step"]]
-
-            def run_panel(values: dict, request: gr.Request, names: dict = names):
-                yield from session.run_panel(names, values, _session_of(request))
-
-            # The page's own event: its inputs arrive by component, so the handler takes them by name.
-            # Both panels share one limit, so at most max_concurrent generations run at once.
-            event = run.click(
-                run_panel, set(names), outputs, api_name=f"run_{'ab'[index]}", api_visibility="private",
-                concurrency_id="generate", concurrency_limit=limits.max_concurrent,
-            )  # fmt: skip
-            events.append(event)
-            for trigger in (panel["step"].change, panel["candidates"].change):
-                trigger(candidates_plot, [panel["candidates"], panel["step"]], panel["plot"], api_visibility="private")
-        stop.click(session.stop, None, None, cancels=events, api_name="stop_page", api_visibility="private")
+        gr.Markdown("# decodekit demo")
+        with gr.Tab("Strategies side by side"):
+            _strategies_tab(session)
+        with gr.Tab("Ask a document"):
+            _document_tab(session)
         # The API: parameters by name, so that a client keeps working when a field is added.
         gr.api(
             session.generate, api_name="generate", concurrency_id="generate", concurrency_limit=limits.max_concurrent
         )
         gr.api(session.stop, api_name="stop")
+        for function in (session.compress_document, session.ask_document):
+            gr.api(function, api_name=function.__name__, concurrency_id="generate",
+                   concurrency_limit=limits.max_concurrent)  # fmt: skip
     app.demo_session = session  # for tests and load checks: runs in progress
     return app
+
+
+def _strategies_tab(session: DemoSession) -> None:
+    """The first tab: one prompt, two strategies side by side."""
+    limits = session.limits
+    prompt = gr.Textbox("Write a short poem about the sea.", label="Prompt", lines=2)
+    with gr.Row():
+        max_new_tokens = gr.Slider(1, limits.max_new_tokens, value=64, step=1, label="Max new tokens")
+        run = gr.Button("Run", variant="primary")
+        stop = gr.Button("Stop")
+    with gr.Row():
+        panels = [_panel("Strategy A", "greedy"), _panel("Strategy B", "min-p 0.1, T=1.0")]
+    events = []
+    for index, panel in enumerate(panels):
+        names = {prompt: "prompt", max_new_tokens: "max_new_tokens", panel["preset"]: "preset"}
+        names.update({panel[name]: name for name in CONTROLS})
+        outputs = [panel["output"], panel["stats"], panel["candidates"], panel["step"]]
+
+        def run_panel(values: dict, request: gr.Request, names: dict = names):
+            yield from session.run_panel(names, values, _session_of(request))
+
+        # The page's own event: its inputs arrive by component, so the handler takes them by name.
+        # Both panels share one limit, so at most max_concurrent generations run at once.
+        event = run.click(
+            run_panel, set(names), outputs, api_name=f"run_{'ab'[index]}", api_visibility="private",
+            concurrency_id="generate", concurrency_limit=limits.max_concurrent,
+        )  # fmt: skip
+        events.append(event)
+        for trigger in (panel["step"].change, panel["candidates"].change):
+            trigger(candidates_plot, [panel["candidates"], panel["step"]], panel["plot"], api_visibility="private")
+    stop.click(session.stop, None, None, cancels=events, api_name="stop_page", api_visibility="private")
 
 
 def start_message(host: str, port: int, accounts: int) -> str:
