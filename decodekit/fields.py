@@ -32,6 +32,7 @@ from decodekit.settings import (
     KV_REPLAYS,
     KV_SCORINGS,
     MAX_BEAMS,
+    MIN_K_EXPONENT_RANGE,
     MIROSTAT_ETA_RANGE,
     MIROSTAT_TAU_RANGE,
     NORMALIZATIONS,
@@ -412,6 +413,20 @@ COMPONENTS = (
             ),
         ),
         "decodekit.logits_processors.top_n_sigma:from_strategy",
+    ),
+    Component(
+        "min_k",
+        (
+            Field(
+                "min_k",
+                "real",
+                "sampling",
+                "Min-k: keep the tokens above the largest drop of the sorted logits weighted by rank^-min_k "
+                "(1: the published 1 / rank; the same tokens at every temperature)",
+                *MIN_K_EXPONENT_RANGE,
+            ),
+        ),
+        "decodekit.logits_processors.min_k:from_strategy",
     ),
     Component(
         "min_p",
