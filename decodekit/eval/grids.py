@@ -162,8 +162,8 @@ def read_rows(path: str | Path) -> tuple[list[Any], list[str]]:
         >>> path = os.path.join(tempfile.mkdtemp(), "grid.csv")
         >>> _ = open(path, "w").write("label,min_p,temperature\\nlow,0.02,1.0\\nhigh,0.1,\\n")
         >>> rows, wheres = read_rows(path)
-        >>> rows[1], wheres
-        ({'label': 'high', 'min_p': '0.1', 'temperature': ''}, ['row 1 (line 2)', 'row 2 (line 3)'])
+        >>> rows[1], wheres  # an empty cell leaves its field unset
+        ({'label': 'high', 'min_p': '0.1'}, ['row 1 (line 2)', 'row 2 (line 3)'])
     """
     path = Path(path)
     if path.suffix.lower() not in SUFFIXES:
@@ -238,7 +238,7 @@ def _csv_rows(text: str) -> tuple[list[Any], list[int]]:
         extra = row.pop(None, None)
         if extra:
             row[f"(a cell past the header's {len(reader.fieldnames or [])} columns)"] = extra
-        rows.append({key.strip(): (value or "").strip() for key, value in row.items()})
+        rows.append({key.strip(): value.strip() for key, value in row.items() if value and value.strip()})
         lines.append(reader.line_num)
     return rows, lines
 

@@ -80,6 +80,27 @@ def write_reports(report: EvaluationReport, directory: str | Path) -> dict[str, 
     return {name: directory / name for name in names}
 
 
+def read_report(path: str | Path) -> EvaluationReport:
+    """A report written by :func:`write_reports`, read back from its report.json (or the folder holding
+    it), to be analysed again: matched at another diversity, plotted again.
+
+    Example::
+
+        report = read_report("reports/")
+        report.matched = matched_at_diversity(report.strategies, 0.8)
+        write_reports(report, "reports-at-0.8/")
+    """
+    path = Path(path)
+    path = path / "report.json" if path.is_dir() else path
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable report.json ({error})") from None
+    fields = {name: data[name] for name in ("strategies", "compression", "settings", "generations", "matched")
+              if name in data}  # fmt: skip
+    return EvaluationReport(**fields)
+
+
 @contextlib.contextmanager
 def _interrupts_held() -> Iterator[None]:
     """Delay Ctrl-C (SIGINT) until the block ends; a no-op outside the main thread."""
