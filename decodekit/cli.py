@@ -289,7 +289,13 @@ def _sweep(text: str) -> tuple[str, tuple[Any, ...]]:
 def eval_strategies(args: argparse.Namespace) -> list[Any] | None:
     """The grid ``decodekit eval`` runs, checked row by row before anything loads: the rows of
     ``--strategies``, crossed with every ``--sweep``, or the recipe the field flags give crossed with the
-    sweeps, or a built-in ``--grid`` (None: the default grid)."""
+    sweeps, or a built-in ``--grid`` (None: the default grid).
+
+    Example:
+        >>> args = _build_parser().parse_args(["eval", "--sweep", "min_p=0.05,0.1", "--temperature", "0.7"])
+        >>> [s.label for s in eval_strategies(args)]
+        ['sample(temperature=0.7, min_p=0.05)', 'sample(temperature=0.7, min_p=0.1)']
+    """
     from decodekit.eval.grids import read_strategies, sweep_strategies
     from decodekit.eval.runner import sampler_grid
 

@@ -56,7 +56,12 @@ def family_name(key: tuple) -> str:
 
 
 def is_sampling(row: dict[str, Any]) -> bool:
-    """Whether a report row sampled (greedy and beam search rows have no diversity to tune)."""
+    """Whether a report row sampled (greedy and beam search rows have no diversity to tune).
+
+    Example:
+        >>> is_sampling({"strategy": "a", "min_p": 0.1}), is_sampling({"strategy": "b", "num_beams": 4})
+        (True, False)
+    """
     fields = [BY_NAME[name] for name, value in row.items() if name in BY_NAME and value is not None]
     return any(field.family == "sampling" for field in fields)
 

@@ -269,7 +269,15 @@ def temperature_figure(report: EvaluationReport):
 def matched_figure(report: EvaluationReport):
     """Quality at matched diversity: each sampler's perplexity (log) with its 95% interval, at the row of
     its sweep whose distinct-2 is nearest the target (``report.matched``), best first; each bar names the
-    row and its distinct-2, hollow where the target lies outside the sampler's sweep."""
+    row and its distinct-2, hollow where the target lies outside the sampler's sweep.
+
+    Example:
+        >>> from decodekit.eval.matching import matched_at_diversity
+        >>> rows = [{"strategy": "a", "min_p": 0.1, "distinct_2": 0.8, "perplexity": 9.0}]
+        >>> report = EvaluationReport(strategies=rows, matched=matched_at_diversity(rows, 0.8))
+        >>> [tick.get_text() for tick in matched_figure(report).axes[0].get_yticklabels()]
+        ['min_p']
+    """
     plt = _pyplot()
     matched = report.matched
     figure, axes = plt.subplots(figsize=(8, 1.2 + 0.45 * max(1, len(matched))))
@@ -285,8 +293,9 @@ def matched_figure(report: EvaluationReport):
     axes.set_xscale("log")
     axes.set_xlabel("perplexity of the generations at the matched diversity, log scale (lower: more fluent)")
     target = report.settings.get("match_diversity", matched[0]["target"] if matched else None)
-    axes.set_title(f"Quality at matched diversity: each sampler's row nearest distinct-2 = {target} "
-                   "(bars: 95% intervals; hollow: target outside its sweep)", fontsize=9)  # fmt: skip
+    axes.set_title(f"Quality at matched diversity: each sampler's row nearest distinct-2 = {target}\n"
+                   "(bars: 95% intervals over prompts and seeds; hollow: the target lies outside its sweep)",
+                   fontsize=9)  # fmt: skip
     figure.tight_layout()
     return figure
 
