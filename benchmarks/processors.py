@@ -10,8 +10,10 @@ and a candidate that then pays fresh pages on every call looks up to twice as sl
 Ratios:
   1. min-p vs MinPLogitsWarper on scores [32, 49152]            (target: ours >= 5x faster)
   2. staged penalty (512-token window) vs RepetitionPenalty      (target: ours <= 2x its time)
-  3. DRY, XTC, top-n-sigma, Mirostat and p-less against naive per-row references written from their
-     definitions (the same results, checked before timing)    (no target: how far vectorizing goes)
+  3. DRY, XTC, top-n-sigma, Mirostat, p-less and min-k against naive per-row references written from
+     their definitions (the same results, checked before timing) (no target: how far vectorizing goes)
+     min-k against min-p on the same scores                    (target: min-k <= 2x min-p's time),
+     and against its own full sort (the path other devices take)
      Top-H, typical, epsilon and eta against transformers' warpers, one value for the batch, and
      per-row values against a loop of warpers (the same tokens kept, checked before timing)
   4. the seeded sampling noise (32-bit uniforms, finite everywhere) against the earlier 24-bit
@@ -48,6 +50,7 @@ from decodekit import (
     EpsilonLogitsProcessor,
     EtaLogitsProcessor,
     FrequencyPresencePenaltyLogitsProcessor,
+    MinKLogitsProcessor,
     MinPLogitsProcessor,
     MirostatLogitsProcessor,
     PLessLogitsProcessor,
@@ -60,6 +63,7 @@ from decodekit import (
     load_model,
 )
 from decodekit.logits_processors.dry import breaker_token_ids
+from decodekit.logits_processors.min_k import sorted_threshold
 from decodekit.logits_processors.seeded import MASK32, MULTIPLIERS, _mix, gumbel_noise, uniform_draws
 
 BATCH, VOCAB, WINDOW = 32, 49152, 512
@@ -165,6 +169,48 @@ def naive_p_less(scores, order):
         threshold = probabilities.pow(order).sum().pow(1.0 / (order - 1.0))
         out[row][probabilities < threshold * (1 - 1e-5)] = -math.inf
     return out
+
+
+def naive_min_k(scores, exponent):
+    """min-k row by row from its description: sort, drop / (range * rank^exponent), cut at the first best."""
+    out = scores.clone()
+    for row in range(scores.shape[0]):
+        ordered = scores[row].sort(descending=True).values
+        drops = (ordered[:-1] - ordered[1:]) / (ordered[0] - ordered[-1])
+        ranks = torch.arange(1, len(ordered), device=scores.device, dtype=torch.float64)
+        cut = int((drops.double() / ranks**exponent).argmax())
+        out[row][scores[row] < ordered[cut]] = -math.inf
+    return out
+
+
+def min_k_per_call(rounds: int, device: str) -> None:
+    """min-k against min-p (the target), its own full-sort path, and the naive loop, on the same scores."""
+    generator = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(BATCH, VOCAB, generator=generator) * 4).to(device) for _ in range(8)]
+    min_k, min_p = MinKLogitsProcessor(1.0), MinPLogitsProcessor(0.1)
+    weights = min_k.weights(BATCH, VOCAB, batches[0].device)
+
+    def sorted_path(scores):
+        threshold = sorted_threshold(scores, weights)
+        return scores.masked_fill(scores < threshold, -math.inf)
+
+    for scores in batches:
+        ours = min_k(None, scores)
+        assert torch.equal(ours.isfinite(), naive_min_k(scores, 1.0).isfinite()), "min-k differs from its reference"
+        assert torch.equal(ours.isfinite(), sorted_path(scores).isfinite()), "min-k differs from its full sort"
+    candidates = {
+        "min-k (decodekit)": lambda: [min_k(None, scores) for scores in batches],
+        "min-p (decodekit)": lambda: [min_p(None, scores) for scores in batches],
+        "min-k, full sort": lambda: [sorted_path(scores) for scores in batches],
+        "min-k, naive loop": lambda: [naive_min_k(scores, 1.0) for scores in batches],
+    }
+    times = {name: seconds / len(batches) for name, seconds in
+             interleaved_medians(candidates, rounds=max(3, rounds // 3), calls=1, warmup=1).items()}  # fmt: skip
+    ours, theirs = times["min-k (decodekit)"], times["min-p (decodekit)"]
+    print(f"\nmin-k per call on scores [{BATCH}, {VOCAB}] (8 batches of randn * 4, the same kept sets as the loop):")
+    for name, seconds in times.items():
+        print(f"  {name:<20} {seconds * 1e3:9.3f} ms   {seconds / ours:6.2f}x min-k's time")
+    print(f"  min-k / min-p time: {ours / theirs:.2f}x  (target <= 2x: {verdict(ours / theirs <= 2)})")
 
 
 def samplers_per_call(rounds: int, device: str) -> None:
@@ -309,9 +355,14 @@ def main() -> None:
     parser.add_argument("--generate-rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", choices=("min-k",), help="run one section only")
     args = parser.parse_args()
+    if args.only == "min-k":
+        min_k_per_call(args.rounds, args.device)
+        return
     per_call(args.rounds, allocator_pinned, args.device)
     samplers_per_call(args.rounds, args.device)
+    min_k_per_call(args.rounds, args.device)
     entropy_samplers_per_call(args.rounds, args.device)
     seeded_noise_per_call(args.rounds, args.device)
     if args.generate_rounds > 0:

@@ -247,6 +247,8 @@ def _add_eval_command(commands: Any) -> None:
         epilog=_examples(
             "decodekit eval --limit 12 --max-new-tokens 48 --out reports/",
             "decodekit eval --prompts my_prompts.jsonl --column question --batch-size 4",
+            "decodekit eval --sweep min_p=0.02,0.05,0.1 --sweep temperature=0.7,1.0,1.5 --top-k 0 --seeds 3",
+            "decodekit eval --strategies my_grid.yaml --seeds 3 --match-diversity 0.8",
             "accelerate launch -m decodekit.eval --out reports/",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -266,8 +268,24 @@ def _add_eval_command(commands: Any) -> None:
         "--resamples", type=_bounded(int, 2), default=200, help="resamples behind each 95%% interval (200)"
     )
     evaluation.add_argument(
-        "--grid", choices=("default", "samplers"), default="default",
-        help="default: decodekit's recipes; samplers: every sampler at each of --temperatures",
+        "--grid", choices=("default", "samplers"), default=None,
+        help="default: decodekit's recipes (without --strategies or --sweep); samplers: every sampler at each of "
+        "--temperatures",
+    )  # fmt: skip
+    evaluation.add_argument(
+        "--strategies", metavar="FILE",
+        help="your own grid: a .json, .jsonl, .yaml or .csv file with one recipe a row (a label, optionally a "
+        "preset, and any decoding fields); every row is checked before the model loads",
+    )  # fmt: skip
+    evaluation.add_argument(
+        "--sweep", metavar="FIELD=V1,V2,...", action="append", type=_sweep, default=[],
+        help="cross these values of a decoding field with the recipe the field flags below give (or with each "
+        "--strategies row); repeat to cross several fields (a text field's values are separated by ';')",
+    )  # fmt: skip
+    evaluation.add_argument(
+        "--match-diversity", metavar="X", type=_bounded(float, 0, 1),
+        help="compare the samplers at equal diversity: for each sampler, the row of its sweep whose distinct-2 is "
+        "nearest X, its perplexity with intervals (matched.png)",
     )  # fmt: skip
     evaluation.add_argument(
         "--temperatures", type=_temperatures, default=(1.0, 1.5),
@@ -278,7 +296,55 @@ def _add_eval_command(commands: Any) -> None:
         "--continuation-tokens", type=_bounded(int, 1), default=256, help="reference tokens scored (256)"
     )
     evaluation.add_argument("--out", default="reports", help="folder for the reports (default: reports/)")
+    add_strategy_flags(evaluation)
     evaluation.set_defaults(handler=_run_eval)
+
+
+def _sweep(text: str) -> tuple[str, tuple[Any, ...]]:
+    """``--sweep FIELD=V1,V2``: the field and its checked values (``decodekit.eval.grids.parse_sweep``)."""
+    from decodekit.eval.grids import parse_sweep
+
+    try:
+        return parse_sweep(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix(f"--sweep {text}: ")) from None
+
+
+def eval_strategies(args: argparse.Namespace) -> list[Any] | None:
+    """The grid ``decodekit eval`` runs, checked row by row before anything loads: the rows of
+    ``--strategies``, crossed with every ``--sweep``, or the recipe the field flags give crossed with the
+    sweeps, or a built-in ``--grid`` (None: the default grid).
+
+    Example:
+        >>> args = _build_parser().parse_args(["eval", "--sweep", "min_p=0.05,0.1", "--temperature", "0.7"])
+        >>> [s.label for s in eval_strategies(args)]
+        ['sample(temperature=0.7, min_p=0.05)', 'sample(temperature=0.7, min_p=0.1)']
+    """
+    from decodekit.eval.grids import read_strategies, sweep_strategies
+    from decodekit.eval.runner import sampler_grid
+
+    flagged = {field.name: getattr(args, field.name) for field in FIELDS if getattr(args, field.name, None) is not None}
+    custom = args.strategies or args.sweep or flagged or args.sample
+    if args.grid and custom:
+        raise ValueError("--grid runs a built-in grid: leave out --strategies, --sweep and the field flags, or --grid")
+    if args.grid == "samplers":
+        return sampler_grid(args.temperatures)
+    if not custom:
+        return None
+    if args.strategies and (flagged or args.sample):
+        names = ", ".join(BY_NAME[name].cli_flag for name in flagged) or "--sample"
+        raise ValueError(f"--strategies takes its recipes from the file: put {names} in its rows, or --sweep it")
+    for name, _ in args.sweep:
+        if name in flagged:
+            raise ValueError(f"{BY_NAME[name].cli_flag} and --sweep {name}=... both set {name}: keep one")
+    if args.strategies:
+        bases = read_strategies(args.strategies)
+        return sweep_strategies(bases, args.sweep) if args.sweep else bases
+    try:
+        base = strategy_from_args(args)
+    except (TypeError, ValueError) as error:
+        raise ValueError(in_flags(str(error))) from None
+    return sweep_strategies([base], args.sweep) if args.sweep else [base]
 
 
 def _run_eval(args: argparse.Namespace) -> int:
@@ -286,10 +352,11 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     from decodekit.eval.data_sources import load_prompts, load_reference
     from decodekit.eval.reports import check_output_dir, write_reports
-    from decodekit.eval.runner import evaluate_strategies, sampler_grid
+    from decodekit.eval.runner import evaluate_strategies
     from decodekit.models import load_model
 
     check_output_dir(args.out)  # before any work: a bad --out must not cost a whole run
+    strategies = eval_strategies(args)  # every row checked before the model loads
     prompts = load_prompts(args.prompts, args.column)[: args.limit]
     reference = load_reference(args.reference)
     model, tokenizer = load_model(args.model, device_map=args.device_map, dtype=args.dtype)
@@ -297,9 +364,8 @@ def _run_eval(args: argparse.Namespace) -> int:
         report = evaluate_strategies(
             model, tokenizer, prompts, reference=reference, max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size, seed=args.seed, seeds=args.seeds, resamples=args.resamples,
-            strategies=sampler_grid(args.temperatures) if args.grid == "samplers" else None,
-            context_tokens=args.context_tokens,
-            continuation_tokens=args.continuation_tokens,
+            strategies=strategies, context_tokens=args.context_tokens, continuation_tokens=args.continuation_tokens,
+            match_diversity=args.match_diversity,
         )  # fmt: skip
         paths = write_reports(report, args.out) if PartialState().is_main_process else None
     except KeyboardInterrupt:
@@ -313,6 +379,14 @@ def _run_eval(args: argparse.Namespace) -> int:
         for row in report.strategies:
             print(f"{row['strategy']:32s} distinct-2 {_with_interval(row, 'distinct_2', '.3f')}  "
                   f"perplexity {_with_interval(row, 'perplexity', '.2f')}")  # fmt: skip
+        if report.matched:
+            print(f"at matched diversity (each sampler's row nearest distinct-2 = {args.match_diversity:g}):")
+            for entry in report.matched:
+                outside = "" if entry["within"] else "  (target outside its sweep)"
+                clear = f"  clear of: {', '.join(entry['clear_of'])}" if entry["clear_of"] else ""
+                print(f"  {entry['sampler']:24s} {entry['strategy']:32s} distinct-2 "
+                      f"{_with_interval(entry, 'distinct_2', '.3f')}  perplexity "
+                      f"{_with_interval(entry, 'perplexity', '.2f')}{outside}{clear}")  # fmt: skip
         phases = ", ".join(f"{phase} {value:.0f} s" for phase, value in report.settings["seconds"].items())
         print(f"time: {phases}")
         print("reports: " + ", ".join(str(path) for path in paths.values()))

@@ -32,6 +32,7 @@ from decodekit.settings import (
     KV_REPLAYS,
     KV_SCORINGS,
     MAX_BEAMS,
+    MIN_K_EXPONENT_RANGE,
     MIROSTAT_ETA_RANGE,
     MIROSTAT_TAU_RANGE,
     NORMALIZATIONS,
@@ -60,6 +61,8 @@ class Field:
         requires: a field that must be set for this one to apply (``penalty_window`` needs
             ``staged_penalty``).
         widget: the demo's control: "number", "text", "choice", or None to leave it out.
+        off: a command-line (or grid-file) value that leaves the field unset, as ``--top-k 0`` does; a
+            Strategy itself takes only values in range.
     """
 
     name: str
@@ -74,6 +77,7 @@ class Field:
     requires: str | None = None
     flag: str = ""
     widget: str | None = "number"
+    off: Any = None
 
     @property
     def cli_flag(self) -> str:
@@ -86,7 +90,8 @@ class Field:
             return "one of " + ", ".join(str(choice).lower() if isinstance(choice, bool) else str(choice)
                                          for choice in self.choices)  # fmt: skip
         if self.kind in ("real", "integer"):
-            return interval(self.low, self.high, low_open=self.low_open, high_open=self.high_open)
+            span = interval(self.low, self.high, low_open=self.low_open, high_open=self.high_open)
+            return span if self.off is None else f"{span} (or {self.off:g}: off)"
         return ""
 
     def check(self, value: Any) -> Any:
@@ -115,11 +120,14 @@ class Field:
         return value
 
     def parse(self, text: str) -> Any:
-        """A command-line value: ValueError (without the flag's name, argparse adds it) when bad."""
+        """A command-line value: ValueError (without the flag's name, argparse adds it) when bad; None for
+        the field's ``off`` value."""
         if self.kind in ("real", "integer"):
             number = _int_or_none(text) if self.kind == "integer" else _float_or_none(text)
             if number is None:
                 raise ValueError(f"expected {'an integer' if self.kind == 'integer' else 'a number'}, got {text!r}")
+            if self.off is not None and number == self.off:
+                return None
             if not in_interval(number, self.low, self.high, low_open=self.low_open, high_open=self.high_open):
                 raise ValueError(f"must be {self.span}; got {text}")
             return number
@@ -177,7 +185,7 @@ KV_FLOOR = DEFAULT_SINK_TOKENS + DEFAULT_RECENT_TOKENS
 # Fields generate itself handles (its sampling switches, the beam decoder, the cache).
 CORE_FIELDS = (
     Field("temperature", "real", "sampling", "sampling temperature", *TEMPERATURE_RANGE),
-    Field("top_k", "integer", "sampling", "sample among the k most likely tokens", 1),
+    Field("top_k", "integer", "sampling", "sample among the k most likely tokens", 1, off=0),
     Field(
         "top_p", "real", "sampling", "nucleus sampling: the smallest set reaching this mass", 0.0, 1.0, low_open=True
     ),
@@ -412,6 +420,20 @@ COMPONENTS = (
             ),
         ),
         "decodekit.logits_processors.top_n_sigma:from_strategy",
+    ),
+    Component(
+        "min_k",
+        (
+            Field(
+                "min_k",
+                "real",
+                "sampling",
+                "Min-k: keep the tokens above the largest drop of the sorted logits weighted by rank^-min_k "
+                "(1: the published 1 / rank; the same tokens at every temperature)",
+                *MIN_K_EXPONENT_RANGE,
+            ),
+        ),
+        "decodekit.logits_processors.min_k:from_strategy",
     ),
     Component(
         "min_p",

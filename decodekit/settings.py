@@ -25,6 +25,7 @@ MIROSTAT_ETA_RANGE = (0.0, 1.0)
 ADAPTIVE_P_DECAY_RANGE = (0.0, 0.99)  # llama.cpp clamps the decay to 0.99
 TOP_N_SIGMA_RANGE = (0.0, 1e4)
 P_LESS_ORDER_RANGE = (1.0, 64.0)  # the Rényi order of p-less's threshold (open at 1); 2 is the paper's
+MIN_K_EXPONENT_RANGE = (0.0, 4.0)  # min-k's rank weighting rank^-exponent; 1 is the published 1 / rank
 
 # Beam search. Each step ranks 2 x beams candidates per request over the whole vocabulary; far
 # beyond MAX_BEAMS the allocation fails before the first token.

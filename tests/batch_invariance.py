@@ -59,6 +59,7 @@ def grid() -> list[Case]:
         "epsilon": Strategy(temperature=1.2, epsilon_cutoff=3e-4),
         "eta": Strategy(temperature=1.2, eta_cutoff=3e-4),
         "p-less": Strategy(temperature=1.5, p_less=2.0),
+        "min-k": Strategy(temperature=1.5, min_k=1.0),
         "adaptive-p": Strategy(temperature=1.0, min_p=0.05, adaptive_p=0.4),
         "all processors": Strategy(
             temperature=0.9, min_p=0.05, staged_penalty="1:1.2,3:1.5", frequency_penalty=0.3, presence_penalty=0.2

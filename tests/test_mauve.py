@@ -46,6 +46,24 @@ def test_texts_use_the_local_models_features(tiny):
     assert mauve(texts, texts, model, tokenizer, clusters=2) == pytest.approx(1.0)
 
 
+def test_batched_features_are_each_texts_last_hidden_state_alone(tiny):
+    """Oracle: the model run on each text by itself, without padding or a mask."""
+    from decodekit.eval.mauve import text_features
+
+    model, tokenizer = tiny
+    texts = ["the cat sat on the mat", "a dog ran", "def foo(): pass", "x", "print(x) and a longer tail of words"]
+    alone = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+            alone.append(model(ids, output_hidden_states=True).hidden_states[-1][0, -1].float())
+    for batch_size in (1, 2, 16):
+        assert torch.allclose(text_features(texts, model, tokenizer, batch_size=batch_size), torch.stack(alone),
+                              atol=1e-5, rtol=1e-4)  # fmt: skip
+    with pytest.raises(ValueError, match="has no tokens"):
+        text_features(["fine", ""], model, tokenizer)
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "message"),
     [

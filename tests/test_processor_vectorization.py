@@ -18,6 +18,7 @@ from transformers import LogitsProcessor
 from decodekit import (
     DRYLogitsProcessor,
     FrequencyPresencePenaltyLogitsProcessor,
+    MinKLogitsProcessor,
     MinPLogitsProcessor,
     MirostatLogitsProcessor,
     StagedRepetitionPenaltyLogitsProcessor,
@@ -51,6 +52,7 @@ PROCESSORS: dict[str, Callable[[int], LogitsProcessor]] = {
         _row_values(rows, 0.05, 0.2), 0.7, temperature=0.8, seeds=list(range(rows)), prompt_length=PROMPT
     ),
     "top-n-sigma per row": lambda rows: TopNSigmaLogitsProcessor(_row_values(rows, 0.5, 2.0)),
+    "min-k per row": lambda rows: MinKLogitsProcessor(_row_values(rows, 0.5, 2.0)),
     "mirostat": lambda rows: MirostatLogitsProcessor(5.0, 0.1, temperature=0.9),
 }
 

@@ -9,7 +9,13 @@ import statistics
 import pytest
 import torch
 
-from decodekit import DRYLogitsProcessor, MirostatLogitsProcessor, TopNSigmaLogitsProcessor, XTCLogitsProcessor
+from decodekit import (
+    DRYLogitsProcessor,
+    MinKLogitsProcessor,
+    MirostatLogitsProcessor,
+    TopNSigmaLogitsProcessor,
+    XTCLogitsProcessor,
+)
 from decodekit.logits_processors.seeded import uniform_draws
 
 BREAKERS = {3, 4}
@@ -192,6 +198,7 @@ def test_mirostat_starts_over_for_a_new_generation():
         XTCLogitsProcessor(0.01, 1.0),
         TopNSigmaLogitsProcessor(0.0),
         MirostatLogitsProcessor(0.1),
+        MinKLogitsProcessor(1.0),
     ],
     ids=lambda processor: type(processor).__name__,
 )
@@ -227,6 +234,7 @@ SAMPLER_RECIPES = {
     "dry": {"dry_multiplier": 0.8, "dry_allowed_length": 2},
     "xtc": {"temperature": 1.0, "xtc_threshold": 0.05, "xtc_probability": 0.5},
     "top-n-sigma": {"temperature": 1.5, "top_n_sigma": 1.0},
+    "min-k": {"temperature": 1.5, "min_k": 1.0},
     "mirostat": {"temperature": 1.0, "mirostat_tau": 3.0, "mirostat_eta": 0.1},
 }
 

@@ -6,6 +6,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -13,9 +14,12 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from decodekit.eval.matching import family_key, is_sampling
 from decodekit.eval.runner import EvaluationReport
+from decodekit.fields import BY_NAME
 
 REPORT_FILES = ("report.json", "report.csv", "frontier.png", "temperature.png", "compression.png")
+MATCHED_FILE = "matched.png"  # with match_diversity only
 STAGING_PREFIX = ".decodekit-reports-"
 
 
@@ -40,11 +44,12 @@ def check_output_dir(directory: str | Path) -> Path:
 
 
 def write_reports(report: EvaluationReport, directory: str | Path) -> dict[str, Path]:
-    """Write report.json, report.csv, frontier.png, temperature.png and compression.png into ``directory``;
-    return their paths.
+    """Write report.json, report.csv, frontier.png, temperature.png and compression.png into ``directory``,
+    and matched.png when the report compares samplers at a matched diversity; return their paths.
 
-    The five are written as a set: into a hidden staging folder first, then moved into place
-    with Ctrl-C held back, so an interrupted run leaves the previous complete set, never a mix.
+    The files are written as a set: into a hidden staging folder first, then moved into place
+    with Ctrl-C held back, so an interrupted run leaves the previous complete set, never a mix (a
+    matched.png left by an earlier run is removed when this report has none).
     """
     directory = check_output_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -52,7 +57,8 @@ def write_reports(report: EvaluationReport, directory: str | Path) -> dict[str, 
         shutil.rmtree(stale, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory))
     try:
-        staged = {name: staging / name for name in REPORT_FILES}
+        names = REPORT_FILES + ((MATCHED_FILE,) if report.matched else ())
+        staged = {name: staging / name for name in names}
         staged["report.json"].write_text(json.dumps(report.__dict__, indent=2, ensure_ascii=False) + "\n")
         columns = list(dict.fromkeys(key for row in report.strategies for key in row))
         with staged["report.csv"].open("w", newline="") as handle:
@@ -62,12 +68,37 @@ def write_reports(report: EvaluationReport, directory: str | Path) -> dict[str, 
         plot_frontier(report, staged["frontier.png"])
         _save(temperature_figure(report), staged["temperature.png"])
         plot_compression(report, staged["compression.png"])
+        if report.matched:
+            _save(matched_figure(report), staged[MATCHED_FILE])
         with _interrupts_held():
             for name, path in staged.items():
                 os.replace(path, directory / name)
+            if not report.matched:
+                (directory / MATCHED_FILE).unlink(missing_ok=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {name: directory / name for name in REPORT_FILES}
+    return {name: directory / name for name in names}
+
+
+def read_report(path: str | Path) -> EvaluationReport:
+    """A report written by :func:`write_reports`, read back from its report.json (or the folder holding
+    it), to be analysed again: matched at another diversity, plotted again.
+
+    Example::
+
+        report = read_report("reports/")
+        report.matched = matched_at_diversity(report.strategies, 0.8)
+        write_reports(report, "reports-at-0.8/")
+    """
+    path = Path(path)
+    path = path / "report.json" if path.is_dir() else path
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable report.json ({error})") from None
+    fields = {name: data[name] for name in ("strategies", "compression", "settings", "generations", "matched")
+              if name in data}  # fmt: skip
+    return EvaluationReport(**fields)
 
 
 @contextlib.contextmanager
@@ -95,37 +126,76 @@ def _pyplot():
     return plt
 
 
-FAMILIES = (
-    ("top_p", "o-", "top-p"),
-    ("min_p", "s-", "min-p"),
-    ("top_n_sigma", "^-", "top-n-sigma"),
-    ("xtc_threshold", "v-", "XTC"),
-    ("mirostat_tau", "D-", "mirostat"),
-    ("dry_multiplier", "P-", "DRY"),
-)
+MARKERS = "os^vDP*hX<>p"
 POINT_MARKERS = "xD^v<>P*hX"
 
 
+def _sweeps(rows: list[dict], free: tuple[str, ...]) -> list[list[dict]]:
+    """The rows grouped into sweeps (``decodekit.eval.matching.family_key``), in the order they first appear."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((*family_key(row, free=free), ("sampling", is_sampling(row))), []).append(row)
+    return list(groups.values())
+
+
+def _sweep_name(members: list[dict], varying: list[str]) -> str:
+    """A sweep's legend entry: the name its rows share before ", T=" (as the built-in grids name them), else
+    its fixed fields, then the varying ones."""
+    names = {re.sub(r",?\s*T=[0-9.e+-]+$", "", str(row["strategy"])) for row in members}
+    if len(names) == 1 and "" not in names and len(members) > 1 and names != {members[0]["strategy"]}:
+        return names.pop()
+    fixed = [f"{name}={_shown(members[0][name])}" for name in _fields(members[0]) if name not in varying]
+    return ", ".join(fixed + [f"{name} swept" for name in varying if name != "temperature"]) or "sampling"
+
+
+def _fields(row: dict) -> list[str]:
+    return [name for name in row if name in BY_NAME and row[name] is not None]
+
+
+def _varying(members: list[dict]) -> list[str]:
+    names = dict.fromkeys(name for row in members for name in _fields(row))
+    return [name for name in names if len({repr(row.get(name)) for row in members}) > 1]
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _point_label(row: dict, varying: list[str]) -> str:
+    """What varies along a sweep at this point: ``T=0.7``, ``min_p=0.05, T=1``."""
+    parts = []
+    for name in varying:
+        value = row.get(name, 1.0 if name == "temperature" else None)
+        parts.append(f"{'T' if name == 'temperature' else name}={_shown(value)}")
+    return ", ".join(parts)
+
+
 def frontier_figure(report: EvaluationReport):
-    """Quality against diversity: each strategy's perplexity (lower is better) over its distinct-2
-    (higher is more diverse). Top-p and min-p are lines across temperatures; every other strategy
-    is a point with its own legend entry, strategies that land on the same point sharing one."""
+    """Quality against diversity: each strategy's perplexity (lower is better) over its distinct-2 (higher
+    is more diverse), for any grid. The rows of one sweep (the same fields, whatever their numbers and
+    temperature: top-p across temperatures, min-p across its values) are a line, each point marked with
+    what varies; every other strategy is a point with its own legend entry, strategies that land on the
+    same point sharing one."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(8, 5.5))
-    rows = [row for row in report.strategies if row.get("perplexity") is not None]
-    for index, (family, marker, name) in enumerate(FAMILIES):
-        offset = 8 if index % 2 == 0 else -12
-        series = sorted((row for row in rows if family in row), key=lambda row: row.get("temperature", 1.0))
-        if not series:
-            continue
-        axes.plot([r["distinct_2"] for r in series], [r["perplexity"] for r in series], marker, label=name)
-        for row in series:  # alternate families label above and below their points
-            axes.annotate(f"T={row.get('temperature', 1.0):g}", (row["distinct_2"], row["perplexity"]),
-                          textcoords="offset points", xytext=(0, offset), ha="center", fontsize=7)  # fmt: skip
+    rows = [row for row in report.strategies if row.get("perplexity") is not None and row.get("distinct_2") is not None]
     points: dict[tuple[float, float], list[str]] = {}
-    for row in rows:
-        if not any(family in row for family, _, _ in FAMILIES):
-            points.setdefault((round(row["distinct_2"], 6), round(row["perplexity"], 6)), []).append(row["strategy"])
+    lines = 0
+    for members in _sweeps(rows, free=()):
+        varying = _varying(members)
+        if len(members) < 2 or not varying:  # no sweep: points, those that coincide sharing a legend entry
+            for row in members:
+                spot = (round(row["distinct_2"], 6), round(row["perplexity"], 6))
+                points.setdefault(spot, []).append(row["strategy"])
+            continue
+        members = sorted(members, key=lambda row: row["distinct_2"])
+        offset = 8 if lines % 2 == 0 else -12
+        axes.plot([r["distinct_2"] for r in members], [r["perplexity"] for r in members],
+                  MARKERS[lines % len(MARKERS)] + "-", label=_sweep_name(members, varying))  # fmt: skip
+        for row in members:  # alternate sweeps label above and below their points
+            axes.annotate(_point_label(row, varying), (row["distinct_2"], row["perplexity"]),
+                          textcoords="offset points", xytext=(0, offset), ha="center", fontsize=6)  # fmt: skip
+        lines += 1
     for index, ((x, y), labels) in enumerate(points.items()):
         marker = POINT_MARKERS[index % len(POINT_MARKERS)]
         axes.plot(x, y, marker, linestyle="none", markersize=8, label=" = ".join(labels))
@@ -135,7 +205,8 @@ def frontier_figure(report: EvaluationReport):
     axes.set_ylabel("perplexity of the generations, log scale (lower: more fluent)")
     axes.set_yscale("log")
     axes.set_title("Quality-diversity frontier (better: right and down)")
-    axes.legend(fontsize=7, loc="best")
+    if rows:
+        axes.legend(fontsize=7, loc="best")
     figure.tight_layout()
     return figure
 
@@ -155,22 +226,27 @@ def _error_bars(axes, row: dict, x: str, y: str) -> None:
 
 
 def temperature_figure(report: EvaluationReport):
-    """Each sampler across temperatures: distinct-2 (top) and the generations' perplexity (bottom, log),
-    with their 95% intervals. A sampler is the strategies named "<sampler>, T=<t>" (as ``sampler_grid``
-    and the default grid name them); those with one temperature only are left out."""
+    """Each recipe across temperatures: distinct-2 (top) and the generations' perplexity (bottom, log),
+    with their 95% intervals, for any grid. A line is the rows that differ only in temperature (a sweep of
+    ``temperature``, or the built-in grids' "<sampler>, T=<t>" rows); recipes run at one temperature only
+    are left out."""
     plt = _pyplot()
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    families: dict[str, list[dict]] = {}
+    families: dict[tuple, list[dict]] = {}
     for row in report.strategies:
-        name, separator, _ = str(row["strategy"]).rpartition(", T=")
-        if separator and row.get("temperature") is not None:
-            families.setdefault(name, []).append(row)
+        if row.get("temperature") is not None:
+            key = tuple((name, repr(row[name])) for name in _fields(row) if name != "temperature")
+            families.setdefault(key, []).append(row)
     drawn = 0
-    for index, (name, members) in enumerate(families.items()):
+    for members in families.values():
         if len({row["temperature"] for row in members}) < 2:
             continue
         members = sorted(members, key=lambda row: row["temperature"])
-        marker = POINT_MARKERS[index % len(POINT_MARKERS)] + "-"
+        name = _sweep_name(members, ["temperature"])
+        if name == "sampling":
+            fixed = [f"{field}={_shown(members[0][field])}" for field in _fields(members[0]) if field != "temperature"]
+            name = ", ".join(fixed) or "temperature only"
+        marker = POINT_MARKERS[drawn % len(POINT_MARKERS)] + "-"
         for axes, metric in ((top, "distinct_2"), (bottom, "perplexity")):
             points = [row for row in members if row.get(metric) is not None]
             axes.plot([row["temperature"] for row in points], [row[metric] for row in points], marker, label=name)
@@ -185,7 +261,41 @@ def temperature_figure(report: EvaluationReport):
     if drawn:
         top.legend(fontsize=7, ncol=2, loc="best")
     else:
-        top.text(0.5, 0.5, "no sampler was run at two temperatures or more", ha="center", transform=top.transAxes)
+        top.text(0.5, 0.5, "no recipe was run at two temperatures or more", ha="center", transform=top.transAxes)
+    figure.tight_layout()
+    return figure
+
+
+def matched_figure(report: EvaluationReport):
+    """Quality at matched diversity: each sampler's perplexity (log) with its 95% interval, at the row of
+    its sweep whose distinct-2 is nearest the target (``report.matched``), best first; each bar names the
+    row and its distinct-2, hollow where the target lies outside the sampler's sweep.
+
+    Example:
+        >>> from decodekit.eval.matching import matched_at_diversity
+        >>> rows = [{"strategy": "a", "min_p": 0.1, "distinct_2": 0.8, "perplexity": 9.0}]
+        >>> report = EvaluationReport(strategies=rows, matched=matched_at_diversity(rows, 0.8))
+        >>> [tick.get_text() for tick in matched_figure(report).axes[0].get_yticklabels()]
+        ['min_p']
+    """
+    plt = _pyplot()
+    matched = report.matched
+    figure, axes = plt.subplots(figsize=(8, 1.2 + 0.45 * max(1, len(matched))))
+    for index, entry in enumerate(matched):
+        low, high, value = entry.get("perplexity_low"), entry.get("perplexity_high"), entry["perplexity"]
+        span = None if low is None or high is None else [[value - low], [high - value]]
+        axes.errorbar(value, index, xerr=span, fmt="o", color="C0", capsize=3,
+                      markerfacecolor="C0" if entry["within"] else "white")  # fmt: skip
+        axes.annotate(f"{entry['strategy']}: distinct-2 {entry['distinct_2']:.3f}", (value, index),
+                      textcoords="offset points", xytext=(8, 4), fontsize=7)  # fmt: skip
+    axes.set_yticks(range(len(matched)), [entry["sampler"] for entry in matched], fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xscale("log")
+    axes.set_xlabel("perplexity of the generations at the matched diversity, log scale (lower: more fluent)")
+    target = report.settings.get("match_diversity", matched[0]["target"] if matched else None)
+    axes.set_title(f"Quality at matched diversity: each sampler's row nearest distinct-2 = {target}\n"
+                   "(bars: 95% intervals over prompts and seeds; hollow: the target lies outside its sweep)",
+                   fontsize=9)  # fmt: skip
     figure.tight_layout()
     return figure
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,9 @@ from transformers import DynamicCache
 from decodekit._validation import check_int, check_real
 from decodekit.cache.size import full_cache_bytes
 from decodekit.eval import diversity
+from decodekit.eval.grids import SAMPLERS, as_strategies
 from decodekit.eval.intervals import half_samples, intervals
+from decodekit.eval.matching import matched_at_diversity
 from decodekit.eval.mauve import mauve, text_features
 from decodekit.eval.perplexity import continuation_perplexity, perplexity
 from decodekit.generation import check_prompts, generate_text
@@ -75,23 +78,6 @@ def default_strategies() -> list[Strategy]:
     return grid
 
 
-# The samplers the sampler grid compares, each at its usual setting (fields of a Strategy).
-SAMPLERS: dict[str, dict[str, Any]] = {
-    "top-p 0.9": {"top_p": 0.9},
-    "min-p 0.1": {"min_p": 0.1},
-    "top-n-sigma 1.0": {"top_n_sigma": 1.0},
-    "Top-H 0.4": {"top_h": 0.4},
-    "typical 0.9": {"typical_p": 0.9},
-    "epsilon 3e-4": {"epsilon_cutoff": 3e-4},
-    "eta 3e-4": {"eta_cutoff": 3e-4},
-    "p-less": {"p_less": 2.0},
-    "XTC 0.1/0.5": {"xtc_threshold": 0.1, "xtc_probability": 0.5},
-    "mirostat 5/0.1": {"mirostat_tau": 5.0, "mirostat_eta": 0.1},
-    "DRY 0.8": {"dry_multiplier": 0.8},
-    "adaptive-p 0.4": {"min_p": 0.05, "adaptive_p": 0.4},
-}
-
-
 def sampler_grid(temperatures: Sequence[float] = (1.0, 1.5)) -> list[Strategy]:
     """Every sampler of ``SAMPLERS`` at every temperature (named "<sampler>, T=<t>"), for
     ``decodekit eval --grid samplers``; several temperatures make ``temperature.png`` a sweep.
@@ -109,12 +95,14 @@ def sampler_grid(temperatures: Sequence[float] = (1.0, 1.5)) -> list[Strategy]:
 
 @dataclass
 class EvaluationReport:
-    """Per-strategy metrics, the reference text's perplexity per compression ratio, and the settings."""
+    """Per-strategy metrics, the reference text's perplexity per compression ratio, the settings, and (with
+    ``match_diversity``) each sampler's row nearest that diversity."""
 
     strategies: list[dict[str, Any]] = field(default_factory=list)
     compression: list[dict[str, float]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     generations: dict[str, list[str]] = field(default_factory=dict)
+    matched: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _dynamic_cache_bytes(cache: DynamicCache) -> int:
@@ -244,7 +232,7 @@ def evaluate_strategies(
     model: Any,
     tokenizer: Any,
     prompts: Sequence[str],
-    strategies: Sequence[Strategy] | None = None,
+    strategies: Sequence[Strategy | Mapping[str, Any]] | str | Path | None = None,
     *,
     reference: str | None = None,
     max_new_tokens: int = 64,
@@ -256,6 +244,7 @@ def evaluate_strategies(
     continuation_tokens: int = 256,
     compression_ratios: Sequence[float] = COMPRESSION_RATIOS,
     memory_fractions: Sequence[float] = MEMORY_FRACTIONS,
+    match_diversity: float | None = None,
     progress: bool = True,
 ) -> EvaluationReport:
     """Generate a continuation of every prompt with every strategy and score the results.
@@ -273,19 +262,26 @@ def evaluate_strategies(
     ``kv_memory_fraction`` field), with the bytes each cache held at the end as a share of a full
     16-bit cache's (``memory``).
 
+    ``strategies`` may be Strategies, rows of a grid (mappings with a ``label``, a ``preset`` and fields,
+    as ``decodekit eval --strategies`` reads them; see ``decodekit.eval.grids``) or a grid file's path;
+    every row is checked before the first generation. With ``match_diversity`` (a distinct-2 value),
+    ``report.matched`` compares the samplers at that diversity: for each sampler, the row of its sweep whose
+    distinct-2 is nearest, with its quality and intervals (``decodekit.eval.matching``).
+
     Example (with ``model`` and ``tokenizer`` from ``load_model``)::
 
         report = evaluate_strategies(model, tokenizer, load_prompts(), max_new_tokens=32)
+        grid = [{"label": f"min-p {p}", "min_p": p, "temperature": 1.0} for p in (0.02, 0.05, 0.1)]
+        report = evaluate_strategies(model, tokenizer, load_prompts(), grid, seeds=3, match_diversity=0.8)
         write_reports(report, "reports/")
     """
     from accelerate import PartialState
 
     from decodekit.eval.data_sources import load_reference
 
-    strategies = list(strategies) if strategies is not None else default_strategies()
-    labels = [strategy.label for strategy in strategies]
-    if len(set(labels)) != len(labels):
-        raise ValueError("strategies must have distinct labels: give each a name")
+    strategies = as_strategies(strategies) if strategies is not None else default_strategies()
+    if match_diversity is not None:
+        check_real("match_diversity", match_diversity, 0, 1)
     # Everything that can be checked is checked before the first generation.
     check_prompts(prompts)
     check_int("max_new_tokens", max_new_tokens, 1)
@@ -365,4 +361,7 @@ def evaluate_strategies(
         })  # fmt: skip
     seconds["compression"] = time.perf_counter() - clock
     report.settings["seconds"] = {phase: round(value, 1) for phase, value in seconds.items()}
+    if match_diversity is not None:
+        report.settings["match_diversity"] = match_diversity
+        report.matched = matched_at_diversity(report.strategies, match_diversity)
     return report

@@ -9,6 +9,7 @@ from decodekit.logits_processors.dry import DRYLogitsProcessor, breaker_token_id
 from decodekit.logits_processors.epsilon import EpsilonLogitsProcessor
 from decodekit.logits_processors.eta import EtaLogitsProcessor
 from decodekit.logits_processors.frequency import FrequencyPresencePenaltyLogitsProcessor
+from decodekit.logits_processors.min_k import MinKLogitsProcessor
 from decodekit.logits_processors.min_p import MinPLogitsProcessor
 from decodekit.logits_processors.mirostat import MirostatLogitsProcessor
 from decodekit.logits_processors.p_less import PLessLogitsProcessor
@@ -30,6 +31,7 @@ __all__ = [
     "EtaLogitsProcessor",
     "FrequencyPresencePenaltyLogitsProcessor",
     "GumbelSamplingLogitsProcessor",
+    "MinKLogitsProcessor",
     "MinPLogitsProcessor",
     "MirostatLogitsProcessor",
     "PLessLogitsProcessor",

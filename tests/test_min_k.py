@@ -1,0 +1,175 @@
+"""Min-k against a loop written from its published description (arXiv 2604.11012, as vLLM #48142 describes it):
+sort the finite logits, divide each drop between neighbours by the logit range and by its rank to the power
+``exponent``, cut at the first best drop, keep every logit at or above it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decodekit import Strategy
+from decodekit.logits_processors import MinKLogitsProcessor
+from decodekit.logits_processors.min_k import CERTIFIED_FROM_VOCAB, STAGES, certified_threshold
+
+EXPONENTS = (0.0, 0.5, 1.0, 1.5, 2.0, 4.0)
+
+
+def paper_keeps(row: torch.Tensor, exponent: float) -> list[bool]:
+    """One row, token by token in float64: the kept set by the description."""
+    values = [float(v) for v in row.double().tolist()]
+    ordered = sorted((v for v in values if v > -math.inf), reverse=True)
+    if not ordered:
+        return [False] * len(values)
+    spread = ordered[0] - ordered[-1]
+    if spread == 0:  # every drop is 0: the cut after the first token keeps its ties, all of them
+        return [v > -math.inf for v in values]
+    best, cut = -1.0, 0
+    for rank in range(1, len(ordered)):
+        score = (ordered[rank - 1] - ordered[rank]) / (spread * rank**exponent)
+        if score > best:
+            best, cut = score, rank - 1
+    return [v >= ordered[cut] for v in values]
+
+
+def random_rows(generator: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
+    """Rows of several shapes: spread logits, small integer grids (ties), plateaus, removed tokens (-inf),
+    one finite token, a constant row."""
+    kinds = torch.randint(0, 7, (rows,), generator=generator)
+    scores = torch.randn(rows, vocab, generator=generator) * torch.rand(rows, 1, generator=generator) * 6
+    for row, kind in enumerate(kinds.tolist()):
+        if kind == 1:
+            scores[row] = torch.randint(-3, 4, (vocab,), generator=generator).float()
+        elif kind == 2:
+            scores[row, : max(1, vocab // 3)] = scores[row].max() + 2.0  # a tied head above a cliff
+        elif kind == 3:
+            scores[row][torch.rand(vocab, generator=generator) < 0.5] = -math.inf
+            scores[row, int(torch.randint(0, vocab, (1,), generator=generator))] = 1.0
+        elif kind == 4:
+            scores[row] = -math.inf
+            scores[row, int(torch.randint(0, vocab, (1,), generator=generator))] = 0.5
+        elif kind == 5:
+            scores[row] = 3.0
+    return scores
+
+
+def exponents_for(generator: torch.Generator, rows: int) -> torch.Tensor:
+    return torch.tensor(EXPONENTS)[torch.randint(0, len(EXPONENTS), (rows,), generator=generator)]
+
+
+def test_ten_thousand_random_rows_keep_what_the_description_keeps():
+    generator = torch.Generator().manual_seed(0)
+    checked = 0
+    for batch in range(200):
+        vocab = int(torch.randint(1, 80, (1,), generator=generator))
+        scores = random_rows(generator, 50, vocab)
+        if batch % 3 == 0:
+            scores = scores.bfloat16()
+        exponents = exponents_for(generator, 50)
+        processed = MinKLogitsProcessor(exponents)(None, scores)
+        assert processed.dtype == scores.dtype
+        for row in range(50):
+            expected = paper_keeps(scores[row].float(), float(exponents[row]))
+            assert torch.isfinite(processed[row]).tolist() == expected, (batch, row, float(exponents[row]))
+            checked += 1
+        kept = torch.isfinite(processed)
+        assert torch.equal(processed[kept], scores[kept])  # kept scores bit for bit
+        assert (kept.any(dim=-1) | ~torch.isfinite(scores).any(dim=-1)).all()  # never an empty row
+    assert checked == 10_000
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_rows_take_the_certified_path_and_keep_what_the_description_keeps(dtype):
+    generator = torch.Generator().manual_seed(1)
+    vocab = CERTIFIED_FROM_VOCAB * 2
+    scores = random_rows(generator, 48, vocab).to(dtype)
+    exponents = exponents_for(generator, 48)
+    processor = MinKLogitsProcessor(exponents)
+    logits = scores.float()
+    _, certified, _, _ = certified_threshold(logits, processor.weights(48, vocab, logits.device), *STAGES[0])
+    assert certified.any() and not certified.all()  # both the certified rows and the later passes are exercised
+    processed = processor(None, scores)
+    for row in range(48):
+        assert torch.isfinite(processed[row]).tolist() == paper_keeps(logits[row], float(exponents[row])), row
+
+
+def test_a_long_flat_head_is_only_certified_by_the_full_sort_and_still_exact():
+    """A plateau of 3000 equal logits above a cliff: every head drop is 0, so no block bound certifies the
+    first pass or the second; the full sort keeps the whole plateau."""
+    scores = torch.linspace(-5, -8, CERTIFIED_FROM_VOCAB * 2)[None].clone()
+    scores[0, :3000] = 4.0
+    processor = MinKLogitsProcessor(1.0)
+    weights = processor.weights(1, scores.shape[1], scores.device)
+    for stage in STAGES:
+        assert not certified_threshold(scores, weights, *stage)[1].item()
+    kept = torch.isfinite(processor(None, scores))[0]
+    assert kept.tolist() == paper_keeps(scores[0], 1.0) and int(kept.sum()) == 3000
+
+
+def test_the_cut_by_hand():
+    """Sorted logits 5, 4.8, 4.5, 1, 0.8, 0: drops 0.2, 0.3, 3.5, 0.2, 0.8. By rank (exponent 1): 0.2, 0.15,
+    1.17, 0.05, 0.16, so the cut is after the third token; by rank cubed 0.2 beats 3.5 / 27 = 0.13."""
+    scores = torch.tensor([[0.0, 4.5, 5.0, 0.8, 4.8, 1.0]])
+
+    def kept(exponent):
+        return torch.isfinite(MinKLogitsProcessor(exponent)(None, scores))[0].tolist()
+
+    assert kept(1.0) == [False, True, True, False, True, False]
+    assert kept(3.0) == [False, False, True, False, False, False]
+    assert kept(0.0) == [False, True, True, False, True, False]
+
+
+@pytest.mark.parametrize("vocab", [300, CERTIFIED_FROM_VOCAB * 3])
+def test_the_kept_set_is_the_same_at_every_temperature(vocab):
+    """Dividing the logits by a power of two is exact and divides every drop alike; other temperatures round
+    the logits, and the kept set still agrees on nearly every row."""
+    generator = torch.Generator().manual_seed(2)
+    scores = torch.randn(32, vocab, generator=generator) * 3
+    processor = MinKLogitsProcessor(1.0)
+    kept = torch.isfinite(processor(None, scores))
+    for temperature in (0.25, 0.5, 2.0, 8.0):
+        assert torch.equal(torch.isfinite(processor(None, scores / temperature)), kept)
+    for temperature in (0.7, 1.5, 10.0):
+        agree = (torch.isfinite(processor(None, scores / temperature)) == kept).all(dim=-1)
+        assert agree.float().mean() >= 0.95
+
+
+def test_rows_do_not_depend_on_each_other_and_per_request_values_apply():
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, CERTIFIED_FROM_VOCAB, generator=generator) * 3
+    together = MinKLogitsProcessor([1.0, 2.0])(None, scores)  # one value per request of two rows each
+    assert torch.equal(together[:2], MinKLogitsProcessor(1.0)(None, scores[:2]))
+    assert torch.equal(together[2:], MinKLogitsProcessor(2.0)(None, scores[2:]))
+    alone = torch.cat([MinKLogitsProcessor(0.5)(None, scores[row : row + 1]) for row in range(4)])
+    assert torch.equal(MinKLogitsProcessor(0.5)(None, scores), alone)
+
+
+def test_a_finite_filter_value_never_raises_a_score():
+    """Drops 1, 8, 51 weighted by rank^-4: 1, 0.5, 0.63, so only the best token stays."""
+    scores = torch.tensor([[10.0, 9.0, 1.0, -50.0]])
+    processed = MinKLogitsProcessor(4.0, filter_value=-20.0)(None, scores)
+    assert processed.tolist() == [[10.0, -20.0, -20.0, -50.0]]
+
+
+@pytest.mark.parametrize("bad", [-0.1, 4.5, math.nan, math.inf])
+def test_bad_exponents_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match=r"min_k must be (a number )?in \[0, 4\]"):
+        MinKLogitsProcessor(bad)
+    with pytest.raises(ValueError, match=r"min_k must be (a number )?in \[0, 4\]"):
+        Strategy(min_k=bad)
+
+
+def test_bad_scores_are_refused():
+    with pytest.raises(ValueError, match="MinKLogitsProcessor: scores must be a \\[batch, vocab\\] tensor"):
+        MinKLogitsProcessor()(None, torch.zeros(3))
+
+
+def test_the_strategy_field_builds_the_processor_and_samples(tiny):
+    model, tokenizer = tiny
+    strategy = Strategy(temperature=1.5, min_k=1.0)
+    plan = strategy.plan(model, tokenizer=tokenizer)
+    (processor,) = [p for p in plan.processors if isinstance(p, MinKLogitsProcessor)]
+    assert processor.exponent.scalar == 1.0
+    assert plan.sampling == {"do_sample": True, "temperature": 1.5, "top_k": 0, "top_p": 1.0}
+    assert strategy.label == "sample(temperature=1.5, min_k=1.0)"
