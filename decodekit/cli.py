@@ -629,7 +629,9 @@ def _run_compress(args: argparse.Namespace) -> int:
         bars[0].update(done - bars[0].n)
 
     try:
-        context = Context.from_ids(model, ids, strategy.plan(model).cache, chat=chat, progress=progress)
+        context = Context.from_ids(
+            model, ids, strategy.plan(model).cache, chat=chat, progress=progress, chunk=strategy.prefill_chunk
+        )
     finally:
         for bar in bars:
             bar.close()

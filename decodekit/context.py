@@ -105,13 +105,15 @@ def fill(
     attention_mask: torch.Tensor | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,
+    chunk: int | None = None,
 ) -> CompressedCache:
     """Fill a fresh ``cache`` with a prompt, ``input_ids`` ``[rows, tokens]`` (left-padded where
     ``attention_mask`` says so), at the positions ``generate`` gives it, and return it.
 
     A cache that replays the prompt (``scoring="reconstruction"``) reads it in one pass, then feeds the replay's
     chunks (``reconstruction_chunk`` tokens each; none where the replay is estimated); any other cache reads it in
-    chunks of that size, each followed by an eviction, so that it never holds more than its size and one chunk.
+    chunks of ``chunk`` tokens (default that same size), each followed by an eviction, so that it never holds more
+    than its size and one chunk.
     ``progress(done, total)`` is called with the chunks read so far (the prompt's pass counted as one chunk),
     before the first and after each. ``cache.token_ids`` is set to the prompt's ids (``save`` records them).
 
@@ -135,12 +137,15 @@ def fill(
     input_ids = input_ids.to(model.device)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(model.device)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    chunk = cache.options.replay.chunk
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a whole number of tokens >= 1; got {chunk!r}")
+    replay_chunk = cache.options.replay.chunk
+    chunk = replay_chunk if chunk is None else chunk
     replays = cache.layers[0].waits_for_prompt_scores
     if replays:
         spans = [(0, length)]
         estimated = estimates_replay(cache.options, cache.policy, length, rows)
-        total = 1 + (0 if estimated else math.ceil(length / chunk))
+        total = 1 + (0 if estimated else math.ceil(length / replay_chunk))
     else:
         spans = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
         total = len(spans)
@@ -253,9 +258,10 @@ class Context:
         *,
         chat: bool = False,
         progress: Callable[[int, int], None] | None = None,
+        chunk: int | None = None,
     ) -> Context:
         """A context of a document already tokenized (``token_ids``, its framing included), compressed into
-        ``cache`` (default as ``compress``'s).
+        ``cache`` (default as ``compress``'s), read in chunks of ``chunk`` tokens (see ``fill``).
 
         Example (with ``model`` and ``tokenizer`` from ``load_model``)::
 
@@ -266,7 +272,7 @@ class Context:
         if not token_ids:
             raise ValueError("token_ids is empty: a context needs a document")
         cache = CompressedCache(model, **DEFAULT_CACHE) if cache is None else cache
-        fill(model, cache, torch.tensor([token_ids]), progress=progress)
+        fill(model, cache, torch.tensor([token_ids]), progress=progress, chunk=chunk)
         return cls(cache, token_ids, chat)
 
     @property

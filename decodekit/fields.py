@@ -290,6 +290,15 @@ CORE_FIELDS = (
         widget=None,
     ),
     Field(
+        "prefill_chunk",
+        "integer",
+        "cache",
+        "read the prompt in chunks of this many tokens (generate's prefill_chunk_size): a compressed KV cache "
+        "evicts after each chunk, so it never holds more than its size and one chunk (not with "
+        "kv_scoring=reconstruction, which scores the whole prompt in one pass)",
+        1,
+    ),
+    Field(
         "kv_eviction_interval",
         "integer",
         "cache",

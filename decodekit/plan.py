@@ -59,6 +59,8 @@ class GenerationPlan:
         beam: whether decodekit's beam search decodes (then ``decoder_kwargs`` are its settings).
         decoder_kwargs: ``num_beams`` and the length normalization, for beam search.
         cache: a fresh ``CompressedCache`` for this call, or None for generate's own cache.
+        prefill_chunk: tokens per forward pass over the prompt (generate's ``prefill_chunk_size``), or None for one
+            pass.
 
     Example:
         >>> from decodekit import Strategy
@@ -72,6 +74,7 @@ class GenerationPlan:
     beam: bool = False
     decoder_kwargs: dict[str, Any] = field(default_factory=dict)
     cache: Any = None
+    prefill_chunk: int | None = None
 
     @property
     def streams(self) -> bool:
@@ -106,4 +109,6 @@ class GenerationPlan:
             kwargs["logits_processor"] = LogitsProcessorList(processors)
         if self.cache is not None:
             kwargs["past_key_values"] = self.cache
+        if self.prefill_chunk is not None:
+            kwargs["prefill_chunk_size"] = self.prefill_chunk
         return kwargs

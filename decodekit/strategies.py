@@ -113,6 +113,11 @@ class Strategy:
                 f"{options[0]} applies to a compressed cache: "
                 "set kv_budget, kv_compression_ratio or kv_memory_fraction too"
             )
+        if "prefill_chunk" in values and values.get("kv_scoring") == "reconstruction":
+            raise ValueError(
+                "prefill_chunk does not apply to kv_scoring=reconstruction, which scores the whole prompt in one "
+                "pass: drop prefill_chunk, or score by attention"
+            )
         for name in ("kv_replay", "kv_matched_layers"):
             if name in values and values.get("kv_scoring") != "reconstruction":
                 raise ValueError(f"{name} applies to kv_scoring=reconstruction: set kv_scoring to reconstruction")
@@ -250,7 +255,7 @@ class Strategy:
                 residual_length=self.kv_residual_length, matched_layers=self.kv_matched_layers,
             )  # fmt: skip
         plan = GenerationPlan(processors=processors, sampling=sampling, beam=self.beam,
-                              decoder_kwargs=decoder_kwargs, cache=cache)  # fmt: skip
+                              decoder_kwargs=decoder_kwargs, cache=cache, prefill_chunk=self.prefill_chunk)  # fmt: skip
         return plan.with_row_seeds(row_seeds, prompt_length) if self.sampling and row_seeds is not None else plan
 
     def _uses(self, component: Any) -> bool:

@@ -41,11 +41,21 @@ def metric_path(name: str) -> str:
     return str(Path(__file__).parent / "metrics" / name)
 
 
+def __getattr__(name: str):
+    """``evaluate_strategies`` (the runner) loads on first use: the metrics alone import no model code."""
+    if name == "evaluate_strategies":
+        from decodekit.eval.runner import evaluate_strategies
+
+        return evaluate_strategies
+    raise AttributeError(f"module 'decodekit.eval' has no attribute {name!r}")
+
+
 __all__ = [
     "METRICS",
     "PerplexityResult",
     "compression_ratio",
     "distinct_n",
+    "evaluate_strategies",
     "mauve",
     "metric_path",
     "ngram_entropy",
