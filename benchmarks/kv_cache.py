@@ -24,6 +24,9 @@ Prints, measured side by side in one run on the default model (SmolLM2-135M-Inst
      and at a quarter of the bytes with reconstruction scoring               (target: >= 1.54x)
   4. long generation: 2048 new tokens under a 256-token budget: the most tokens held at any step,
      and tokens/s against the full cache                                  (target: >= 1.0x)
+  5. peak (benchmarks/_kv_peak.py): the most bytes a cache held at any moment through a whole generate
+     (--prefill-tokens prompt, 256 new tokens), memory_fraction=0.25 read in one pass and in chunks of
+     --peak-chunks tokens, against a full 16-bit cache   (target: chunked <= the fraction + one chunk)
 
 Host-bound mode (--host-bound): a random Llama of 16 layers, hidden size 64, 8 query and 4 KV heads, on
 the CPU; a 512-token prompt, then greedy steps, tokens/s as the median of interleaved rounds, each cache
@@ -64,6 +67,7 @@ import time
 import types
 from pathlib import Path
 
+import _kv_peak as peak_bytes
 import _kv_per_byte as per_byte
 import torch
 from _timing import verdict  # benchmarks/ is on sys.path when a script in it runs
@@ -398,6 +402,12 @@ def long_generation(model, tokenizer, args) -> None:
     print(f"   most tokens held at any step: {held} ({verdict(held <= args.long_budget)}); at the end {ours.held[-1]}")
     print(f"   CompressedCache {ours.tokens_per_second():.2f} tok/s, full cache {full.tokens_per_second():.2f} tok/s")
     print(f"   CompressedCache / full cache tokens/s: {ratio:.2f}x ({verdict(ratio >= 1.0)})")
+
+
+def peak_through_generate(model, tokenizer, args) -> None:
+    ids = tokenizer(PROTOCOL_TEXTS["gpl3"][1](), add_special_tokens=False)["input_ids"][: args.prefill_tokens]
+    chunks = [int(chunk) for chunk in args.peak_chunks.split(",")]
+    peak_bytes.run(model, torch.tensor([ids], device=model.device), 256, chunks, verdict)
 
 
 def shaped_model(shape: str, device: torch.device) -> LlamaForCausalLM:
@@ -748,6 +758,8 @@ def main() -> None:
     parser.add_argument("--byte-presses-from", help="quality per byte: a JSONL file of press results")
     parser.add_argument("--save-byte-presses", help="quality per byte: keep the presses measured now in this file")
     parser.add_argument("--skip-speed", action="store_true", help="measure quality only")
+    parser.add_argument("--only-peak", action="store_true", help="measure the peak bytes through generate only")
+    parser.add_argument("--peak-chunks", default="512,2048", help="section 5's prefill chunks, comma-separated")
     parser.add_argument("--skip-kvpress", action="store_true", help="compare with the full cache only")
     parser.add_argument("--presses-from", help="a JSONL file of press results from an earlier kvpress run")
     parser.add_argument("--kvpress-python", help="python of a virtualenv that has kvpress installed")
@@ -807,6 +819,9 @@ def main() -> None:
         gpu_mode(args, device)
         return
     model, tokenizer = load_model(device_map=str(device) if device.type != "cpu" else None)
+    if args.only_peak:
+        peak_through_generate(model, tokenizer, args)
+        return
     if not (args.skip_quality or args.skip_equal_tokens):
         quality(model, tokenizer, args)
     if not (args.skip_quality or args.skip_bytes):
@@ -816,6 +831,7 @@ def main() -> None:
         prefill_cost(model, tokenizer, args)
         speed(model, tokenizer, args)
         long_generation(model, tokenizer, args)
+        peak_through_generate(model, tokenizer, args)
 
 
 if __name__ == "__main__":
