@@ -44,11 +44,20 @@ def _widths(text: str) -> dict[str, int | None]:
 
 
 def measure(
-    model, task: dict, fraction: float | None, widths: dict, scoring: str, *, ratio: float | None = None, **options
+    model,
+    task: dict,
+    fraction: float | None,
+    widths: dict,
+    scoring: str,
+    *,
+    ratio: float | None = None,
+    chunk: int | None = None,
+    **options,
 ) -> dict:
     """Perplexity of the task's continuation over what the cache kept of the context, and the cache's bytes
     (as a fraction of a full 16-bit cache's) and kept tokens after the context's pass. The cache holds
-    ``fraction`` of a full 16-bit cache's bytes, or evicts ``ratio`` of the tokens (None: neither)."""
+    ``fraction`` of a full 16-bit cache's bytes, or evicts ``ratio`` of the tokens (None: neither). The context
+    is read in one pass, or in passes of ``chunk`` tokens (as generate's ``prefill_chunk_size`` reads it)."""
     context = torch.tensor([task["context"]])
     continuation = torch.tensor([task["continuation"]])
     if fraction is None:
@@ -56,7 +65,10 @@ def measure(
     else:
         cache = CompressedCache(model, memory_fraction=fraction, scoring=scoring, **widths, **options)
     with torch.inference_mode():
-        prefill = model(context, past_key_values=cache)
+        for start in range(0, context.shape[1], chunk or context.shape[1]):
+            piece = context[:, start : start + (chunk or context.shape[1])]
+            places = torch.arange(start, start + piece.shape[1])[None]
+            prefill = model(piece, past_key_values=cache, position_ids=places)
         held = cache.memory_bytes() / full_cache_bytes(model, context.shape[1], element_size=2)
         kept = cache.kept_tokens
         positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1])[None]
@@ -85,6 +97,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, help="channels per scale group at 8 and 4 bits (default: 32)")
     parser.add_argument("--eviction-interval", type=int, help="tokens evicted at once (default: the cache's)")
     parser.add_argument("--matched-layers", type=int, help="first layers refit after eviction (default: the cache's)")
+    parser.add_argument("--prefill-chunk", type=int, help="read each context in passes of this many tokens")
     parser.add_argument("--presses", help="also these kvpress presses, comma-separated (KVzip, SnapKV, ...)")
     parser.add_argument("--kvpress-python", help="python of a virtualenv that has kvpress installed")
     args = parser.parse_args()
@@ -100,7 +113,8 @@ def main() -> None:
           f"{f', residual_length={args.residual_length}' if args.residual_length is not None else ''}"
           f"{f', kv_group_size={args.group_size}' if args.group_size else ''}"
           f"{f', eviction_interval={args.eviction_interval}' if args.eviction_interval else ''}"
-          f"{f', matched_layers={args.matched_layers}' if args.matched_layers is not None else ''};"
+          f"{f', matched_layers={args.matched_layers}' if args.matched_layers is not None else ''}"
+          f"{f', the context in chunks of {args.prefill_chunk}' if args.prefill_chunk else ''};"
           " perplexity rise over the full cache (%)")  # fmt: skip
     header = f"{'memory':>7} {'bits':>5} {'held':>6} {'kept':>5} " + " ".join(f"{name[:14]:>14}" for name in names)
     print(header + f" {'mean':>7} {'worst':>7}")
@@ -122,7 +136,8 @@ def main() -> None:
         (float(text), None) for text in args.fractions.split(",")]  # fmt: skip
     for fraction, ratio in sizes:
         for bits in widths:
-            rows = {name: measure(model, task, fraction, _widths(bits), args.scoring, ratio=ratio, **options)
+            rows = {name: measure(model, task, fraction, _widths(bits), args.scoring, ratio=ratio,
+                                  chunk=args.prefill_chunk, **options)
                     for name, task in tasks.items()}  # fmt: skip
             rises = [100 * (rows[name]["perplexity"] / full[name] - 1) for name in names]
             held = max(row["bytes"] for row in rows.values())

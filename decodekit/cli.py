@@ -320,8 +320,7 @@ def eval_strategies(args: argparse.Namespace) -> list[Any] | None:
         >>> [s.label for s in eval_strategies(args)]
         ['sample(temperature=0.7, min_p=0.05)', 'sample(temperature=0.7, min_p=0.1)']
     """
-    from decodekit.eval.grids import read_strategies, sweep_strategies
-    from decodekit.eval.runner import sampler_grid
+    from decodekit.eval.grids import read_strategies, sampler_grid, sweep_strategies
 
     flagged = {field.name: getattr(args, field.name) for field in FIELDS if getattr(args, field.name, None) is not None}
     custom = args.strategies or args.sweep or flagged or args.sample

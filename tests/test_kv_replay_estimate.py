@@ -17,15 +17,18 @@ PROMPT = torch.randint(3, 384, (1, 40), generator=torch.Generator().manual_seed(
 
 
 def _scores(model, replay: str, **options) -> list[torch.Tensor]:
-    """Per layer ``[kv_heads, tokens]``: the reconstruction scores of ``PROMPT``, nothing evicted."""
+    """Per layer ``[kv_heads, tokens]``: the reconstruction scores of ``PROMPT``, nothing evicted but what a sliding
+    window has passed."""
     cache = CompressedCache(
         model, compression_ratio=0.0, scoring="reconstruction", allocation="layers", sink_tokens=0,
         reconstruction_chunk=options.pop("chunk", 16), replay=replay, **options,
     )  # fmt: skip
     with torch.no_grad():
         model(PROMPT, past_key_values=cache)
-    for layer in cache.layers:  # every head holds the prompt alone, each token in its own slot
-        assert torch.equal(layer.positions()[0], torch.arange(PROMPT.shape[1]).int().expand(layer.storage.heads, -1))
+    length = PROMPT.shape[1]
+    for layer in cache.layers:  # every head holds the prompt (a windowed layer its window's last tokens) in order
+        first = 0 if layer.window is None else max(length - (layer.window - 1), 0)
+        assert torch.equal(layer.positions()[0], torch.arange(first, length).int().expand(layer.storage.heads, -1))
     return [layer.scores()[0] for layer in cache.layers]
 
 

@@ -11,7 +11,7 @@ LAYERS = (
     ("decodekit._validation", "decodekit.settings", "decodekit.fields"),
     ("decodekit.logits_processors", "decodekit.decoders", "decodekit.cache"),
     ("decodekit.plan", "decodekit.strategies", "decodekit.models"),
-    ("decodekit.generation", "decodekit.trace"),
+    ("decodekit.generation", "decodekit.trace", "decodekit.context"),
     ("decodekit.eval", "decodekit.demo"),
     ("decodekit.cli", "decodekit.__main__", "decodekit.eval.__main__"),  # the entry points
 )

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+import decodekit.eval.diversity as diversity
 from decodekit._validation import check_int, check_real
 from decodekit.cache.size import full_cache_bytes
-from decodekit.eval import diversity
-from decodekit.eval.grids import SAMPLERS, as_strategies
+from decodekit.eval.grids import as_strategies, default_strategies
 from decodekit.eval.intervals import half_samples, intervals
 from decodekit.eval.matching import matched_at_diversity
 from decodekit.eval.mauve import mauve, text_features
@@ -49,48 +49,6 @@ RANGES = {
     "seq_rep_4": (0.0, 1.0), "rep_16": (0.0, 1.0), "entropy_2": (0.0, None), "gzip_ratio": (0.0, None),
     "perplexity": (1.0, None), "mean_perplexity": (1.0, None),
 }  # fmt: skip
-
-
-def default_strategies() -> list[Strategy]:
-    """The grid a plain ``decodekit eval`` compares: greedy, top-p and min-p across temperatures,
-    top-n-sigma, XTC, Mirostat and DRY at T=1.0 and 1.5, the staged penalty, beam search with
-    each normalization, and the compressed cache."""
-    grid = [Strategy(name="greedy")]
-    for temperature in (0.7, 1.0, 1.3, 1.5):
-        grid.append(Strategy(name=f"top-p 0.9, T={temperature}", temperature=temperature, top_p=0.9))
-        grid.append(Strategy(name=f"min-p 0.1, T={temperature}", temperature=temperature, min_p=0.1))
-    for temperature in (1.0, 1.5):  # the llama.cpp samplers, at the temperatures where they matter
-        grid.append(Strategy(name=f"top-n-sigma 1.0, T={temperature}", temperature=temperature, top_n_sigma=1.0))
-        grid.append(Strategy(name=f"XTC 0.1/0.5, T={temperature}", temperature=temperature, xtc_threshold=0.1,
-                             xtc_probability=0.5))  # fmt: skip
-        grid.append(Strategy(name=f"mirostat 5/0.1, T={temperature}", temperature=temperature, mirostat_tau=5.0,
-                             mirostat_eta=0.1))  # fmt: skip
-        grid.append(Strategy(name=f"DRY 0.8, T={temperature}", temperature=temperature, dry_multiplier=0.8))
-    grid.append(Strategy(name="greedy, staged penalty", staged_penalty="1:1.2,3:1.5,6:2.0", penalty_window=64))
-    for normalization in ("none", "average", "gnmt"):
-        alpha = None if normalization == "none" else (1.0 if normalization == "average" else 0.6)
-        grid.append(
-            Strategy(
-                name=f"beam 4, {normalization}", num_beams=4, length_normalization=normalization, length_alpha=alpha
-            )
-        )
-    grid.append(Strategy(name="greedy, kv budget 64", kv_budget=64))
-    return grid
-
-
-def sampler_grid(temperatures: Sequence[float] = (1.0, 1.5)) -> list[Strategy]:
-    """Every sampler of ``SAMPLERS`` at every temperature (named "<sampler>, T=<t>"), for
-    ``decodekit eval --grid samplers``; several temperatures make ``temperature.png`` a sweep.
-
-    Example:
-        >>> [s.label for s in sampler_grid([0.7])][:2]
-        ['top-p 0.9, T=0.7', 'min-p 0.1, T=0.7']
-    """
-    return [
-        Strategy(name=f"{name}, T={temperature:g}", temperature=temperature, **fields)
-        for temperature in temperatures
-        for name, fields in SAMPLERS.items()
-    ]
 
 
 @dataclass
