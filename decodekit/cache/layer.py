@@ -322,13 +322,17 @@ class CompressedLayer(CacheLayerMixin):
             self._start(key_states)
         fields, read_keys = self.coding.encode(key_states, value_states)
         seen = self.seen
-        positions = torch.arange(seen, seen + new, dtype=torch.int32, device=key_states.device)
         storage = self.storage
         equal = storage.equal_lengths
         step.new_slots = storage.length_range[0] if equal else storage.lengths.clone()
         step.waits = self.scorer.may_wait(self, step)
         entries = fields
-        if not (new == 1 and equal and self._is_prepared(step.new_slots)):
+        prepared = new == 1 and equal and self._is_prepared(step.new_slots)
+        quantized = self.coding.quantized and not self.transient
+        positions = None  # (a prepared step's positions are stored already)
+        if not prepared or quantized:
+            positions = torch.arange(seen, seen + new, dtype=torch.int32, device=key_states.device)
+        if not prepared:
             entries = {**fields, "positions": positions.expand(batch, heads, new), "scores": 0.0}
             if "biases" in storage.fields:
                 entries["biases"] = 0.0
@@ -338,7 +342,7 @@ class CompressedLayer(CacheLayerMixin):
         self._seen += new
         if self.seen_device is not None and self.seen_device.device.type != "cpu":
             self.seen_device.add_(new)
-        if self.coding.quantized and not self.transient:
+        if quantized:
             self.coding.remember(read_keys, value_states, positions)
         if step.first:
             keys, values = read_keys, value_states  # the pass's own tokens, exact

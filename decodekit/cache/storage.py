@@ -85,7 +85,9 @@ class EntryStorage:
         copied = object.__new__(type(self))
         memo[id(self)] = copied
         for name, value in vars(self).items():
-            setattr(copied, name, copy.deepcopy(value, memo))
+            if name != "_views":
+                setattr(copied, name, copy.deepcopy(value, memo))
+        copied._views = {}
         if self.device.type == "cpu":
             copied.lengths = torch.from_numpy(copied._lengths_host)
         return copied
@@ -139,6 +141,7 @@ class EntryStorage:
         self.capacity = most  # the widest segment
         self.flat = {name: torch.zeros((total + 1, *field.trailing), dtype=field.dtype, device=self.device)
                      for name, field in self.fields.items()}  # fmt: skip
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (its flat tensor, the view of it)
         if old is None or source is None:
             return
         longest = self.length_range[1]
@@ -205,7 +208,14 @@ class EntryStorage:
         """Field ``name`` as ``[batch, heads, capacity, ...]`` (rectangular layouts only): a view of the storage."""
         if not self.rectangular:
             raise ValueError("only a rectangular storage has a [batch, heads, capacity] view")
-        return self.flat[name][:-1].view(self.batch, self.heads, self.capacity, *self.fields[name].trailing)
+        flat = self.flat[name]
+        if torch.compiler.is_compiling():
+            return flat[:-1].view(self.batch, self.heads, self.capacity, *self.fields[name].trailing)
+        made = self._views.get(name)  # (an eager step reads each field's view several times: made once per layout)
+        if made is None or made[0] is not flat:
+            made = self._views[name] = (flat, flat[:-1].view(self.batch, self.heads, self.capacity,
+                                                             *self.fields[name].trailing))  # fmt: skip
+        return made[1]
 
     def read(self, name: str, stop: int | None = None) -> torch.Tensor:
         """Field ``name`` of each segment's first ``stop`` slots (default: the longest length), ``[batch, heads,
