@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache
 
+from decodekit._validation import check_int
 from decodekit.cache import CompressedCache, full_cache_bytes, persist
 from decodekit.generation import check_max_new_tokens, uses_chat_template
 from decodekit.settings import DEFAULT_SYSTEM_PROMPT
@@ -137,10 +138,8 @@ def fill(
     input_ids = input_ids.to(model.device)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(model.device)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be a whole number of tokens >= 1; got {chunk!r}")
     replay_chunk = cache.options.replay.chunk
-    chunk = replay_chunk if chunk is None else chunk
+    chunk = replay_chunk if chunk is None else check_int("chunk", chunk, 1)
     replays = cache.layers[0].waits_for_prompt_scores
     if replays:
         spans = [(0, length)]
