@@ -11,7 +11,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import decodekit
-from decodekit.cache import CompressedCache
+from decodekit.cache import CompressedCache, joint
+from decodekit.cache import layer as layer_module
+from decodekit.cache.eviction import removal_moves
 from decodekit.cache.scorers.attention import AttentionScorer
 from decodekit.cache.storage import EntryStorage
 from tests.decode_steps import decode_by_hand, prompt_batch
@@ -91,20 +93,22 @@ def test_decoding_steps_never_wait_for_the_device(fresh, case):
 
 
 def test_the_recorder_catches_a_synchronization(fresh, monkeypatch):
-    """The check above can fail: a value read while entries move is caught, in both kinds of eviction."""
+    """The check above can fail: a value read while entries move is caught, in every kind of eviction (a few entries
+    moved, alone or with the other layers, and every kept entry packed)."""
     model, tokenizer = fresh
-    move, keep = EntryStorage.move, EntryStorage.keep
+    keep = EntryStorage.keep
     moved = []
 
-    def move_and_read(self, sources, targets, lanes=None, names=None):
-        moved.append(int(sources.max()))  # a host read, as a careless change would add
-        move(self, sources, targets, lanes, names)
+    def moves_and_read(victims, lengths, drops):
+        moved.append(int(victims.max()))  # a host read, as a careless change would add
+        return removal_moves(victims, lengths, drops)
 
     def keep_and_read(self, slots, counts):
         int(slots.max())
         keep(self, slots, counts)
 
-    monkeypatch.setattr(EntryStorage, "move", move_and_read)
+    monkeypatch.setattr(layer_module, "removal_moves", moves_and_read)
+    monkeypatch.setattr(joint, "removal_moves", moves_and_read)
     monkeypatch.setattr(EntryStorage, "keep", keep_and_read)
     for kwargs in ({"budget": 64}, {"budget": 64, "kv_bits": 8}):
         recorder = SyncRecorder()
@@ -173,24 +177,26 @@ def test_waiting_scores_and_moves_of_the_newest_entries_change_nothing(fresh, mo
     kwargs, rows, padded = CASES[case]
     batch = prompt_batch(tokenizer, rows or 2, padded)
     waited, moved = [], []
-    may_wait, move = AttentionScorer.may_wait, EntryStorage.move
+    may_wait = AttentionScorer.may_wait
 
     def recording_wait(self, layer, step):
         waited.append(may_wait(self, layer, step))
         return waited[-1]
 
-    def recording_move(self, *args, **kwargs):
+    def recording_moves(*args, **kwargs):
         moved.append(True)
-        move(self, *args, **kwargs)
+        return removal_moves(*args, **kwargs)
 
     monkeypatch.setattr(AttentionScorer, "may_wait", recording_wait)
-    monkeypatch.setattr(EntryStorage, "move", recording_move)
+    monkeypatch.setattr(layer_module, "removal_moves", recording_moves)  # (alone)
+    monkeypatch.setattr(joint, "removal_moves", recording_moves)  # (with the other layers)
     quick = CompressedCache(model, **kwargs)
     quick_tokens = _decode_with_interruptions(model, quick, batch, steps=30)
     assert any(waited) == (quick.options.size.eviction_interval > 1)
     assert moved
     monkeypatch.setattr(AttentionScorer, "may_wait", lambda self, layer, step: False)
-    monkeypatch.setattr(EntryStorage, "move", lambda *args, **kwargs: pytest.fail("an eviction moved entries"))
+    for module in (layer_module, joint):
+        monkeypatch.setattr(module, "removal_moves", lambda *args, **kwargs: pytest.fail("an eviction moved entries"))
     monkeypatch.setattr("decodekit.cache.layer.MOVES_AT_MOST", 0.0)
     full = CompressedCache(model, **kwargs)
     full_tokens = _decode_with_interruptions(model, full, batch, steps=30)

@@ -1,5 +1,5 @@
-"""Eviction while decoding, the behaviours that outlived joint eviction (layers no longer evict together: each layer
-has one storage of its own).
+"""Eviction while decoding, alone or with the other layers (``joint.py``: layers whose storages are slices of one
+tensor evict together after the last layer's pass).
 
 Oracles: each prompt generated alone (beams and left padding); the original cache (a deep copy); a naive top-k of
 the layer's own eviction ranks, taken before each eviction (the entries a decoding step keeps when the tokens of
@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decodekit.cache import CompressedCache, CompressedLayer
+from decodekit.cache import CompressedCache, CompressedLayer, joint
 from decodekit.cache import layer as layer_module
 from decodekit.cache.scorers.attention import AttentionScorer
 from tests.families import VOCAB, build_family_model
@@ -174,45 +173,54 @@ def _by_position(layer) -> list[list[dict[int, dict[str, torch.Tensor]]]]:
 
 
 def _check_evictions(monkeypatch) -> list[str]:
-    """Every eviction of a layer that holds no padding checked against a naive top-k of the layer's own ranks taken
-    just before it (``CompressedLayer.priority``, the counts from ``EvictionPolicy.kept_counts``): each row and head
-    keeps exactly its best-ranked entries, each with every stored field it held. Returns the record: per checked
-    eviction, whether the steps' tokens moved into the victims' slots (``removal_moves``) or every entry moved."""
+    """Every eviction of a layer that holds no padding, alone (``CompressedLayer.evict_now``) or with the other layers
+    (``joint._evict_together``), checked against a naive top-k of the layer's own ranks taken just before it
+    (``CompressedLayer.priority``): each row and head keeps exactly its best-ranked entries, each with every stored
+    field it held. Returns the record: per checked eviction, whether the steps' tokens moved into the victims' slots
+    (``removal_moves``) or every entry moved, and "together" for each layer evicted with the others."""
     record = []
-    evict, moves = CompressedLayer.evict, layer_module.removal_moves
+    evict_now, together, moves = CompressedLayer.evict_now, joint._evict_together, layer_module.removal_moves
 
     def counted_moves(*args, **kwargs):
         record[-1] = "filled"
         return moves(*args, **kwargs)
 
-    def checked(self, new):
-        storage = self.storage
-        if storage is None or self.padding_held:
-            return evict(self, new)
-        lengths = np.asarray(storage.lengths_host) - np.asarray(self.held_pads)[:, None]
-        keep = np.asarray(self.policy.kept_counts(lengths, np.asarray(self.targets()), new))
-        if int((lengths - keep).max()) == 0:
-            return evict(self, new)
-        self.scorer.flush(self)  # (the eviction scores the waiting steps first: so do the ranks)
-        longest = self.longest
-        priority = torch.where(storage.valid(longest), self.priority(longest), -torch.inf)
-        positions = storage.read("positions", longest).clone()
-        before = _by_position(self)
-        record.append("kept in slot order")
-        evict(self, new)
-        after = _by_position(self)
-        for row in range(storage.batch):
-            for head in range(storage.heads):
-                count = int(keep[row, head])
-                best = priority[row, head].topk(count).indices
-                expected = set(positions[row, head, best].tolist())
-                assert set(after[row][head]) == expected
+    def before(layer, eviction):
+        layer.scorer.flush(layer)  # (the eviction scores the waiting steps first: so do the ranks)
+        longest, storage = layer.longest, layer.storage
+        priority = torch.where(storage.valid(longest), layer.priority(longest), -torch.inf)
+        return priority, storage.read("positions", longest).clone(), _by_position(layer)
+
+    def compare(layer, eviction, taken):
+        priority, positions, held = taken
+        after = _by_position(layer)
+        for row in range(layer.storage.batch):
+            for head in range(layer.storage.heads):
+                best = priority[row, head].topk(int(eviction.keep[row, head])).indices
+                assert set(after[row][head]) == set(positions[row, head, best].tolist())
                 for position, entry in after[row][head].items():
                     for name, value in entry.items():
-                        assert torch.equal(value, before[row][head][position][name]), name
+                        assert torch.equal(value, held[row][head][position][name]), name
+
+    def checked(self, eviction):
+        if self.padding_held:
+            return evict_now(self, eviction)
+        taken = before(self, eviction)
+        record.append("kept in slot order")
+        evict_now(self, eviction)
+        compare(self, eviction, taken)
+
+    def checked_together(layers, eviction, flat):
+        taken = [before(layer, eviction) for layer in layers]
+        record.extend(["together"] * (len(layers) - 1) + ["kept in slot order"])
+        together(layers, eviction, flat)
+        for layer, layer_taken in zip(layers, taken, strict=True):
+            compare(layer, eviction, layer_taken)
 
     monkeypatch.setattr(layer_module, "removal_moves", counted_moves)
-    monkeypatch.setattr(CompressedLayer, "evict", checked)
+    monkeypatch.setattr(joint, "removal_moves", counted_moves)
+    monkeypatch.setattr(CompressedLayer, "evict_now", checked)
+    monkeypatch.setattr(joint, "_evict_together", checked_together)
     return record
 
 
@@ -232,6 +240,7 @@ def test_the_waiting_steps_fill_the_victims_slots_and_keep_the_best_ranked_entri
     cache = CompressedCache(model, **FILLS[case])
     _decode_ids(model, ids, cache, 40)
     assert "filled" in checked_evictions  # the fill ran
+    assert "together" in checked_evictions  # the layers evicted together (``joint.py``)
     assert len(checked_evictions) >= 3 * model.config.num_hidden_layers
 
 
@@ -264,3 +273,46 @@ def test_every_eviction_keeps_the_best_ranked_entries_for_any_settings(
     assert cache.get_seq_length() == length + 30
     if cache.policy.target(length + 30) < length + 30:  # (a target above every token seen never evicts)
         assert record
+
+
+# Settings whose layers evict together while decoding (uniform allocation, plain entries read in place, no window).
+TOGETHER = {
+    "budget": ({"budget": 64}, 1),
+    "every step": ({"budget": 40, "eviction_interval": 1}, 1),
+    "ratio, two rows": ({"compression_ratio": 0.5}, 2),
+    "novelty": ({"budget": 64, "scoring": "attention+novelty"}, 2),
+    "no value norms": ({"budget": 48, "value_norm": False, "sink_tokens": 0}, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(TOGETHER))
+def test_layers_evicted_together_hold_what_each_layer_holds_evicting_alone(fresh, monkeypatch, case):
+    """The oracle: the same cache whose layers evict one by one (no group). Evicting together gives the same tokens,
+    and every layer holds the same entries with every field equal, in the same memory."""
+    model, _ = fresh
+    options, rows = TOGETHER[case]
+    ids = torch.randint(3, model.config.vocab_size, (rows, 150), generator=torch.Generator().manual_seed(rows))
+    together, evict_together = [], joint._evict_together
+
+    def counted(layers, eviction, flat):
+        together.append(len(layers))
+        evict_together(layers, eviction, flat)
+
+    monkeypatch.setattr(joint, "_evict_together", counted)
+    grouped = CompressedCache(model, **options)
+    grouped_tokens = _decode_ids(model, ids, grouped, 40)
+    alone = CompressedCache(model, **options)
+    for layer in alone.layers:
+        layer.group = None
+    alone_tokens = _decode_ids(model, ids, alone, 40)
+    assert together and set(together) == {model.config.num_hidden_layers}
+    assert torch.equal(grouped_tokens, alone_tokens)
+    for mine, theirs in zip(grouped.layers, alone.layers, strict=True):
+        held, expected = _by_position(mine), _by_position(theirs)
+        for row in range(rows):
+            for head in range(mine.storage.heads):
+                assert held[row][head].keys() == expected[row][head].keys()
+                for position, entry in held[row][head].items():
+                    for name, value in entry.items():
+                        assert torch.equal(value, expected[row][head][position][name]), name
+    assert grouped.memory_bytes() == alone.memory_bytes()

@@ -17,6 +17,7 @@ from transformers import Cache
 import decodekit.cache.attention as attention
 import decodekit.cache.persist as persist
 from decodekit.cache.coding import PlainCoding, QuantizedCoding
+from decodekit.cache.joint import LayerGroup
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.observer import bind, logit_softcap, queries_can_rotate, sliding_window
 from decodekit.cache.options import ReplayOptions, ScoringOptions, SizeOptions, StorageOptions, group_options, resolve
@@ -111,6 +112,11 @@ class CompressedCache(Cache):
             layer.waits_for_prompt_scores = scorer_class.replays
             layer.module = weakref.ref(module)
             layers.append(layer)
+        alike = size.allocation == "uniform" and resolved.scoring.matched_layers == 0  # (fields and shapes alike)
+        if alike and all(window is None for window in windows):  # (the layers evict together: joint.py)
+            group = LayerGroup(layers)
+            for layer in layers:
+                layer.join(group)
         attention.install()
         super().__init__(layers=layers)
         self._model = weakref.ref(model)

@@ -26,11 +26,12 @@ import decodekit.cache.attention as attention
 import decodekit.cache.compiled as compiled
 import decodekit.cache.matching as matching
 from decodekit.cache.eviction import best_in_slot_order, lowest, protect, removal_moves
+from decodekit.cache.joint import Eviction, LayerGroup
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import hadamard, rotation_block
 from decodekit.cache.received import Visibility, uses_triton
 from decodekit.cache.rotary import rotate
-from decodekit.cache.storage import EntryStorage, Field, storage_bytes
+from decodekit.cache.storage import Allocate, EntryStorage, Field, own_tensor, storage_bytes
 
 BIAS_DTYPE = torch.float16  # a refit entry's log-mass bias: 2 bytes (``size.BIAS_BYTES``)
 # An eviction moves the newest entries into the victims' slots while at most this share of a segment goes (few
@@ -107,6 +108,7 @@ class CompressedLayer(CacheLayerMixin):
         # compiled steps need.
         self.static_capacity = policy.fixed_target() is not None and options.size.allocation != "heads"
         self.pads: np.ndarray | None = None  # host [batch]: each row's left padding (and on the device: pads_device)
+        self.padded = False  # whether some row has left padding
         self.pads_device: torch.Tensor | None = None
         # Until its first eviction a padded batch holds its padding in place, as DynamicCache does (so that attention
         # reads what it reads there): each row's first ``held_pads`` slots, never scored or counted.
@@ -132,6 +134,25 @@ class CompressedLayer(CacheLayerMixin):
         # next steps' tokens will have, written by the last eviction: those steps write their keys and values alone.
         self._quiet_steps = 0
         self._prepared: tuple[int, int] | None = None  # (the storage's keys tensor id, the first slot not prepared)
+        # The cache's layers evicted together while decoding (``joint.py``), and where this layer's decoding storage
+        # comes from (a slice of tensors shared with the group's other layers, where it reads entries in place).
+        self.group: LayerGroup | None = None
+
+    def join(self, group: LayerGroup) -> None:
+        """Evict with ``group``'s other layers while decoding (``joint.py``)."""
+        self.group = group
+
+    def _allocator(self) -> Allocate:
+        """Where this layer's decoding storage comes from: slices of tensors shared with its group's other layers,
+        where entries are read in place (plain, in the model's dtype) and can be evicted together."""
+        if self.group is None or self.window is not None or not self.coding.reads_in_place():
+            return own_tensor
+        return self.group.allocator(self)
+
+    def _settle(self) -> None:
+        """Make the group's waiting evictions, left by a pass that stopped before its last layer."""
+        if self.group is not None and self.group.due:
+            self.group.evict_due()
 
     def __deepcopy__(self, memo: dict) -> CompressedLayer:
         """A deep copy whose device count of tokens seen is its own count's memory again (as on a CPU)."""
@@ -231,6 +252,8 @@ class CompressedLayer(CacheLayerMixin):
             self._pass = Pass(query_length, False)
             return compiled.begin(self, query_length)
         first = self.storage is None
+        if self.group is not None and self.group.due and self is self.group.layers[0]:
+            self._settle()
         if first:
             if pads is None:
                 raise ValueError("the first pass of a CompressedCache layer needs each row's left padding (pads)")
@@ -253,7 +276,7 @@ class CompressedLayer(CacheLayerMixin):
     def needs_mask(self, query_length: int) -> bool:
         """Whether the coming pass needs a mask of its own: rows or heads of different lengths, a padded batch (the
         model's mask follows the padded sequence, not the stored entries), a sliding window, or biased entries."""
-        dropped = self.pads.any() and not self.padding_held  # the padded layout is gone
+        dropped = self.padded and not self.padding_held  # the padded layout is gone
         return not self.storage.equal_lengths or dropped or self.window is not None or self.biased
 
     @property
@@ -263,6 +286,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def _set_pads(self, pads: np.ndarray) -> None:
         self.pads = pads
+        self.padded = bool(pads.any())  # whether some row has left padding
         self.pads_device = torch.from_numpy(pads).to(self.storage.device if self.storage else "cpu")
 
     def pass_mask(self, query_length: int) -> torch.Tensor:
@@ -338,7 +362,14 @@ class CompressedLayer(CacheLayerMixin):
                 entries["biases"] = 0.0
         if not step.waits:  # (a waiting step's value norm is taken when it is scored)
             entries = {**entries, **self.scorer.new_entries(value_states)}
-        storage.append(entries, new, room=self._room() if new == 1 else 0)
+        if new == 1:
+            grows = storage.least_capacity <= storage.length_range[1]
+            if grows:
+                storage.append(entries, 1, room=self._room(), allocate=self._allocator())
+            else:
+                storage.append(entries, 1)
+        else:
+            storage.append(entries, new)
         self._seen += new
         if self.seen_device is not None and self.seen_device.device.type != "cpu":
             self.seen_device.add_(new)
@@ -385,11 +416,10 @@ class CompressedLayer(CacheLayerMixin):
         """Whether this decoding step's attention reads the entries where they lie (``attention.py``): entries that
         attention cannot read as they are (codes, 16-bit storage of a wider model, heads of their own lengths), and
         an attention module whose calls reach decodekit's wrapper."""
+        if step.new != 1 or (self.coding.reads_in_place() and self.storage.rectangular):
+            return False
         module = self.module() if self.module is not None else None
-        return (
-            step.new == 1 and module is not None and attention.answers(module)
-            and (not self.coding.reads_in_place() or not self.storage.rectangular)
-        )  # fmt: skip
+        return module is not None and attention.answers(module)
 
     def _read_mask(self, stop: int) -> torch.Tensor | None:
         """What a decoding step the layer reads itself may see among each segment's first ``stop`` slots, its own
@@ -470,7 +500,7 @@ class CompressedLayer(CacheLayerMixin):
             wanted = lengths + self.policy.growth_room()
         if self.shares is None or self.options.size.allocation != "heads":
             wanted = np.full_like(wanted, wanted.max())
-        storage.resize(wanted)
+        storage.resize(wanted, self._allocator())
 
     def compiled_target(self) -> int | torch.Tensor:
         """A compiled step's target: the fixed size, or per row and head under a shared allocation (a tensor)."""
@@ -522,7 +552,13 @@ class CompressedLayer(CacheLayerMixin):
         if step.first and self.matched:
             self.prompt_queries = step  # refit against at the prompt's eviction
         if not (self.transient or self.waits_for_prompt_scores):
-            self.evict(query_length)
+            eviction = self.eviction_due(query_length)
+            deferred = eviction is not None and query_length == 1 and self.group is not None \
+                and self.group.defer(self, eviction)  # fmt: skip
+            if eviction is not None and not deferred:
+                self.evict_now(eviction)
+            if self.group is not None and query_length == 1:
+                self.group.after_pass(self)  # (the last layer's pass evicts the layers that wait)
             if query_length > 1:
                 if self.padding_held and self.policy.keeps_one_room():
                     self._drop_padding()  # (compiled steps need it gone: their capacity holds real entries only)
@@ -633,18 +669,52 @@ class CompressedLayer(CacheLayerMixin):
         """Keep each row and head within its target after a pass of ``new`` tokens: a row over it keeps the
         best-ranked entries, down to the target (after a decoding step, down to the target less the eviction interval
         less one, so that the next steps evict nothing)."""
+        eviction = self.eviction_due(new)
+        if eviction is not None:
+            self.evict_now(eviction)
+
+    def eviction_due(self, new: int) -> Eviction | None:
+        """The eviction a pass of ``new`` tokens calls for (see ``evict``), or None where every row is within its
+        target (the steps that cannot take a row over it are then counted, and skip this check)."""
         if new == 1 and self._quiet_steps > 0:
             self._quiet_steps -= 1
-            return
-        storage = self.storage
-        lengths = storage.lengths_host - self.held_pads[:, None]  # (real entries: padding never counts)
+            return None
+        lengths = self.storage.lengths_host - self.held_pads[:, None]  # (real entries: padding never counts)
         targets = self.targets()
         keep = self.policy.kept_counts(lengths, targets, new, self.interval)
         drops = lengths - keep
         most = int(drops.max())
         if most == 0:
             self._quiet_steps = int((targets - lengths).min())
-            return
+            return None
+        return Eviction(targets, keep, drops, most)
+
+    def evicts_together(self) -> bool:
+        """Whether this layer's decoding-step eviction may be made with the group's other layers (``joint.py``):
+        plain entries read in place, one length for every row and head, moves of a few entries, and nothing a
+        layer does alone (held padding, a sliding window, biases, a refit, the scorer's own flush)."""
+        storage = self.storage
+        return (
+            storage.rectangular and storage.equal_lengths and not self.padding_held and self.window is None
+            and not self.biased and self.prompt_queries is None and self.coding.reads_in_place()
+            and self.scorer.flushes_together and not torch.compiler.is_compiling()
+        )  # fmt: skip
+
+    def moves_few(self, eviction: Eviction) -> bool:
+        """Whether ``eviction`` frees its slots by moving a few entries (the rest stay where they are), rather than
+        packing every kept entry."""
+        return eviction.most <= MOVES_AT_MOST * self.longest
+
+    def evicted_together(self, eviction: Eviction, prepared_until: int | None) -> None:
+        """After the group evicted this layer (``joint.py``) and wrote the next steps' positions and scores up to slot
+        ``prepared_until`` (None: not written): plan the next steps as ``evict_now`` does."""
+        self._quiet_steps = int((eviction.targets - eviction.keep).min())
+        self._prepared = None if prepared_until is None else (id(self.storage.flat["keys"]), prepared_until)
+
+    def evict_now(self, eviction: Eviction) -> None:
+        """Make ``eviction`` (``eviction_due``'s): each row and head keeps its best-ranked entries."""
+        storage = self.storage
+        targets, keep, drops, most = eviction.targets, eviction.keep, eviction.drops, eviction.most
         self.scorer.flush(self)
         if self.padding_held:
             self._drop_padding()
@@ -653,7 +723,7 @@ class CompressedLayer(CacheLayerMixin):
         longest = self.longest
         priority = self.priority(longest)
         valid = storage.valid(longest)
-        if most <= MOVES_AT_MOST * longest:  # few go: the last entries of each segment move into their slots
+        if self.moves_few(eviction):  # few go: the last entries of each segment move into their slots
             victims = lowest(priority, valid, most)
             sources, destinations, lanes = removal_moves(victims, storage.lengths, self._on_device(drops))
             storage.move(sources, destinations, lanes)
@@ -703,6 +773,7 @@ class CompressedLayer(CacheLayerMixin):
     def _select_rows(self, rows: torch.Tensor) -> None:
         if self.storage is None:
             return
+        self._settle()
         self._forget_plans()
         self.scorer.flush(self)
         rows_host = rows.to("cpu", torch.long).numpy()
@@ -737,6 +808,7 @@ class CompressedLayer(CacheLayerMixin):
             )
         if tokens_to_remove == 0 or self.storage is None:
             return
+        self._settle()
         self.scorer.flush(self)
         self._forget_plans()
         self.seen = max(self.seen + tokens_to_remove, 0)
@@ -768,6 +840,7 @@ class CompressedLayer(CacheLayerMixin):
         steps are scored first; ValueError before the prompt's scores are in (there is nothing to keep yet)."""
         if self.storage is None or self.waits_for_prompt_scores or self.transient or self._pass is not None:
             raise ValueError("a CompressedCache can be saved once its prompt has been seen and scored")
+        self._settle()
         self.scorer.flush(self)
         tensors, storage_numbers = self.storage.state()
         tensors = {f"storage.{name}": tensor for name, tensor in tensors.items()}

@@ -42,6 +42,13 @@ HASH = "xxh3_128"  # of every byte of the weights (about 7 GB/s on one core) and
 _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _own_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the host, contiguous, in memory of its own (safetensors refuses tensors that share memory, as the
+    slices of the layers' shared storage do)."""
+    tensor = tensor.detach().contiguous().cpu()
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+
+
 def _tensor_bytes(tensor: torch.Tensor):
     """The bytes of ``tensor`` (on the host, contiguous) as a NumPy array of uint8, without a copy where it can."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)
@@ -178,7 +185,7 @@ def save(
     tensors, layers = {}, []
     for index, layer in enumerate(cache.layers):
         held, numbers = layer.state()
-        tensors.update({f"layers.{index}.{name}": tensor.detach().contiguous().cpu() for name, tensor in held.items()})
+        tensors.update({f"layers.{index}.{name}": _own_copy(tensor) for name, tensor in held.items()})
         layers.append(numbers)
     if token_ids is not None:
         token_ids = token_rows(token_ids, cache.layers[0].rows, cache.get_seq_length())

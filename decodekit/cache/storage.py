@@ -14,7 +14,7 @@ the device (``lengths``, sharing the host's memory on a CPU).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,16 @@ class Field:
 
     trailing: tuple[int, ...]
     dtype: torch.dtype
+
+
+# Where a layout's tensors come from: ``allocate(name, shape, dtype, device)`` gives a zeroed tensor (a slice of one
+# shared by several layers' storages, ``joint.LayerGroup``); by default each storage makes its own.
+Allocate = Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def own_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new zeroed tensor of the storage's own (the default ``Allocate``)."""
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
@@ -126,9 +136,10 @@ class EntryStorage:
 
     # -- layout -------------------------------------------------------------------------------------------------
 
-    def _lay_out(self, capacities: np.ndarray, source: torch.Tensor | None) -> None:
+    def _lay_out(self, capacities: np.ndarray, source: torch.Tensor | None, allocate: Allocate = own_tensor) -> None:
         """Give each segment ``capacities[b, h]`` slots (host ``[batch, heads]``), copying each segment's entries
-        from segment ``source[b, h]`` of the old layout (a flat index of old segments; None: nothing to copy)."""
+        from segment ``source[b, h]`` of the old layout (a flat index of old segments; None: nothing to copy); the new
+        tensors come from ``allocate``."""
         old = getattr(self, "flat", None)
         old_starts = getattr(self, "starts", None)
         self.capacities = np.array(capacities, dtype=np.int64)
@@ -139,7 +150,8 @@ class EntryStorage:
         least, most = int(self.capacities.min()), int(self.capacities.max())
         self.rectangular = least == most  # (starts then are canonical: segments laid out in order)
         self.capacity = most  # the widest segment
-        self.flat = {name: torch.zeros((total + 1, *field.trailing), dtype=field.dtype, device=self.device)
+        self.least_capacity = least
+        self.flat = {name: allocate(name, (total + 1, *field.trailing), field.dtype, self.device)
                      for name, field in self.fields.items()}  # fmt: skip
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (its flat tensor, the view of it)
         if old is None or source is None:
@@ -156,26 +168,27 @@ class EntryStorage:
         for name, tensor in self.flat.items():
             tensor.index_copy_(0, to_index.flatten(), old[name].index_select(0, from_index.flatten()))
 
-    def reserve(self, capacities: np.ndarray | int, room: int = 0) -> None:
+    def reserve(self, capacities: np.ndarray | int, room: int = 0, allocate: Allocate = own_tensor) -> None:
         """Make each segment hold at least ``capacities`` slots (an int for all, or host ``[batch, heads]``),
-        keeping its entries; a segment that must grow gets ``room`` slots more. Nothing moves where every segment is
-        large enough; a rectangular layout stays rectangular."""
+        keeping its entries; a segment that must grow gets ``room`` slots more (in tensors from ``allocate``).
+        Nothing moves where every segment is large enough; a rectangular layout stays rectangular."""
         wanted = np.broadcast_to(np.asarray(capacities, dtype=np.int64), (self.batch, self.heads))
         if (wanted <= self.capacities).all():
             return
         grown = np.where(wanted > self.capacities, wanted + room, self.capacities)
         if self.rectangular:
             grown = np.full_like(grown, grown.max())
-        self._lay_out(grown, self._own_segments())
+        self._lay_out(grown, self._own_segments(), allocate)
 
-    def resize(self, capacities: np.ndarray | int) -> None:
-        """Give each segment exactly ``capacities`` slots (at least its length), keeping its entries."""
+    def resize(self, capacities: np.ndarray | int, allocate: Allocate = own_tensor) -> None:
+        """Give each segment exactly ``capacities`` slots (at least its length), keeping its entries (in tensors from
+        ``allocate``)."""
         wanted = np.broadcast_to(np.asarray(capacities, dtype=np.int64), (self.batch, self.heads))
         if (wanted < self.lengths_host).any():
             raise ValueError("a segment cannot be resized below its length")
         if np.array_equal(wanted, self.capacities):
             return
-        self._lay_out(wanted, self._own_segments())
+        self._lay_out(wanted, self._own_segments(), allocate)
 
     def _own_segments(self) -> torch.Tensor:
         return torch.arange(self.batch * self.heads, device=self.device).view(self.batch, self.heads)
@@ -259,12 +272,19 @@ class EntryStorage:
 
     # -- writes -------------------------------------------------------------------------------------------------
 
-    def append(self, entries: dict[str, torch.Tensor | float | bool], count: int, room: int = 0) -> None:
+    def append(
+        self,
+        entries: dict[str, torch.Tensor | float | bool],
+        count: int,
+        room: int = 0,
+        allocate: Allocate = own_tensor,
+    ) -> None:
         """Write ``count`` new entries after each segment's stored ones (``entries[name]``: ``[batch, heads, count,
-        ...]``, or one value for all), growing segments that lack room (by ``room`` more slots), and count them."""
+        ...]``, or one value for all), growing segments that lack room (by ``room`` more slots, in tensors from
+        ``allocate``), and count them."""
         least, most = self.length_range
-        if int(self.capacities.min()) < most + count:
-            self.reserve(self.lengths_host + count, room)
+        if self.least_capacity < most + count:
+            self.reserve(self.lengths_host + count, room, allocate)
         if self.rectangular and least == most:
             for name, entry in entries.items():
                 target = self.tensor(name).narrow(2, least, count)

@@ -23,6 +23,7 @@ class AttentionScorer:
     """
 
     replays = False  # whether the cache feeds the prompt again after its pass (``ReconstructionScorer``)
+    flushes_together = True  # whether the layers' scorers may flush and rank together (``flush_together``)
 
     def __init__(self, options) -> None:
         self.options = options
@@ -53,11 +54,10 @@ class AttentionScorer:
     def may_wait(self, layer, step) -> bool:
         """Whether this pass (one decoding step) may leave its scoring for the next eviction: an eviction interval
         above one, a plain layer (no window, no cap, no pooling) and room in the queue."""
+        interval = self.options.size.eviction_interval
         return (
-            step.new == 1 and self.options.size.eviction_interval > 1 and layer.window is None
-            and not layer.padding_held
-            and layer.softcap is None and self.options.scoring.pool_kernel == 1
-            and len(self.waiting) < self.options.size.eviction_interval
+            step.new == 1 and interval > 1 and len(self.waiting) < interval and layer.window is None
+            and layer.softcap is None and not layer.padding_held and self.options.scoring.pool_kernel == 1
         )  # fmt: skip
 
     def after_pass(self, layer, step) -> None:
@@ -123,7 +123,46 @@ class AttentionScorer:
             slots = slots.expand(*values.shape[:2], steps) if isinstance(first, int) else slots
             layer.storage.write_slots(slots, {"value_norms": norms.gather(-1, slots)})
 
+    def waiting_state(self) -> tuple[int, int] | None:
+        """(steps waiting, the first one's slot in every segment), or None where segments wait from other slots."""
+        if isinstance(self.waiting_from, torch.Tensor):
+            return None
+        return len(self.waiting), self.waiting_from
+
+    @staticmethod
+    @torch.no_grad()
+    def flush_together(layers: list, grids: dict[str, torch.Tensor]) -> None:
+        """``flush`` for several layers at once, whose scorers wait with the same ``waiting_state`` and whose
+        storages are the stacked ``grids`` (per field ``[layers, batch, heads, capacity, ...]``, ``joint.py``): the
+        queries are made per layer, their attention and the scores' update once for all."""
+        scorers = [layer.scorer for layer in layers]
+        first = scorers[0]
+        if not first.waiting:
+            return
+        steps, start = first.waiting_state()
+        scaling, decay = first.waiting.scaling, first.decay
+        queries = []
+        for layer, scorer in zip(layers, scorers, strict=True):
+            columns, cos, sin = (part.to(layer.dtype) for part in scorer.waiting.take())
+            queries.append(layer.rotated_queries(scorer.to_queries(columns), cos, sin))
+            scorer.waiting_from = None
+        stop = start + steps
+        received = waiting_attention(torch.stack(queries), grids["keys"][..., :stop, :], start, scaling, decay)
+        grids["scores"][..., :stop].mul_(decay**steps).add_(received)
+        if "value_norms" in grids:  # the waiting steps' own tokens: their value norms
+            values = grids["values"][..., start:stop, :]
+            grids["value_norms"][..., start:stop].copy_(torch.linalg.vector_norm(values.float(), dim=-1))
+
     # -- ranking --------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def importance_together(cls, layers: list, grids: dict[str, torch.Tensor], stop: int) -> torch.Tensor:
+        """``importance`` of several layers' entries, ``[layers, batch, heads, stop]``, from their stacked ``grids``
+        (a scorer that ranks otherwise is asked layer by layer)."""
+        if cls.importance is not AttentionScorer.importance:
+            return torch.stack([layer.scorer.importance(layer, stop) for layer in layers])
+        scores = grids["scores"][..., :stop]
+        return scores * grids["value_norms"][..., :stop] if "value_norms" in grids else scores
 
     def importance(self, layer, stop: int) -> torch.Tensor:
         """``[batch, heads, stop]``: what eviction ranks the entries by, before the sinks and the recent window are
