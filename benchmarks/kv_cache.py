@@ -25,8 +25,8 @@ Prints, measured side by side in one run on the default model (SmolLM2-135M-Inst
   4. long generation: 2048 new tokens under a 256-token budget: the most tokens held at any step,
      and tokens/s against the full cache                                  (target: >= 1.0x)
   5. peak (benchmarks/_kv_peak.py): the most bytes a cache held at any moment through a whole generate
-     (--prefill-tokens prompt, 256 new tokens), memory_fraction=0.25 read in one pass and in chunks of
-     --peak-chunks tokens, against a full 16-bit cache   (target: chunked <= the fraction + one chunk)
+     (--prefill-tokens prompt, --peak-new-tokens new tokens), memory_fraction=0.25 read in one pass and in
+     chunks of --peak-chunks tokens, against a full 16-bit cache   (target: chunked <= the fraction + one chunk)
 
 Host-bound mode (--host-bound): a random Llama of 16 layers, hidden size 64, 8 query and 4 KV heads, on
 the CPU; a 512-token prompt, then greedy steps, tokens/s as the median of interleaved rounds, each cache
@@ -407,7 +407,7 @@ def long_generation(model, tokenizer, args) -> None:
 def peak_through_generate(model, tokenizer, args) -> None:
     ids = tokenizer(PROTOCOL_TEXTS["gpl3"][1](), add_special_tokens=False)["input_ids"][: args.prefill_tokens]
     chunks = [int(chunk) for chunk in args.peak_chunks.split(",")]
-    peak_bytes.run(model, torch.tensor([ids], device=model.device), 256, chunks, verdict)
+    peak_bytes.run(model, torch.tensor([ids], device=model.device), args.peak_new_tokens, chunks, verdict)
 
 
 def shaped_model(shape: str, device: torch.device) -> LlamaForCausalLM:
@@ -760,6 +760,7 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true", help="measure quality only")
     parser.add_argument("--only-peak", action="store_true", help="measure the peak bytes through generate only")
     parser.add_argument("--peak-chunks", default="512,2048", help="section 5's prefill chunks, comma-separated")
+    parser.add_argument("--peak-new-tokens", type=int, default=256, help="section 5's new tokens")
     parser.add_argument("--skip-kvpress", action="store_true", help="compare with the full cache only")
     parser.add_argument("--presses-from", help="a JSONL file of press results from an earlier kvpress run")
     parser.add_argument("--kvpress-python", help="python of a virtualenv that has kvpress installed")

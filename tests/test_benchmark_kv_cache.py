@@ -27,6 +27,7 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     byte_presses.write_text("\n".join(json.dumps(row) for row in rows))
     short += ["--byte-shares", "0.75", "--retrieval-tasks", "1", "--retrieval-tokens", "150"]
     short += ["--byte-presses-from", str(byte_presses)]
+    short += ["--peak-new-tokens", "4", "--peak-chunks", "64,128"]  # section 5: the prompt is --prefill-tokens'
     out = run_benchmark("kv_cache.py", *short, "--long-tokens", "8", "--presses-from", str(presses))
     assert "decodekit default" in out and "decodekit reconstruction" in out and "kvpress SnapKV" in out
     assert "default better than every press: True" in out
@@ -42,6 +43,9 @@ def test_kv_cache_benchmark_runs_and_prints_its_ratios(tmp_path):
     assert "1b. quality per byte" in out and "kvpress KVzip" in out and "decodekit reconstruction 16-bit" in out
     assert "75.0% of the bytes removed, decodekit reconstruction: held" in out and "target <= +0.25%" in out
     assert "vs KVzip's +" in out and "within 25.0%: True" in out and "False)" not in out
+    # Section 5: the chunked rows hold at most the fraction plus one chunk at every moment of generate.
+    assert "(256-token prompt, 4 new tokens)" in out
+    assert out.count("fraction + one chunk, meets") == 2
 
 
 def test_kv_cache_benchmark_refuses_an_unknown_text_by_name():

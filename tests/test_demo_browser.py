@@ -30,7 +30,7 @@ def test_two_strategies_stream_side_by_side_with_probabilities_and_stats(served,
     page = browser.new_page(viewport={"width": 1400, "height": 1600})
     requests_out = []
     page.on("request", lambda request: requests_out.append(request.url))
-    page.goto(url)
+    page.goto(url, timeout=120_000)  # the first page load compiles the front end; a busy machine takes long
     page.get_by_label("Prompt").fill("Tell me about the sea")
     presets = page.get_by_label("Preset")
     presets.nth(1).click()

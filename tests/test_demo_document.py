@@ -123,7 +123,7 @@ def test_the_document_tab_compresses_once_and_answers_two_questions_in_a_browser
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 1800})
-        page.goto(url)
+        page.goto(url, timeout=120_000)
         page.get_by_role("tab", name="Ask a document").click()
         page.locator("input[type=file][accept='.txt, .md']").set_input_files(str(upload))  # fills the document box
         expect(page.get_by_label("Document", exact=True)).to_have_value(DOCUMENT, timeout=30_000)
