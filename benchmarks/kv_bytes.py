@@ -4,14 +4,16 @@ For each memory size (a fraction of the bytes a full 16-bit cache holds for the 
 storage width is given that size through ``CompressedCache(memory_fraction=...)``, which chooses how
 many tokens fit (keys, values, scales and bookkeeping counted). The context is prefilled through
 the cache and the continuation scored over what it kept, as the protocol does. Printed per row: the
-bytes the cache held after each pass (its ``memory_bytes()``, as a fraction of the full 16-bit
-cache's), the tokens it kept, and the perplexity rise over the full cache, per text and mean.
+bytes the cache held after each pass (its ``memory_bytes()``, as a fraction of the 16-bit cache generate
+would hold: sliding-window layers at their window), the tokens it kept, and the perplexity rise over the
+full cache, per text and mean.
 
     python benchmarks/kv_bytes.py [--texts tuning|tuning2|protocol] [--only NAMES] [--fractions 0.5,0.25,0.1]
         [--bits 16,8,4]
     python benchmarks/kv_bytes.py --scoring reconstruction --allocation heads --ratios 0.5,0.75,0.9 --bits model
     python benchmarks/kv_bytes.py --scoring reconstruction --replay "KVzip's replay"  # a kv_replay.py row
     python benchmarks/kv_bytes.py --scoring reconstruction --ratios 0.5,0.75,0.9 --bits model --presses KVzip
+    python benchmarks/kv_bytes.py --model gemma-3-270m-q4_k_m.gguf --texts protocol --fractions 0.25,0.1 --bits model
 
 ``--presses`` adds kvpress presses (in kvpress's own virtualenv, as ``kv_cache.py`` runs them) at the same share of
 the tokens removed (a memory size ``f`` as the share ``1 - f``: their bytes counted as if freed), on the same texts,
@@ -69,7 +71,7 @@ def measure(
             piece = context[:, start : start + (chunk or context.shape[1])]
             places = torch.arange(start, start + piece.shape[1])[None]
             prefill = model(piece, past_key_values=cache, position_ids=places)
-        held = cache.memory_bytes() / full_cache_bytes(model, context.shape[1], element_size=2)
+        held = cache.memory_bytes() / full_cache_bytes(model, context.shape[1], element_size=2, windows=True)
         kept = cache.kept_tokens
         positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1])[None]
         logits = model(continuation, past_key_values=cache, position_ids=positions).logits
@@ -81,6 +83,7 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_text_arguments(parser)
+    parser.add_argument("--model", help="a local model directory or .gguf file (default: the embedded model)")
     parser.add_argument("--context-tokens", type=int, default=3072)
     parser.add_argument("--continuation-tokens", type=int, default=512)
     parser.add_argument("--fractions", default="0.5,0.25,0.1", help="memory sizes, fractions of a full 16-bit cache")
@@ -103,12 +106,13 @@ def main() -> None:
     args = parser.parse_args()
     texts = chosen_texts(parser, args)
     torch.manual_seed(0)
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(args.model)
     tasks = text_tasks(tokenizer, texts, args.context_tokens, args.continuation_tokens)
     full = {name: measure(model, task, None, {}, args.scoring)["perplexity"] for name, task in tasks.items()}
     widths = args.bits.split(",")
     names = list(tasks)
-    print(f"{args.texts} texts, {args.context_tokens}-token contexts, {args.continuation_tokens}-token continuations,"
+    print(f"{args.model or 'the default model'}: {args.texts} texts, {args.context_tokens}-token contexts,"
+          f" {args.continuation_tokens}-token continuations,"
           f" scoring={args.scoring}{f', replay: {args.replay}' if args.replay else ''}"
           f"{f', residual_length={args.residual_length}' if args.residual_length is not None else ''}"
           f"{f', kv_group_size={args.group_size}' if args.group_size else ''}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from decodekit.cache import CompressedCache
+from decodekit.cache import CompressedCache, full_cache_bytes
 from tests.families import build_family_model
 
 SIZES = {
@@ -101,3 +101,17 @@ def test_sizes_count_against_the_window_the_full_cache_holds(family):
             pass
         for layer in cache.layers:
             assert int(layer.storage.lengths_host.max()) == expected[layer.cap]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral-sliding", "llama"])
+@pytest.mark.parametrize("prompt", [1, 6, 40])
+def test_full_cache_bytes_with_windows_counts_what_generates_cache_holds(family, prompt):
+    """Oracle: ``DynamicCache(config=...)`` fed the same passes; ``windows=True`` gives its bytes at every pass (in
+    the model's dtype and in 16 bits), the default counts every token in every layer."""
+    model = build_family_model(family)
+    full = DynamicCache(config=model.config)
+    for seen in _passes(model, full, prompt, 12):
+        assert full_cache_bytes(model, seen, windows=True) == _cache_bytes(full), seen
+        assert full_cache_bytes(model, seen, element_size=2, windows=True) == _cache_bytes(full) // 2
+    every_token = full_cache_bytes(model, seen)
+    assert every_token >= _cache_bytes(full) and (every_token == _cache_bytes(full)) == (family == "llama")

@@ -27,9 +27,14 @@ def attention_head_size(config: Any) -> int | None:
     return head_dim
 
 
-def full_cache_bytes(model: Any, tokens: int, rows: int = 1, element_size: int | None = None) -> int:
+def full_cache_bytes(
+    model: Any, tokens: int, rows: int = 1, element_size: int | None = None, *, windows: bool = False
+) -> int:
     """The bytes a full KV cache of ``tokens`` tokens per row holds for ``model`` (keys and values,
     every layer and KV head, in the model's parameter dtype, or ``element_size`` bytes per value).
+
+    ``windows=True`` counts what generate's own cache (``DynamicCache(config=model.config)``) holds: a
+    sliding-window layer at most its last ``window - 1`` tokens. The default counts every token in every layer.
 
     Example:
         >>> from types import SimpleNamespace
@@ -43,7 +48,27 @@ def full_cache_bytes(model: Any, tokens: int, rows: int = 1, element_size: int |
     config = model.config.get_text_config()
     head_dim = attention_head_size(config)
     element = element_size or next(model.parameters()).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * rows * element
+    held = config.num_hidden_layers * tokens
+    if windows:
+        held = sum(min(tokens, cap) for cap in layer_caps(model.config, config.num_hidden_layers))
+    return 2 * config.num_key_value_heads * head_dim * held * rows * element
+
+
+def layer_caps(config: Any, layers: int) -> list[float]:
+    """Per layer, the most tokens generate's own cache for ``config`` keeps: a sliding-window layer's
+    ``window - 1`` (``DynamicSlidingWindowLayer``), ``inf`` elsewhere.
+
+    Example:
+        >>> from transformers import MistralConfig
+        >>> layer_caps(MistralConfig(num_hidden_layers=2, sliding_window=16), 2)
+        [15, 15]
+    """
+    from transformers import DynamicCache
+
+    cache_layers = DynamicCache(config=config).layers
+    caps = [getattr(layer, "sliding_window", None) for layer in cache_layers][:layers]
+    caps += [None] * (layers - len(caps))
+    return [math.inf if window is None else window - 1 for window in caps]
 
 
 # The least room a decoding step reserves after a layer's entries when it finds none, so that a layer whose
