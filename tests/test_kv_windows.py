@@ -63,13 +63,22 @@ def test_a_windowed_layer_holds_only_its_window_and_never_more_than_generates_ca
             assert int(ours.storage.lengths_host.max()) <= theirs.keys.shape[-2]
 
 
+SHARED = {
+    "uniform": {},
+    "shared by heads": {"scoring": "reconstruction", "allocation": "heads"},
+    "shared by layers": {"scoring": "reconstruction", "allocation": "layers"},
+}
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.25])
-def test_a_size_in_bytes_counts_against_generates_cache_in_16_bits(fraction):
+@pytest.mark.parametrize("allocation", list(SHARED))
+def test_a_size_in_bytes_counts_against_generates_cache_in_16_bits(fraction, allocation):
     """Oracle: ``DynamicCache(config=...)`` fed the same passes, its bytes counted in 16 bits (the windowed layer
     holding its window): on Gemma 3's layers, past a 300-token prompt, the compressed cache holds at most
-    ``memory_fraction`` of them at every pass, and ``max_bytes`` at most that many."""
+    ``memory_fraction`` of them at every pass, whether every layer keeps the even share or the layers share the
+    size (a windowed layer's share counted at its window), and ``max_bytes`` at most that many."""
     model = build_family_model("gemma3")
-    cache = CompressedCache(model, memory_fraction=fraction, sink_tokens=2, recent_tokens=4)
+    cache = CompressedCache(model, memory_fraction=fraction, sink_tokens=2, recent_tokens=4, **SHARED[allocation])
     full = DynamicCache(config=model.config)
     for seen, _ in zip(_passes(model, cache, 300, 20), _passes(model, full, 300, 20), strict=True):
         full_16_bits = _cache_bytes(full) // 2  # (the model is float32)

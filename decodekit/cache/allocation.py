@@ -23,14 +23,15 @@ import torch
 
 
 def layer_counts(priorities: list[torch.Tensor], targets: torch.Tensor, floor: float) -> torch.Tensor:
-    """``[units, rows]``: how many tokens each unit keeps per KV head, so that a row's units keep ``units *
-    targets[row]`` in all (or every valid token, when it has fewer).
+    """``[units, rows]``: how many tokens each unit keeps per KV head, so that a row's units keep the sum of their
+    targets in all (or every valid token, when they have fewer).
 
     Args:
         priorities: per unit, ``[rows, kv_heads, slots]`` scores; -inf for a slot that holds no entry. Units may
             have different slot counts.
-        targets: ``[rows]`` the tokens a unit keeps per KV head under a uniform allocation.
-        floor: the least share of ``targets`` any unit keeps (or all its tokens), in [0, 1].
+        targets: ``[rows]`` the tokens a unit keeps per KV head under a uniform allocation, or ``[units, rows]``
+            each unit's own (a sliding-window layer's is at most its window).
+        floor: the least share of its target any unit keeps (or all its tokens), in [0, 1].
 
     Example:
         >>> flat = torch.full((1, 1, 4), 0.1)
@@ -38,7 +39,7 @@ def layer_counts(priorities: list[torch.Tensor], targets: torch.Tensor, floor: f
         >>> layer_counts([flat, sharp], torch.tensor([2]), floor=0.5).flatten().tolist()
         [1, 3]
     """
-    rows = targets.shape[0]
+    rows = targets.shape[-1]
     slots = max(priority.shape[-1] for priority in priorities)
     offers = []  # per unit, [rows, slots]: the mean over heads of each head's j-th best score
     for priority in priorities:
@@ -47,14 +48,14 @@ def layer_counts(priorities: list[torch.Tensor], targets: torch.Tensor, floor: f
         offers.append(_padded(offer, slots))
     offers = torch.stack(offers)  # [units, rows, slots]
     units = offers.shape[0]
-    targets = targets.to(device=offers.device, dtype=torch.long)
-    least = torch.ceil(floor * targets.double()).long()  # [rows]
+    targets = targets.to(device=offers.device, dtype=torch.long).expand(units, rows)
+    least = torch.ceil(floor * targets.double()).long()  # [units, rows]
     rank = torch.arange(slots, device=offers.device)
-    floor_part = (rank < least[None, :, None]) & (offers > -math.inf)
+    floor_part = (rank < least[:, :, None]) & (offers > -math.inf)
     offers = torch.where(floor_part, math.inf, offers)  # each unit's floor comes first
     flat = offers.permute(1, 0, 2).reshape(rows, units * slots)
     order = flat.argsort(dim=-1, descending=True, stable=True)
-    chosen = torch.arange(units * slots, device=flat.device) < (units * targets)[:, None]
+    chosen = torch.arange(units * slots, device=flat.device) < targets.sum(dim=0)[:, None]
     chosen &= flat.gather(-1, order) > -math.inf  # never a slot no head holds
     kept = torch.zeros_like(chosen).scatter_(-1, order, chosen)
     return kept.reshape(rows, units, slots).sum(dim=-1).T.contiguous()
@@ -75,9 +76,9 @@ def _ranked(layer) -> torch.Tensor:
 
 
 def _even_shares(layers) -> np.ndarray:
-    """Host ``[rows]``: the tokens a layer keeps per KV head under a uniform allocation."""
-    first = layers[0]
-    return first.policy.targets(first.seen - first.pads, first.rows)
+    """Host ``[layers, rows]``: the tokens each layer keeps per KV head under a uniform allocation (a sliding-window
+    layer at most what its window holds)."""
+    return np.stack([layer.policy.targets(layer.seen - layer.pads, layer.rows, layer.cap) for layer in layers])
 
 
 def uniform(layers) -> None:
@@ -89,8 +90,8 @@ def by_layer(layers) -> None:
     bases = _even_shares(layers)
     floor = layers[0].policy.allocation_floor
     counts = layer_counts([_ranked(layer) for layer in layers], torch.from_numpy(bases), floor).cpu().numpy()
-    for layer, count in zip(layers, counts, strict=True):
-        layer.allocate(np.repeat(count[:, None], layer.storage.heads, axis=1), bases)
+    for layer, count, base in zip(layers, counts, bases, strict=True):
+        layer.allocate(np.repeat(count[:, None], layer.storage.heads, axis=1), base)
 
 
 def by_head(layers) -> None:
@@ -99,11 +100,13 @@ def by_head(layers) -> None:
     units = [ranked[:, head : head + 1] for layer in layers for ranked in [_ranked(layer)]
              for head in range(ranked.shape[1])]  # fmt: skip
     floor = layers[0].policy.allocation_floor
-    counts = layer_counts(units, torch.from_numpy(bases), floor).cpu().numpy()  # [layers * heads, rows]
+    unit_bases = np.concatenate([np.repeat(base[None], layer.storage.heads, axis=0)
+                                 for layer, base in zip(layers, bases, strict=True)])  # fmt: skip
+    counts = layer_counts(units, torch.from_numpy(unit_bases), floor).cpu().numpy()  # [layers * heads, rows]
     start = 0
-    for layer in layers:
+    for layer, base in zip(layers, bases, strict=True):
         heads = layer.storage.heads
-        layer.allocate(counts[start : start + heads].T, bases)
+        layer.allocate(counts[start : start + heads].T, base)
         start += heads
 
 

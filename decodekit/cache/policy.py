@@ -7,7 +7,7 @@ All of it is host arithmetic on numbers or NumPy arrays, so that no decision rea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,8 @@ class EvictionPolicy:
     size: SizeOptions
     entry_bytes: EntryBytes | None = None
     allocation_floor: float = 0.2
+    # ``targets``' answers by their question: every layer asks the same one at a step, and a step the one before it.
+    _answers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.size.in_bytes and self.entry_bytes is None:
@@ -65,8 +67,20 @@ class EvictionPolicy:
     def targets(self, seen: np.ndarray, rows: int = 1, cap: int | None = None) -> np.ndarray:
         """``target`` of each row of ``seen`` (host ``[batch]`` real tokens seen), float64 arithmetic. A layer with a
         ``cap`` (a sliding window's ``window - 1``: what transformers' own cache holds there) keeps at most that: a
-        budget and a byte size are met within it, a ratio is of what the window holds."""
+        budget and a byte size are met within it, a ratio is of what the window holds. The array returned is
+        read-only (it is shared with later calls that ask the same)."""
         seen = np.asarray(seen, dtype=np.int64)
+        question = (seen.tobytes(), seen.shape, rows, cap)
+        answer = self._answers.get(question)
+        if answer is None:
+            if len(self._answers) >= 1024:
+                self._answers.clear()
+            answer = self._targets(seen, rows, cap)
+            answer.setflags(write=False)
+            self._answers[question] = answer
+        return answer
+
+    def _targets(self, seen: np.ndarray, rows: int, cap: int | None) -> np.ndarray:
         fixed = self.fixed_target(rows)
         if fixed is not None:
             kept = np.full_like(seen, fixed)

@@ -276,4 +276,6 @@ def _weighted_attention(grouped, keys, first, scaling, later, weights, biases, h
         stepwise[..., first:].masked_fill_(later, -math.inf)  # step t sees the steps' tokens up to its own
     else:
         stepwise.masked_fill_(hidden[:, None], -math.inf)
-    return torch.matmul(weights, logits.softmax(dim=-1)).squeeze(-2)
+    # A weighted sum over the query rows, not a matmul: a broadcast matmul's rounding changes with ``n`` on some
+    # CPUs, and a unit's scores must not depend on how many units are computed with it (``joint.py``).
+    return (weights[..., None] * logits.softmax(dim=-1)).sum(dim=-2)
