@@ -100,8 +100,7 @@ def by_head(layers) -> None:
     units = [ranked[:, head : head + 1] for layer in layers for ranked in [_ranked(layer)]
              for head in range(ranked.shape[1])]  # fmt: skip
     floor = layers[0].policy.allocation_floor
-    unit_bases = np.concatenate([np.repeat(base[None], layer.storage.heads, axis=0)
-                                 for layer, base in zip(layers, bases, strict=True)])  # fmt: skip
+    unit_bases = np.repeat(bases, [layer.storage.heads for layer in layers], axis=0)  # [layers * heads, rows]
     counts = layer_counts(units, torch.from_numpy(unit_bases), floor).cpu().numpy()  # [layers * heads, rows]
     start = 0
     for layer, base in zip(layers, bases, strict=True):

@@ -50,23 +50,23 @@ def full_cache_bytes(
     element = element_size or next(model.parameters()).element_size()
     held = config.num_hidden_layers * tokens
     if windows:
-        held = sum(min(tokens, cap) for cap in layer_caps(model.config, config.num_hidden_layers))
+        held = sum(min(tokens, cap) for cap in layer_caps(model.config))
     return 2 * config.num_key_value_heads * head_dim * held * rows * element
 
 
-def layer_caps(config: Any, layers: int) -> list[float]:
+def layer_caps(config: Any) -> list[float]:
     """Per layer, the most tokens generate's own cache for ``config`` keeps: a sliding-window layer's
     ``window - 1`` (``DynamicSlidingWindowLayer``), ``inf`` elsewhere.
 
     Example:
         >>> from transformers import MistralConfig
-        >>> layer_caps(MistralConfig(num_hidden_layers=2, sliding_window=16), 2)
+        >>> layer_caps(MistralConfig(num_hidden_layers=2, sliding_window=16))
         [15, 15]
     """
     from transformers import DynamicCache
 
-    cache_layers = DynamicCache(config=config).layers
-    caps = [getattr(layer, "sliding_window", None) for layer in cache_layers][:layers]
+    layers = config.get_text_config().num_hidden_layers
+    caps = [getattr(layer, "sliding_window", None) for layer in DynamicCache(config=config).layers][:layers]
     caps += [None] * (layers - len(caps))
     return [math.inf if window is None else window - 1 for window in caps]
 
