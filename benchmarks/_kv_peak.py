@@ -53,8 +53,7 @@ def run(model, prompt: torch.Tensor, new_tokens: int, chunks: list[int], verdict
     rows = [("DynamicCache (the model's dtype)", DynamicCache(), None)]
     for scoring in ("attention", "reconstruction"):
         rows.append((f"memory_fraction={FRACTION}, {scoring}, one pass", None, None))
-        if scoring == "attention":
-            rows += [(f"memory_fraction={FRACTION}, {scoring}, chunks of {chunk}", None, chunk) for chunk in chunks]
+        rows += [(f"memory_fraction={FRACTION}, {scoring}, chunks of {chunk}", None, chunk) for chunk in chunks]
     for name, cache, chunk in rows:
         if cache is None:
             scoring = "reconstruction" if "reconstruction" in name else "attention"

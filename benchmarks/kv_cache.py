@@ -25,7 +25,8 @@ Prints, measured side by side in one run on the default model (SmolLM2-135M-Inst
   4. long generation: 2048 new tokens under a 256-token budget: the most tokens held at any step,
      and tokens/s against the full cache                                  (target: >= 1.0x)
   5. peak (benchmarks/_kv_peak.py): the most bytes a cache held at any moment through a whole generate
-     (--prefill-tokens prompt, --peak-new-tokens new tokens), memory_fraction=0.25 read in one pass and in
+     (--prefill-tokens prompt, --peak-new-tokens new tokens), memory_fraction=0.25 scored by attention and by
+     reconstruction, read in one pass and in
      chunks of --peak-chunks tokens, against a full 16-bit cache   (target: chunked <= the fraction + one chunk)
 
 Host-bound mode (--host-bound): a random Llama of 16 layers, hidden size 64, 8 query and 4 KV heads, on

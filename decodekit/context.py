@@ -111,12 +111,12 @@ def fill(
     """Fill a fresh ``cache`` with a prompt, ``input_ids`` ``[rows, tokens]`` (left-padded where
     ``attention_mask`` says so), at the positions ``generate`` gives it, and return it.
 
-    A cache that replays the prompt (``scoring="reconstruction"``) reads it in one pass, then feeds the replay's
-    chunks (``reconstruction_chunk`` tokens each; none where the replay is estimated); any other cache reads it in
-    chunks of ``chunk`` tokens (default that same size), each followed by an eviction, so that it never holds more
-    than its size and one chunk.
-    ``progress(done, total)`` is called with the chunks read so far (the prompt's pass counted as one chunk),
-    before the first and after each. ``cache.token_ids`` is set to the prompt's ids (``save`` records them).
+    The prompt is read in chunks of ``chunk`` tokens, each followed by an eviction, so that the cache never holds
+    more than its size and one chunk; by default ``reconstruction_chunk`` tokens, and one pass for a cache that
+    replays the prompt (``scoring="reconstruction"``), which after each chunk feeds it again in pieces of
+    ``reconstruction_chunk`` tokens (none where the replay of a first pass is estimated).
+    ``progress(done, total)`` is called with the forward passes made so far (chunks and replay pieces), before the
+    first and after each. ``cache.token_ids`` is set to the prompt's ids (``save`` records them).
 
     Example (with ``model`` and a tokenized document ``ids`` ``[1, tokens]``)::
 
@@ -139,15 +139,16 @@ def fill(
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(model.device)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     replay_chunk = cache.options.replay.chunk
-    chunk = replay_chunk if chunk is None else check_int("chunk", chunk, 1)
     replays = cache.layers[0].waits_for_prompt_scores
-    if replays:
-        spans = [(0, length)]
-        estimated = estimates_replay(cache.options, cache.policy, length, rows)
-        total = 1 + (0 if estimated else math.ceil(length / replay_chunk))
-    else:
-        spans = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
-        total = len(spans)
+    if replays and chunk is None:
+        chunk = length
+    chunk = replay_chunk if chunk is None else check_int("chunk", chunk, 1)
+    spans = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+    total = len(spans)
+    if replays:  # each chunk's replay pieces too (none for a first chunk whose replay is estimated)
+        first = spans[0][1]
+        estimated = estimates_replay(cache.options, cache.policy, first, rows)
+        total += sum(math.ceil((stop - start) / replay_chunk) for start, stop in spans[1 if estimated else 0 :])
     started = 0
 
     def count(*_: Any) -> None:  # a forward pass begins: every one before it has ended

@@ -294,8 +294,8 @@ CORE_FIELDS = (
         "integer",
         "cache",
         "read the prompt in chunks of this many tokens (generate's prefill_chunk_size): a compressed KV cache "
-        "evicts after each chunk, so it never holds more than its size and one chunk (not with "
-        "kv_scoring=reconstruction, which scores the whole prompt in one pass)",
+        "evicts after each chunk (with kv_scoring=reconstruction, once the chunk is replayed), so it never holds "
+        "more than its size and one chunk",
         1,
     ),
     Field(

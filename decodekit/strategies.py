@@ -113,11 +113,6 @@ class Strategy:
                 f"{options[0]} applies to a compressed cache: "
                 "set kv_budget, kv_compression_ratio or kv_memory_fraction too"
             )
-        if "prefill_chunk" in values and values.get("kv_scoring") == "reconstruction":
-            raise ValueError(
-                "prefill_chunk does not apply to kv_scoring=reconstruction, which scores the whole prompt in one "
-                "pass: drop prefill_chunk, or score by attention"
-            )
         for name in ("kv_replay", "kv_matched_layers"):
             if name in values and values.get("kv_scoring") != "reconstruction":
                 raise ValueError(f"{name} applies to kv_scoring=reconstruction: set kv_scoring to reconstruction")

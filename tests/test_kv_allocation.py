@@ -182,8 +182,10 @@ def test_crop_keeps_the_shares_and_the_counts(four_layers):
     cache = _prefill(model, ids, compression_ratio=0.5)
     before = [(torch.as_tensor(layer.shares[0]).clone(), torch.as_tensor(layer.shares[1]).clone(),
                layer.kept_positions().clone()) for layer in cache.layers]  # fmt: skip
-    with torch.no_grad():
-        model(ids[:, :5], past_key_values=cache, position_ids=torch.arange(ids.shape[1], ids.shape[1] + 5)[None])
+    with torch.no_grad():  # five decoding steps (a pass of several tokens would be a piece of context: shared again)
+        for step in range(5):
+            position = torch.tensor([[ids.shape[1] + step]])
+            model(ids[:, step : step + 1], past_key_values=cache, position_ids=position)
     cache.crop(-5)
     assert cache.get_seq_length() == ids.shape[1]
     for layer, (counts, bases, positions) in zip(cache.layers, before, strict=True):

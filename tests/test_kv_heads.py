@@ -45,6 +45,13 @@ def _head_positions(layer, head: int) -> torch.Tensor:
     return positions[positions >= 0]
 
 
+def _decode_steps(model, cache, ids, count: int) -> None:
+    """``count`` decoding steps after ``ids``' prompt, each feeding the next of its tokens."""
+    with torch.no_grad():
+        for step in range(count):
+            model(ids[:, step : step + 1], past_key_values=cache, position_ids=torch.tensor([[ids.shape[1] + step]]))
+
+
 def _prefill(model, ids, **kwargs):
     kwargs = {"replay": "forward", **kwargs}  # the replay pass, whatever the size (the oracles replay)
     cache = CompressedCache(model, scoring="reconstruction", allocation="heads", reconstruction_chunk=16, **kwargs)
@@ -190,8 +197,7 @@ def test_crop_undoes_a_pass_over_heads_of_different_lengths(four_layers, kv_bits
     before = [([_head_positions(layer, head) for head in range(layer.storage.heads)],
                torch.as_tensor(layer.shares[0]).clone()) for layer in cache.layers]  # fmt: skip
     assert any(len({part.numel() for part in positions}) > 1 for positions, _ in before)  # heads of own lengths
-    with torch.no_grad():
-        model(ids[:, :5], past_key_values=cache, position_ids=torch.arange(ids.shape[1], ids.shape[1] + 5)[None])
+    _decode_steps(model, cache, ids, 5)  # (a pass of several tokens would be a piece of context: shared again)
     cache.crop(-5)
     assert cache.get_seq_length() == ids.shape[1]
     for layer, (positions, allocated) in zip(cache.layers, before, strict=True):

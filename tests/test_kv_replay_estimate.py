@@ -278,7 +278,7 @@ def test_a_prompt_given_as_embeddings_needs_no_token_ids_to_be_estimated():
     assert all(torch.equal(a, b) for a, b in zip(by_embeddings, by_ids, strict=True))
     heads = sum(part.shape[0] * part.shape[1] for part in by_ids)  # (layer, row, KV head)s
     assert sum(int((part >= 0).sum()) for part in by_ids) == heads * PROMPT.shape[1] // 2
-    with pytest.raises(ValueError, match="needs the first forward pass to receive the whole prompt's input_ids"):
+    with pytest.raises(ValueError, match="needs each forward pass of several tokens to receive its input_ids"):
         kept("forward", inputs_embeds=embeddings)
 
 
@@ -328,5 +328,5 @@ def test_auto_takes_a_prompt_given_as_embeddings_only_where_it_estimates():
             counts = _head_counts(cache)
             assert sum(counts) == len(counts) * PROMPT.shape[1] // 2
         else:
-            with pytest.raises(ValueError, match="with a replay pass needs the first forward pass to receive"):
+            with pytest.raises(ValueError, match="needs each forward pass of several tokens to receive"):
                 model(inputs_embeds=embeddings, past_key_values=cache)

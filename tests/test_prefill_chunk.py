@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decodekit import Strategy
-from decodekit.cache import CompressedCache
+from decodekit.cache import CompressedCache, full_cache_bytes
 from decodekit.cli import main
 from tests.tiny import build_model
 
@@ -89,12 +89,122 @@ def test_generate_with_a_chunked_prompt_gives_the_text_of_a_loop_of_forward_pass
     assert output.tolist() == tokens
 
 
+def _held_through(model, cache, run) -> list[tuple[int, int, bool]]:
+    """Per pass through each layer of ``run``: the cache's bytes right before that layer evicts (when it holds the
+    most), the tokens that layer has seen, and whether the pass was a replay (forgotten after it)."""
+    held = []
+    for layer in cache.layers:
+        evict = layer.end_pass
+
+        def measured(query_length: int, evict=evict, layer=layer) -> None:
+            held.append((cache.memory_bytes(), layer.seen, layer.transient))
+            evict(query_length)
+
+        layer.end_pass = measured
+    run()
+    return held
+
+
+RECONSTRUCTION_PROMPT, FRACTION = 200, 0.25
+
+
+def _reconstruction_run(model, prompt, chunk):
+    cache = CompressedCache(model, memory_fraction=FRACTION, scoring="reconstruction")
+    chunking = {} if chunk is None else {"prefill_chunk_size": chunk}
+
+    def run():
+        with torch.no_grad():
+            return model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                                  do_sample=False, max_new_tokens=4, **chunking)  # fmt: skip
+
+    return cache, run
+
+
+def test_a_prompt_read_in_chunks_and_scored_by_reconstruction_holds_its_size_and_one_chunk_at_most(tiny):
+    """Each chunk is replayed once read, then evicted: at every moment (replays included) the cache holds at most
+    ``memory_fraction`` of a full 16-bit cache of the tokens seen and one chunk's full 16-bit bytes; read in one pass,
+    it holds far more."""
+    _, tokenizer = tiny
+    model = build_model(tokenizer, num_layers=6)
+    prompt = torch.randint(3, model.config.vocab_size, (1, RECONSTRUCTION_PROMPT),
+                           generator=torch.Generator().manual_seed(1))  # fmt: skip
+    one_chunk = full_cache_bytes(model, CHUNK * 2, element_size=2)
+    excess = {}
+    for chunk in (CHUNK * 2, None):
+        cache, run = _reconstruction_run(model, prompt, chunk)
+        held = _held_through(model, cache, run)
+        assert any(transient for *_, transient in held)  # (the replays were measured too)
+        excess[chunk] = max(bytes_ - FRACTION * full_cache_bytes(model, seen, element_size=2)
+                            for bytes_, seen, _ in held)  # fmt: skip
+    assert excess[CHUNK * 2] <= one_chunk < excess[None]
+
+
+def test_chunks_as_long_as_the_prompt_read_it_as_one_pass_does(tiny):
+    _, tokenizer = tiny
+    model = build_model(tokenizer, num_layers=3)
+    prompt = torch.randint(3, model.config.vocab_size, (1, RECONSTRUCTION_PROMPT),
+                           generator=torch.Generator().manual_seed(2))  # fmt: skip
+    outputs, kept = [], []
+    for chunk in (None, RECONSTRUCTION_PROMPT):
+        cache, run = _reconstruction_run(model, prompt, chunk)
+        outputs.append(run()[0].tolist())
+        kept.append([layer.kept_positions().tolist() for layer in cache.layers])
+    assert outputs[0] == outputs[1] and kept[0] == kept[1]
+
+
+def test_each_chunk_is_replayed_and_the_entries_held_before_it_keep_the_most_of_their_scores(tiny):
+    """Right before a later chunk's eviction, every entry held from earlier chunks scores at least what it scored
+    before the chunk came (the replay's attention only adds to the most), and the chunk's own entries were scored by
+    its replay (some attention reached them). The earlier entries' scores are zeroed before the last chunk's replay:
+    the replay's attention then reaches some of them."""
+    _, tokenizer = tiny
+    model = build_model(tokenizer, num_layers=2)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(3))
+    cache = CompressedCache(model, memory_fraction=FRACTION, scoring="reconstruction")
+    layer = cache.layers[1]
+    snapshots = []  # per chunk: {position: score} after its pass (before its replay), then right before its eviction
+
+    def scores_by_position() -> dict[int, float]:
+        stop = layer.longest
+        valid = layer.storage.valid(stop)[0, 0]
+        positions = layer.storage.read("positions", stop)[0, 0][valid].tolist()
+        return dict(zip(positions, layer.storage.read("scores", stop)[0, 0][valid].tolist(), strict=True))
+
+    end_pass, evict = layer.end_pass, layer.evict
+
+    def after_pass(query_length: int) -> None:
+        end_pass(query_length)
+        if query_length > 1 and not layer.transient:
+            if layer.context_start == 64:
+                scores = layer.storage.read("scores", layer.longest)
+                positions = layer.storage.read("positions", layer.longest)
+                layer.storage.write_prefix("scores", torch.where(positions < 64, 0.0, scores))
+            snapshots.append(["read", layer.context_start, scores_by_position()])
+
+    def before_eviction(new: int) -> None:
+        snapshots.append(["scored", layer.context_start, scores_by_position()])
+        evict(new)
+
+    layer.end_pass, layer.evict = after_pass, before_eviction
+    with torch.no_grad():
+        for start in range(0, 96, 32):
+            model(prompt[:, start : start + 32], position_ids=torch.arange(start, start + 32)[None],
+                  past_key_values=cache)  # fmt: skip
+    kinds = [kind for kind, *_ in snapshots]
+    assert kinds == ["read", "scored"] * 3
+    for (_, start, read), (_, _, scored) in zip(snapshots[2::2], snapshots[3::2], strict=True):
+        earlier = [position for position in read if position < start]
+        assert earlier and all(scored[position] >= read[position] for position in earlier)
+        own = [position for position in scored if position >= start]
+        assert len(own) == 32 and sum(scored[position] for position in own) > 0
+    assert any(snapshots[5][2][position] > 0 for position in snapshots[4][2] if position < 64)
+
+
 @pytest.mark.parametrize(
     ("values", "named"),
     [
         ({"prefill_chunk": 0}, "prefill_chunk"),
         ({"prefill_chunk": 1.5}, "prefill_chunk"),
-        ({"prefill_chunk": 64, "kv_memory_fraction": 0.25, "kv_scoring": "reconstruction"}, "prefill_chunk"),
     ],
 )
 def test_a_bad_prefill_chunk_is_refused_naming_it(values, named):

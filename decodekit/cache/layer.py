@@ -126,6 +126,7 @@ class CompressedLayer(CacheLayerMixin):
         self.biased = False  # whether refit entries carry log-mass biases (``matching.py``)
         self.transient = False  # whether the passes' tokens are forgotten after them (a replay)
         self.waits_for_prompt_scores = False  # whether eviction waits for the prompt's scores (a replay)
+        self.context_start = 0  # the tokens seen before the last pass (where a piece of context read in it starts)
         self.prompt_queries: Pass | None = None  # the prompt's pass, kept for the refit of a matched layer
         self._pass: Pass | None = None
         self.module: weakref.ref | None = None  # the attention module this layer serves (``attention.answers``)
@@ -261,6 +262,9 @@ class CompressedLayer(CacheLayerMixin):
             self.held_pads = self.pads.copy()
             self._padding_held = bool(self.pads.any())
         self._pass = step = Pass(query_length, first)
+        self.context_start = 0 if first else self.seen
+        if not first and query_length > 1 and self.scorer.replays and not self.transient:
+            self.waits_for_prompt_scores = True  # a further piece of context: replayed once read, then evicted
         if first:
             return None
         step.reads_itself = self._reads_itself(step)

@@ -31,7 +31,7 @@ class ReconstructionScorer(AttentionScorer):
     def __init__(self, options) -> None:
         super().__init__(options)
         self.replaying = False
-        self.replay_span: tuple[int, int, int] | None = None  # (start, stop, prompt length): replay_scope="chunk"
+        self.replay_span: tuple[int, int, int] | None = None  # (start, stop, the piece's end): replay_scope="chunk"
         # Under replay_output_norms, the coming replay pass's 1 / hidden-state norm per query [batch, tokens] and each
         # query head's output-projection Gram matrix [heads, head_dim, head_dim].
         self.replay_weights: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -57,8 +57,8 @@ class ReconstructionScorer(AttentionScorer):
         if self.replaying:
             self.score_replay(layer, step)
             return
-        if step.first and self.ranks_by_replay_alone:
-            if estimates_replay(self.options, layer.policy, layer.seen, layer.rows):
+        if layer.waits_for_prompt_scores and self.ranks_by_replay_alone:
+            if step.first and estimates_replay(self.options, layer.policy, layer.seen, layer.rows):
                 self._estimate(layer, step)
             return  # the replay's scores replace anything this pass's queries would give
         super().after_pass(layer, step)
@@ -142,9 +142,12 @@ def union_of_ranks(attention: torch.Tensor, replay: torch.Tensor, valid: torch.T
 
 
 def replay_prompt(cache, model: nn.Module, input_ids: torch.Tensor | None) -> None:
-    """Score the prompt by reconstruction, share the size among layers or heads, then evict: called after the
-    prompt's forward pass. Where the replay is estimated, the prompt's pass scored it already and nothing is fed
-    again."""
+    """Score a piece of context by reconstruction, share the size among layers or heads, then evict: called after
+    each forward pass of several tokens (the prompt in one pass, or each chunk of it, as generate's
+    ``prefill_chunk_size`` reads it, or a question asked later). The piece's tokens are fed again; the entries held
+    from earlier pieces keep their scores and take the most attention the new replay pays them too, so that a prompt
+    read in chunks never holds more than its size and one chunk. Where the replay of a first pass is estimated, that
+    pass scored it already and nothing is fed again."""
     layers = cache.layers
     first = layers[0]
     if bool(first.pads.any()):
@@ -152,18 +155,19 @@ def replay_prompt(cache, model: nn.Module, input_ids: torch.Tensor | None) -> No
             "scoring='reconstruction' needs prompts without left padding: generate one prompt at a time, "
             "or batch prompts of equal length"
         )
-    length = first.seen
+    start = first.context_start
+    length = first.seen - start  # the piece's tokens
     options = cache.options
-    estimated = estimates_replay(options, first.policy, length, first.rows)
+    estimated = start == 0 and estimates_replay(options, first.policy, length, first.rows)
     if not estimated and (input_ids is None or input_ids.shape[-1] != length):
         raise ValueError(
-            "scoring='reconstruction' with a replay pass needs the first forward pass to receive the whole "
-            "prompt's input_ids (or replay='prompt_queries', which does not feed the prompt again)"
+            "scoring='reconstruction' with a replay pass needs each forward pass of several tokens to receive its "
+            "input_ids (or replay='prompt_queries', which does not feed the prompt again)"
         )
     uniform = options.size.allocation == "uniform"
     attention = [layer.scorer.importance(layer, layer.longest) for layer in layers] if uniform else []
     if not estimated:
-        _replay_forward(cache, model, input_ids, length)
+        _replay_forward(cache, model, input_ids, start)
     if uniform:
         for layer, paid in zip(layers, attention, strict=True):
             valid = layer.storage.valid(layer.longest)
@@ -176,23 +180,28 @@ def replay_prompt(cache, model: nn.Module, input_ids: torch.Tensor | None) -> No
     for layer in layers:
         layer.waits_for_prompt_scores = False
         layer.evict(length)
+        layer.prompt_queries = None  # (a refit applies to the prompt's own eviction: none came, none will)
         layer.fit_capacity()
 
 
-def _replay_forward(cache, model: nn.Module, input_ids: torch.Tensor, length: int) -> None:
-    """Feed the prompt again, chunk by chunk, each chunk forgotten after its pass; each entry keeps the most
-    attention any replayed query paid it."""
+def _replay_forward(cache, model: nn.Module, input_ids: torch.Tensor, start: int) -> None:
+    """Feed a piece of context (``input_ids``, the tokens from position ``start`` on) again, chunk by chunk, each
+    chunk forgotten after its pass; each of the piece's entries keeps the most attention any replayed query paid it,
+    and each entry held from earlier pieces the most of its score and that."""
     layers = cache.layers
     replay = cache.options.replay
+    length = layers[0].seen
     for layer in layers:
         layer.scorer.replaying = layer.transient = True
-        layer.storage.write_prefix("scores", torch.zeros_like(layer.storage.read("scores", layer.longest)))
+        stop = layer.longest
+        earlier = layer.storage.read("positions", stop) < start
+        layer.storage.write_prefix("scores", torch.where(earlier, layer.storage.read("scores", stop), 0.0))
     only_last_logits = {"logits_to_keep": 1} if "logits_to_keep" in signature(model.forward).parameters else {}
     try:
         with torch.no_grad():
-            for piece, span in _pieces(input_ids, replay):
-                start = span[0]
-                positions = torch.arange(length + start, length + start + piece.shape[-1], device=piece.device)
+            for piece, span in _pieces(input_ids, replay, start):
+                positions = torch.arange(length + span[0] - start, length + span[0] - start + piece.shape[-1],
+                                         device=piece.device)  # fmt: skip
                 for layer in layers:
                     layer.scorer.replay_span = span if replay.scope == "chunk" else None
                 model(input_ids=piece, past_key_values=cache, position_ids=positions.expand(piece.shape[0], -1),
@@ -205,13 +214,14 @@ def _replay_forward(cache, model: nn.Module, input_ids: torch.Tensor, length: in
             layer.scorer.replay_span = layer.scorer.replay_weights = None
 
 
-def _pieces(input_ids: torch.Tensor, replay):
-    """The replay's forward passes: per chunk of the prompt, the tokens fed (the replay prefix, the previous
-    chunk's last ``overlap`` tokens, the chunk) and the chunk's span of prompt positions."""
+def _pieces(input_ids: torch.Tensor, replay, offset: int = 0):
+    """The replay's forward passes: per chunk of a piece of context whose first token is at position ``offset``,
+    the tokens fed (the replay prefix, the previous chunk's last ``overlap`` tokens, the chunk) and the chunk's span
+    of positions, ``(start, stop, the piece's end)``."""
     length = input_ids.shape[-1]
     prefix = torch.tensor(replay.prefix, dtype=input_ids.dtype, device=input_ids.device)
     prefix = prefix.expand(input_ids.shape[0], -1)
     for start in range(0, length, replay.chunk):
         stop = min(start + replay.chunk, length)
         lead = max(start - replay.overlap, 0)
-        yield torch.cat([prefix, input_ids[:, lead:stop]], dim=-1), (start, stop, length)
+        yield torch.cat([prefix, input_ids[:, lead:stop]], dim=-1), (offset + start, offset + stop, offset + length)
