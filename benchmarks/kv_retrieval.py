@@ -61,11 +61,19 @@ HAYSTACKS: dict[str, Callable[[], str]] = {
 
 
 def _prose(tokenizer, name: str, tokens: int) -> str:
-    """About ``tokens`` tokens of the haystack text ``name``, cut at a paragraph or sentence end."""
-    text = " ".join(HAYSTACKS[name]().split())  # one line of prose: no code layout to anchor on
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    """About ``tokens`` tokens of the haystack text ``name``, cut at a paragraph or sentence end; where it is
+    shorter, the next haystacks follow it in turn (a long context: 16k tokens takes most of them)."""
+    names = list(HAYSTACKS)
+    order = names[names.index(name) :] + names[: names.index(name)]
+    texts = []
+    for part in order:
+        texts.append(" ".join(HAYSTACKS[part]().split()))  # one line of prose: no code layout to anchor on
+        text = " ".join(texts)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens:
+            break
     if len(ids) < tokens:
-        raise ValueError(f"haystack {name!r} has {len(ids)} tokens; {tokens} are needed")
+        raise ValueError(f"the haystacks hold {len(ids)} tokens; {tokens} are needed")
     cut = tokenizer.decode(ids[:tokens])
     return cut[: cut.rfind(". ") + 1]
 
@@ -126,9 +134,11 @@ def retrieval_tasks(tokenizer, kind: str, count: int, *, seed: int = 0, context_
 
 
 def answer_tasks(
-    model, tokenizer, tasks: list[dict], make_cache: Callable[[], object], new_tokens: int = 8
+    model, tokenizer, tasks: list[dict], make_cache: Callable[[], object], new_tokens: int = 8,
+    chunk: int | None = None,
 ) -> list[bool]:
-    """Per task, whether greedy decoding after a compressed context (the question unseen) gives the answer."""
+    """Per task, whether greedy decoding after a compressed context (the question unseen) gives the answer; the
+    context read in one pass, or in passes of ``chunk`` tokens (as generate's ``prefill_chunk_size`` reads it)."""
     import torch
 
     device = model.device
@@ -139,7 +149,10 @@ def answer_tasks(
         cache = make_cache()
         with torch.no_grad():
             if cache is not None:
-                model(context, past_key_values=cache)
+                step = chunk or context.shape[1]
+                for start in range(0, context.shape[1], step):
+                    model(context[:, start : start + step], past_key_values=cache, logits_to_keep=1,
+                          position_ids=torch.arange(start, min(start + step, context.shape[1]), device=device)[None])
             output = model.generate(
                 ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
                 do_sample=False, pad_token_id=tokenizer.eos_token_id,
@@ -182,17 +195,20 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--kv-bits", type=int, help="the caches' kv_bits (default: the cache's choice)")
     parser.add_argument("--key-bits", type=int, help="the caches' key_bits (default: the cache's choice)")
+    parser.add_argument("--model", help="a local model directory or .gguf file (default: the embedded model)")
+    parser.add_argument("--prefill-chunk", type=int, help="compress each context in passes of this many tokens")
     args = parser.parse_args()
     kinds = [kind.strip() for kind in args.kinds.split(",")]
     if unknown := [kind for kind in kinds if kind not in KINDS]:
         parser.error(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS)}")
     widths = {name: bits for name in ("kv_bits", "key_bits") if (bits := getattr(args, name)) is not None}
     torch.set_grad_enabled(False)
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(args.model) if args.model else load_model()
     size = "memory_fraction" if args.memory_fractions else "compression_ratio"
     ratios = [float(value) for value in (args.memory_fractions or args.ratios).split(",")]
-    print(f"retrieval in {args.context_tokens}-token natural-prose contexts, {args.count} tasks per kind, "
-          "compressed before the question, greedy, exact match")  # fmt: skip
+    chunked = f" in chunks of {args.prefill_chunk}" if args.prefill_chunk else ""
+    print(f"{args.model or 'the default model'}: retrieval in {args.context_tokens}-token natural-prose contexts, "
+          f"{args.count} tasks per kind, compressed{chunked} before the question, greedy, exact match")  # fmt: skip
     header = "".join(f"{f'{ratio:.0%}':>8s}" for ratio in ratios)
     print(f"  columns: {'memory held, of a full 16-bit cache' if args.memory_fractions else 'share evicted'}")
     print(f"  {'kind':12s}{'method':34s}{'full':>8s}{header}   (fraction of the full cache's hits kept)")
@@ -208,7 +224,7 @@ def main() -> None:
                     options["matched_layers"] = args.matched_layers
                 options.update(widths)
                 make = partial(CompressedCache, model, scoring=scoring, **{size: ratio}, **options)
-                hits = answer_tasks(model, tokenizer, tasks, make)
+                hits = answer_tasks(model, tokenizer, tasks, make, chunk=args.prefill_chunk)
                 kept = sum(h and f for h, f in zip(hits, full, strict=True)) / max(sum(full), 1)
                 cells.append(f"{sum(hits):3d} {kept:4.0%}")
             method = f"{scoring}, {args.replay}" if scoring == "reconstruction" else scoring
