@@ -31,9 +31,11 @@ def _ids(tokenizer, text=TEXT * 3):
     return tokenizer([text], return_tensors="pt")["input_ids"]
 
 
-def _naive_counts(priorities: list[torch.Tensor], target: int, floor: float) -> list[int]:
+def _naive_counts(priorities: list[torch.Tensor], target: int | list[int], floor: float) -> list[int]:
     """One row: every layer's j-th offer is the mean of its heads' j-th best scores; the first
-    ceil(floor * target) offers of each layer come first, then the best offers, layers * target in all."""
+    ceil(floor * target) offers of each layer come first (its own target, where each has one), then the best
+    offers, the sum of the targets in all."""
+    targets = target if isinstance(target, list) else [target] * len(priorities)
     offers = []
     for layer, priority in enumerate(priorities):
         ordered = [sorted(head.tolist(), reverse=True) for head in priority]
@@ -41,11 +43,11 @@ def _naive_counts(priorities: list[torch.Tensor], target: int, floor: float) -> 
             value = sum(head[rank] for head in ordered) / len(ordered)
             if value == -math.inf:
                 continue
-            forced = rank < math.ceil(floor * target)
+            forced = rank < math.ceil(floor * targets[layer])
             offers.append((forced, value, -layer, -rank, layer))
     offers.sort(reverse=True)
     counts = [0] * len(priorities)
-    for *_, layer in offers[: len(priorities) * target]:
+    for *_, layer in offers[: sum(targets)]:
         counts[layer] += 1
     return counts
 
@@ -65,6 +67,21 @@ def test_layer_counts_match_a_naive_ranking(seed, floor):
         assert int(counts[:, row].sum()) == 3 * int(targets[row])
         if floor == 1.0:
             assert counts[:, row].tolist() == [int(targets[row])] * 3
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.2, 1.0])
+def test_a_windowed_layer_whose_scores_are_lowest_keeps_its_floor_of_its_own_window(floor):
+    """Units with targets of their own (a sliding-window layer's even share is at most its window, 9 here, against
+    the global layers' 30): the windowed unit, every score below the others', keeps exactly ``ceil(floor * 9)``
+    (0, 2 and 9), not a floor of the global share, and the global layers take the rest; by a naive ranking."""
+    generator = torch.Generator().manual_seed(5)
+    global_scores = [torch.rand(1, 1, 40, generator=generator) + 1.0 for _ in range(2)]
+    windowed = torch.rand(1, 1, 9, generator=generator)  # every score below the global layers'
+    priorities = [global_scores[0], windowed, global_scores[1]]
+    targets = torch.tensor([[30], [9], [30]])
+    counts = layer_counts(priorities, targets, floor)[:, 0].tolist()
+    assert counts == _naive_counts([p[0] for p in priorities], [30, 9, 30], floor)
+    assert counts[1] == math.ceil(floor * 9) and sum(counts) == 69
 
 
 def test_a_row_with_fewer_live_tokens_than_its_share_keeps_them_all():

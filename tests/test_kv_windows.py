@@ -89,6 +89,25 @@ def test_a_size_in_bytes_counts_against_generates_cache_in_16_bits(fraction, all
         assert cache.memory_bytes() <= limit
 
 
+@pytest.mark.parametrize("allocation", list(SHARED))
+def test_a_size_in_bytes_below_the_floor_holds_the_floor_of_every_layer_and_head(allocation):
+    """A twentieth of generate's own 16-bit cache after a 300-token prompt is less than the floor takes (the sinks
+    and the recent window, 6 tokens, in every layer and KV head): at every pass each layer and head, the windowed one
+    included, keeps the floor (one more where a shared count rounds up), and the windowed layer no token its window
+    has passed."""
+    model = build_family_model("gemma3")
+    cache = CompressedCache(model, memory_fraction=0.05, sink_tokens=2, recent_tokens=4, **SHARED[allocation])
+    full = DynamicCache(config=model.config)
+    for seen, _ in zip(_passes(model, cache, 300, 12), _passes(model, full, 300, 12), strict=True):
+        assert cache.memory_bytes() > 0.05 * _cache_bytes(full) // 2  # (the floor does not fit the fraction here)
+        for layer in cache.layers:
+            lengths = layer.storage.lengths_host
+            assert int(lengths.min()) >= 6 and int(lengths.max()) <= 7, (seen, lengths.tolist())
+            if layer.window is not None:
+                held = layer.positions()
+                assert bool((held[held >= 0] > seen - layer.window).all())
+
+
 def test_a_size_in_bytes_that_cannot_hold_the_floor_is_refused_naming_the_window():
     """Every layer of this Mistral slides a 10-token window: no fraction of that holds a layer's fewest tokens, and
     a byte size below the floor's bytes is refused, each with the smallest allowed value."""
