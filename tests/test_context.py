@@ -131,6 +131,27 @@ def test_any_other_cache_reads_the_document_in_chunks_as_transformers_chunked_pr
     assert cache.token_ids == ids
 
 
+def test_a_replaying_cache_told_a_chunk_reads_the_document_chunk_by_chunk_as_chunked_prefill_does(fresh):
+    """Each chunk, then its replay's pieces: progress counts every pass, and the cache keeps what generate's own
+    chunked prefill (``prefill_chunk_size``) makes it keep."""
+    model, tokenizer = fresh
+    ids = document_ids(tokenizer, DOCUMENT)
+    options = {**OPTIONS, "replay": "forward", "reconstruction_chunk": 64}
+    cache = CompressedCache(model, **options)
+    calls = []
+    fill(model, cache, torch.tensor([ids]), progress=lambda done, total: calls.append((done, total)), chunk=96)
+    pieces = [min(96, len(ids) - start) for start in range(0, len(ids), 96)]
+    passes = len(pieces) + sum(math.ceil(piece / 64) for piece in pieces)  # each chunk, then its replay's pieces
+    assert calls == [(done, passes) for done in range(passes + 1)]
+    oracle = CompressedCache(model, **options)
+    batch = torch.tensor([ids])
+    with torch.no_grad():
+        model.generate(batch, attention_mask=torch.ones_like(batch), past_key_values=oracle, prefill_chunk_size=96,
+                       max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    for layer, expected in zip(cache.layers, oracle.layers, strict=True):
+        assert torch.equal(layer.kept_positions(), expected.kept_positions())
+
+
 def test_bad_requests_are_named(fresh, tmp_path):
     model, tokenizer = fresh
     context = Context.compress(model, tokenizer, DOCUMENT, CompressedCache(model, budget=48))
