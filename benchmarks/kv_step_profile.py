@@ -3,6 +3,7 @@ CUDA how much of a step the GPU is busy.
 
     python benchmarks/kv_step_profile.py --device cuda --shape llama-1b --lengths 32768,8192
     python benchmarks/kv_step_profile.py --shape host-bound --lengths 1024          # the same on this CPU
+    python benchmarks/kv_step_profile.py --by-function --lengths 1024 --tokens 8    # the byte-sized step's operators
 
 For each prompt length: tokens/s of greedy steps by hand (``kv_cache.loop_decode``; median of --rounds interleaved
 rounds, each cache once per round) against DynamicCache, for the default CompressedCache (a 25% budget), the same
@@ -42,7 +43,8 @@ def make_cache(name: str, model, length: int, tokens: int):
 
 
 def decode_profiled(
-    model, forward, prompt: torch.Tensor, cache, warm_up: int, tokens: int, profiled=contextlib.nullcontext
+    model, forward, prompt: torch.Tensor, cache, warm_up: int, tokens: int, profiled=contextlib.nullcontext,
+    with_stack: bool = False,
 ):
     """The prompt's pass eager, ``warm_up`` greedy steps through ``forward`` (``model.forward``, or a compiled
     forward, which compiles then), then ``tokens`` steps under ``torch.profiler`` and in the context ``profiled()``;
@@ -62,7 +64,7 @@ def decode_profiled(
             token, position = step(token, position), position + 1
         if cuda:
             torch.cuda.synchronize()
-        with profiled(), profile(activities=activities) as profiler:
+        with profiled(), profile(activities=activities, with_stack=with_stack) as profiler:
             started = time.perf_counter()
             for _ in range(tokens):
                 token, position = step(token, position), position + 1
@@ -83,6 +85,25 @@ def profiled_step(model, prompt: torch.Tensor, cache, tokens: int) -> tuple[floa
     return operators / tokens, wall, kernels
 
 
+def operators_by_function(model, prompt: torch.Tensor, cache, tokens: int) -> dict[str, float]:
+    """Per step, the top-level operators each decodekit function launched (the innermost decodekit function on the
+    Python stack when the operator ran; "the model" for the rest), most first."""
+    events, _ = decode_profiled(model, model.forward, prompt, cache, 8, tokens, with_stack=True)
+    counts: dict[str, int] = {}
+    for event in events:
+        parent = event.cpu_parent
+        if not event.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+            continue
+        owner = "the model"
+        while parent is not None:
+            if "decodekit/" in parent.name:
+                owner = parent.name.split("decodekit/")[-1]
+                break
+            parent = parent.cpu_parent
+        counts[owner] = counts.get(owner, 0) + 1
+    return {owner: count / tokens for owner, count in sorted(counts.items(), key=lambda item: -item[1])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -93,6 +114,9 @@ def main() -> None:
     parser.add_argument("--caches", default=",".join(CACHES), help=f"comma-separated, from {', '.join(CACHES)}")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                         help="profile DynamicCache's and the default's steps at the first length")  # fmt: skip
+    parser.add_argument("--by-function", action="store_true",
+                        help="only the byte-sized cache's operators per step at the first length, by the decodekit "
+                             "function that launched them")  # fmt: skip
     args = parser.parse_args()
     chosen = [name.strip() for name in args.caches.split(",")]
     unknown = sorted(set(chosen) - set(CACHES))
@@ -105,6 +129,15 @@ def main() -> None:
     model = shaped_model(args.shape, device)
     vocab = model.config.vocab_size
     lengths = [int(value) for value in args.lengths.split(",")]
+    if args.by_function:
+        prompt = torch.randint(0, vocab, (1, lengths[0]), device=device)
+        counts = operators_by_function(model, prompt, make_cache(CACHES[-1], model, lengths[0], args.tokens),
+                                       args.tokens)  # fmt: skip
+        print(f"{args.shape}-shaped random model on {device}, {lengths[0]}-token prompt: {CACHES[-1]}, top-level "
+              f"operators per step ({sum(counts.values()):.0f} in all) by the function that launched them")
+        for owner, count in counts.items():
+            print(f"   {count:7.1f}  {owner}")
+        return
     for name in chosen:  # warm-up: kernels, library start-up
         loop_decode(model, model.forward, torch.randint(0, vocab, (1, 256), device=device),
                     make_cache(name, model, 256, 4), 4)  # fmt: skip
