@@ -100,6 +100,10 @@ def removal_moves(
         ([3], [1])
     """
     count = victims.shape[-1]
+    if count == 1:  # one victim at most (an eviction at every step): the last entry moves into its slot
+        tail = (lengths - drops)[..., None]
+        movers = (drops[..., None] > 0) & (victims != tail)
+        return tail, torch.where(movers, victims, tail), movers
     lane = torch.arange(count, device=victims.device)
     real = lane < drops[..., None]
     tail = lengths[..., None] - drops[..., None] + lane  # the slots past the new length

@@ -95,9 +95,9 @@ class EntryStorage:
         copied = object.__new__(type(self))
         memo[id(self)] = copied
         for name, value in vars(self).items():
-            if name != "_views":
+            if name not in ("_views", "_padded"):
                 setattr(copied, name, copy.deepcopy(value, memo))
-        copied._views = {}
+        copied._views, copied._padded = {}, None
         if self.device.type == "cpu":
             copied.lengths = torch.from_numpy(copied._lengths_host)
         return copied
@@ -154,6 +154,7 @@ class EntryStorage:
         self.flat = {name: allocate(name, (total + 1, *field.trailing), field.dtype, self.device)
                      for name, field in self.fields.items()}  # fmt: skip
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (its flat tensor, the view of it)
+        self._padded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (starts, stop, padded_index(stop))
         if old is None or source is None:
             return
         longest = self.length_range[1]
@@ -242,9 +243,16 @@ class EntryStorage:
         )
 
     def padded_index(self, stop: int) -> torch.Tensor:
-        """``[batch, heads, stop]``: the flat slot of each segment's first ``stop`` slots (kept inside the storage)."""
+        """``[batch, heads, stop]``: the flat slot of each segment's first ``stop`` slots (kept inside the storage;
+        made once per layout and ``stop``, not to be written to)."""
+        made = self._padded
+        if made is not None and made[0] is self.starts and made[1] == stop:
+            return made[2]
         index = self.starts[..., None] + torch.arange(stop, device=self.device)
-        return index.clamp_(max=self.flat_slots - 1)
+        index = index.clamp_(max=self.flat_slots - 1)
+        if not torch.compiler.is_compiling():
+            self._padded = (self.starts, stop, index)
+        return index
 
     def read_many(self, names: Iterable[str], stop: int) -> dict[str, torch.Tensor]:
         """``read`` of several fields, the segments' slots found once for all of them."""
@@ -296,12 +304,16 @@ class EntryStorage:
 
     def write_at(self, flat_index: torch.Tensor, entries: dict[str, torch.Tensor | float | bool], count: int) -> None:
         """Write ``entries`` (each ``[batch, heads, count, ...]`` or one value) at the flat slots ``flat_index``."""
+        full = (self.batch, self.heads, count)
         for name, entry in entries.items():
             field = self.fields[name]
             if not isinstance(entry, torch.Tensor):
                 self.flat[name].index_fill_(0, flat_index, entry)
                 continue
-            entry = entry.to(field.dtype).expand(self.batch, self.heads, count, *field.trailing)
+            if entry.dtype != field.dtype:
+                entry = entry.to(field.dtype)
+            if tuple(entry.shape[:3]) != full:
+                entry = entry.expand(*full, *field.trailing)
             self.flat[name].index_copy_(0, flat_index, entry.reshape(-1, *field.trailing))
 
     def write_slots(
