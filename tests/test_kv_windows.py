@@ -119,6 +119,17 @@ def test_a_size_in_bytes_that_cannot_hold_the_floor_is_refused_naming_the_window
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral-sliding"])
+def test_a_budget_below_the_floor_is_refused_naming_the_smallest_allowed_and_the_window(family):
+    model = build_family_model(family)
+    with pytest.raises(ValueError, match=r"budget must be an integer >= 36 .*got 20: this model's sliding window "
+                                         r"holds 9 tokens in \d of its 2 layers"):
+        CompressedCache(model, budget=20)
+    llama = build_family_model("llama")
+    with pytest.raises(ValueError, match=r"got 20$"):  # (no window to name)
+        CompressedCache(llama, budget=20)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral-sliding"])
 def test_sizes_count_against_the_window_the_full_cache_holds(family):
     """A ratio keeps its share of what a windowed layer would hold (its window), a budget above the window keeps
     the window, and a full-attention layer keeps the ratio of every token seen; by hand."""

@@ -23,7 +23,7 @@ from decodekit.cache.observer import bind, logit_softcap, queries_can_rotate, sl
 from decodekit.cache.options import ReplayOptions, ScoringOptions, SizeOptions, StorageOptions, group_options, resolve
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.scorers import SCORERS
-from decodekit.cache.size import attention_head_size, entry_bytes
+from decodekit.cache.size import attention_head_size, entry_bytes, layer_caps
 from decodekit.cache.storage import storage_bytes
 from decodekit.settings import CODED_BITS
 
@@ -81,8 +81,11 @@ class CompressedCache(Cache):
         replay: str | ReplayOptions = "auto",
         **options,
     ) -> None:
-        grouped = group_options(budget, {"size": size, "scoring": scoring, "storage": storage, "replay": replay},
-                                options)  # fmt: skip
+        try:
+            grouped = group_options(budget, {"size": size, "scoring": scoring, "storage": storage,
+                                             "replay": replay}, options)  # fmt: skip
+        except ValueError as error:
+            raise ValueError(_naming_windows(str(error), model)) from None
         head_dim = _head_dim(model)
         self.options = resolved = resolve(grouped, head_dim)
         size, stored = resolved.size, resolved.storage
@@ -194,6 +197,18 @@ class CompressedCache(Cache):
     def kept_tokens(self) -> int:
         """The most tokens any row keeps per layer and KV head (padding never counts)."""
         return max((layer.kept for layer in self.layers), default=0)
+
+
+def _naming_windows(message: str, model: nn.Module) -> str:
+    """A refused budget's message, naming the model's sliding window where it has one (a layer whose window is
+    shorter than the floor holds its window whatever the budget; the others hold the budget)."""
+    if not message.startswith("budget must be"):
+        return message
+    caps = [cap for cap in layer_caps(model.config) if cap != math.inf]
+    if not caps:
+        return message
+    return (f"{message}: this model's sliding window holds {int(min(caps))} tokens in {len(caps)} of its "
+            f"{len(layer_caps(model.config))} layers, which keep their window under any larger budget")
 
 
 def _coding(stored: StorageOptions):
