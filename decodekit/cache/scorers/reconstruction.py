@@ -58,33 +58,20 @@ class ReconstructionScorer(AttentionScorer):
             self.score_replay(layer, step)
             return
         if layer.waits_for_prompt_scores and self.ranks_by_replay_alone:
-            if layer.window is not None:  # its scores come from its own pass (see ``score_replay``)
-                self.keep_most(layer, step)
-            elif step.first and estimates_replay(self.options, layer.policy, layer.seen, layer.rows):
+            if step.first and estimates_replay(self.options, layer.policy, layer.seen, layer.rows):
                 self._estimate(layer, step)
             return  # the replay's scores replace anything this pass's queries would give
-        super().after_pass(layer, step)  # (a windowed layer under a uniform allocation ranks by attention alone)
+        super().after_pass(layer, step)
 
     def score_replay(self, layer, step) -> None:
-        """A replayed chunk: each entry keeps the most attention any of its queries pays it. Not in a layer with a
-        sliding window: a replayed query, placed after the prompt, sees only the window's last entries, so such a
-        layer keeps the most attention its own pass's queries paid each entry (``keep_most``)."""
-        if layer.window is not None:
-            return
+        """A replayed chunk: each entry keeps the most attention any of its queries pays it."""
         queries = step.queries()
         weights = None
         if self.replay_weights is not None:
             weights = _output_weights(self.replay_weights, step.values, queries.shape[2], queries.shape[1])
-        self.keep_most(layer, step, queries, weights=weights, outside=self._outside_span(layer, step))
-
-    @staticmethod
-    def keep_most(layer, step, queries: torch.Tensor | None = None, weights=None, outside=None) -> None:
-        """Each entry's score becomes the most of itself and the most attention any of the pass's queries pays it
-        (``queries``: the pass's, if made already; ``weights`` and ``outside``: see ``received.attention_received``)."""
-        queries = step.queries() if queries is None else queries
         received = attention_received(
             queries, step.keys, step.scaling, layer.visibility(step), softcap=layer.softcap,
-            biases=layer.biases(step), most=True, weights=weights, outside=outside,
+            biases=layer.biases(step), most=True, weights=weights, outside=self._outside_span(layer, step),
         )  # fmt: skip
         stop = received.shape[-1]
         scores = layer.storage.read("scores", stop)
@@ -206,10 +193,9 @@ def _replay_forward(cache, model: nn.Module, input_ids: torch.Tensor, start: int
     length = layers[0].seen
     for layer in layers:
         layer.scorer.replaying = layer.transient = True
-        if layer.window is None:  # (a windowed layer's scores come from its own pass: ``score_replay``)
-            stop = layer.longest
-            earlier = layer.storage.read("positions", stop) < start
-            layer.storage.write_prefix("scores", torch.where(earlier, layer.storage.read("scores", stop), 0.0))
+        stop = layer.longest
+        earlier = layer.storage.read("positions", stop) < start
+        layer.storage.write_prefix("scores", torch.where(earlier, layer.storage.read("scores", stop), 0.0))
     only_last_logits = {"logits_to_keep": 1} if "logits_to_keep" in signature(model.forward).parameters else {}
     try:
         with torch.no_grad():
