@@ -153,6 +153,7 @@ def answer_tasks(
                 for start in range(0, context.shape[1], step):
                     model(context[:, start : start + step], past_key_values=cache, logits_to_keep=1,
                           position_ids=torch.arange(start, min(start + step, context.shape[1]), device=device)[None])
+                cache.end_context()  # (the question is not part of the context)
             output = model.generate(
                 ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
                 do_sample=False, pad_token_id=tokenizer.eos_token_id,

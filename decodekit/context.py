@@ -172,6 +172,7 @@ def fill(
         progress(total, total)
     ids = input_ids.tolist()
     cache.token_ids = ids[0] if rows == 1 else ids
+    cache.end_context()  # (a question asked later is not part of the document)
     return cache
 
 

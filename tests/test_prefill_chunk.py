@@ -200,6 +200,45 @@ def test_each_chunk_is_replayed_and_the_entries_held_before_it_keep_the_most_of_
     assert any(snapshots[5][2][position] > 0 for position in snapshots[4][2] if position < 64)
 
 
+def test_after_a_decoding_step_or_end_context_a_pass_of_several_tokens_is_not_replayed(tiny):
+    """Until the first decoding step every pass of several tokens is context, replayed once read; after a decoding
+    step, or once ``end_context`` says so (a question asked of a compressed document), such a pass is scored as
+    decoding steps are. A reset cache reads a new context, replayed as a fresh cache's is."""
+    _, tokenizer = tiny
+    model = build_model(tokenizer, num_layers=2)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(6))
+
+    def replays_of(cache, passes) -> list[bool]:
+        """Per pass, whether the tokens were fed again after it (a replay pass forgets its tokens)."""
+        layer, replayed = cache.layers[0], []
+        forget_last = layer.forget_last
+        forgotten = []
+        layer.forget_last = lambda count: (forgotten.append(count), forget_last(count))
+        for ids, start in passes:
+            forgotten.clear()
+            with torch.no_grad():
+                model(ids, position_ids=torch.arange(start, start + ids.shape[1])[None], past_key_values=cache)
+            replayed.append(sum(forgotten) == ids.shape[1])
+        layer.forget_last = forget_last
+        return replayed
+
+    chunks = [(prompt[:, :32], 0), (prompt[:, 32:48], 32)]
+    cache = CompressedCache(model, memory_fraction=FRACTION, scoring="reconstruction", replay="forward")
+    assert replays_of(cache, chunks) == [True, True]
+    assert replays_of(cache, [(prompt[:, :1], 48), (prompt[:, 1:9], 49)]) == [False, False]
+    ended = CompressedCache(model, memory_fraction=FRACTION, scoring="reconstruction", replay="forward")
+    replays_of(ended, chunks[:1])
+    ended.end_context()
+    assert not ended.layers[0].reads_context
+    fresh = CompressedCache(model, memory_fraction=FRACTION, scoring="reconstruction", replay="forward")
+    replays_of(fresh, chunks[:1])
+    ended.reset()
+    replays_of(ended, chunks[:1])
+    for reset_layer, fresh_layer in zip(ended.layers, fresh.layers, strict=True):
+        assert torch.equal(reset_layer.kept_positions(), fresh_layer.kept_positions())
+        assert torch.equal(reset_layer.scores(), fresh_layer.scores())
+
+
 @pytest.mark.parametrize(
     ("values", "named"),
     [

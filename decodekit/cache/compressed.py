@@ -140,6 +140,22 @@ class CompressedCache(Cache):
         first = self.layers[0] if self.layers else None
         return first is not None and first.waits_for_prompt_scores and first.storage is not None and not first.transient
 
+    def end_context(self) -> None:
+        """Say that the context is complete: from now on a pass of several tokens (a question asked of a compressed
+        document) is scored as decoding steps are, not replayed (``scoring="reconstruction"`` replays every pass of
+        several tokens until the first decoding step: the prompt, or each of its chunks). ``fill`` and ``load`` end
+        it.
+
+        Example (with ``model`` and a tokenized document ``ids``)::
+
+            cache = CompressedCache(model, memory_fraction=0.1, scoring="reconstruction")
+            for start in range(0, ids.shape[1], 512):  # the document in chunks, each replayed once read
+                model(ids[:, start : start + 512], past_key_values=cache)
+            cache.end_context()  # a question now is not part of the document
+        """
+        for layer in self.layers:
+            layer.reads_context = False
+
     def after_prompt(self, model: nn.Module, input_ids: torch.Tensor | None) -> None:
         """After the prompt's pass: let the scorer score it (a replay of the prompt), then evict."""
         self.layers[0].scorer.after_prompt(self, model, input_ids)

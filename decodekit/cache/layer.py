@@ -127,6 +127,9 @@ class CompressedLayer(CacheLayerMixin):
         self.transient = False  # whether the passes' tokens are forgotten after them (a replay)
         self.waits_for_prompt_scores = False  # whether eviction waits for the prompt's scores (a replay)
         self.context_start = 0  # the tokens seen before the last pass (where a piece of context read in it starts)
+        # Whether passes of several tokens still read the context (until the first decoding step, or ``end_context``):
+        # a scorer that replays replays each of them.
+        self.reads_context = True
         self.prompt_queries: Pass | None = None  # the prompt's pass, kept for the refit of a matched layer
         self._pass: Pass | None = None
         self.module: weakref.ref | None = None  # the attention module this layer serves (``attention.answers``)
@@ -262,8 +265,11 @@ class CompressedLayer(CacheLayerMixin):
             self.held_pads = self.pads.copy()
             self._padding_held = bool(self.pads.any())
         self._pass = step = Pass(query_length, first)
-        self.context_start = 0 if first else self.seen
-        if not first and query_length > 1 and self.scorer.replays and not self.transient:
+        if not self.transient:
+            self.context_start = 0 if first else self.seen
+        if query_length == 1 and not self.transient:
+            self.reads_context = False  # a decoding step: the context is complete
+        elif self.reads_context and not first and self.scorer.replays and not self.transient:
             self.waits_for_prompt_scores = True  # a further piece of context: replayed once read, then evicted
         if first:
             return None
@@ -831,6 +837,7 @@ class CompressedLayer(CacheLayerMixin):
         self.pads = self.pads_device = self.held_pads = self.shares = self.prompt_queries = self._pass = None
         self._padding_held = False
         self.biased = self.transient = False
+        self.waits_for_prompt_scores, self.reads_context = self.scorer.replays, True  # (a new prompt comes)
         self.scorer.reset()
         self.coding.reset()
 
@@ -873,7 +880,7 @@ class CompressedLayer(CacheLayerMixin):
         self.held_pads = tensors["held_pads"].numpy().astype(np.int64).copy()
         self._padding_held = bool(numbers["padding_held"])
         self.window, self.softcap, self.biased = numbers["window"], numbers["softcap"], bool(numbers["biased"])
-        self.waits_for_prompt_scores = False
+        self.waits_for_prompt_scores = self.reads_context = False  # (a saved cache holds a complete context)
         if self.static_capacity:
             self.seen_device = torch.from_numpy(self._seen)
             if torch.device(device).type != "cpu":
