@@ -43,12 +43,13 @@ def test_a_document_and_a_question_frame_one_user_turn_of_the_chat_template(tiny
 
 
 def _in_place_answer(model, tokenizer, question: str, new_tokens: int = 16):
-    """The oracle: the framed document in one forward pass of a fresh cache, then the question by generate on that
-    cache itself (no fork, no file)."""
+    """The oracle: the framed document in one forward pass of a fresh cache, the context ended (``end_context``: the
+    question is not part of the document), then the question by generate on that cache itself (no fork, no file)."""
     ids = document_ids(tokenizer, DOCUMENT)
     cache = CompressedCache(model, **OPTIONS)
     with torch.no_grad():
         model(torch.tensor([ids]), past_key_values=cache)
+        cache.end_context()
         full = torch.tensor([ids + question_ids(tokenizer, question, chat=True)])
         output = model.generate(
             full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,

@@ -862,7 +862,7 @@ class CompressedLayer(CacheLayerMixin):
         numbers = {
             "storage": storage_numbers, "seen": self.seen, "window": self.window, "softcap": self.softcap,
             "dtype": str(self.dtype).removeprefix("torch."), "biased": self.biased, "padding_held": self.padding_held,
-            "head_dim": self.head_dim,
+            "head_dim": self.head_dim, "reads_context": self.reads_context,
         }  # fmt: skip
         return tensors, numbers
 
@@ -880,7 +880,10 @@ class CompressedLayer(CacheLayerMixin):
         self.held_pads = tensors["held_pads"].numpy().astype(np.int64).copy()
         self._padding_held = bool(numbers["padding_held"])
         self.window, self.softcap, self.biased = numbers["window"], numbers["softcap"], bool(numbers["biased"])
-        self.waits_for_prompt_scores = self.reads_context = False  # (a saved cache holds a complete context)
+        self.waits_for_prompt_scores = False
+        # Whether passes of several tokens still read the context, as in the cache saved (a file without it: as in a
+        # cache that decoded nothing, the one written before passes could be context)
+        self.reads_context = bool(numbers.get("reads_context", True))
         if self.static_capacity:
             self.seen_device = torch.from_numpy(self._seen)
             if torch.device(device).type != "cpu":
