@@ -111,6 +111,18 @@ def test_a_replaying_cache_reads_the_document_in_one_pass_then_its_replay_chunks
     assert calls == list(range(chunks + 1))
 
 
+def _assert_keeps_what_chunked_prefill_keeps(model, tokenizer, cache, ids: list[int], options: dict, chunk: int):
+    """The oracle: a fresh cache of ``options`` filled by generate's own chunked prefill (``prefill_chunk_size``)
+    keeps, in every layer, the positions ``cache`` keeps."""
+    oracle = CompressedCache(model, **options)
+    batch = torch.tensor([ids])
+    with torch.no_grad():
+        model.generate(batch, attention_mask=torch.ones_like(batch), past_key_values=oracle, prefill_chunk_size=chunk,
+                       max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    for layer, expected in zip(cache.layers, oracle.layers, strict=True):
+        assert torch.equal(layer.kept_positions(), expected.kept_positions())
+
+
 def test_any_other_cache_reads_the_document_in_chunks_as_transformers_chunked_prefill_does(fresh):
     """Chunk by chunk, each followed by an eviction: the cache never holds more than its size after a chunk, and
     keeps what transformers' own chunked prefill (``prefill_chunk_size``) makes it keep."""
@@ -122,13 +134,8 @@ def test_any_other_cache_reads_the_document_in_chunks_as_transformers_chunked_pr
     chunks = math.ceil(len(ids) / 128)
     assert [done for done, _, _ in kept] == list(range(chunks + 1)) and {total for _, total, _ in kept} == {chunks}
     assert all(held <= 48 for _, _, held in kept)
-    oracle = CompressedCache(model, budget=48, reconstruction_chunk=128)
-    batch = torch.tensor([ids])
-    with torch.no_grad():
-        model.generate(batch, attention_mask=torch.ones_like(batch), past_key_values=oracle, prefill_chunk_size=128,
-                       max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    for layer, expected in zip(cache.layers, oracle.layers, strict=True):
-        assert torch.equal(layer.kept_positions(), expected.kept_positions())
+    _assert_keeps_what_chunked_prefill_keeps(model, tokenizer, cache, ids, {"budget": 48, "reconstruction_chunk": 128},
+                                             128)  # fmt: skip
     assert cache.token_ids == ids
 
 
@@ -144,13 +151,7 @@ def test_a_replaying_cache_told_a_chunk_reads_the_document_chunk_by_chunk_as_chu
     pieces = [min(96, len(ids) - start) for start in range(0, len(ids), 96)]
     passes = len(pieces) + sum(math.ceil(piece / 64) for piece in pieces)  # each chunk, then its replay's pieces
     assert calls == [(done, passes) for done in range(passes + 1)]
-    oracle = CompressedCache(model, **options)
-    batch = torch.tensor([ids])
-    with torch.no_grad():
-        model.generate(batch, attention_mask=torch.ones_like(batch), past_key_values=oracle, prefill_chunk_size=96,
-                       max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    for layer, expected in zip(cache.layers, oracle.layers, strict=True):
-        assert torch.equal(layer.kept_positions(), expected.kept_positions())
+    _assert_keeps_what_chunked_prefill_keeps(model, tokenizer, cache, ids, options, 96)
 
 
 def test_bad_requests_are_named(fresh, tmp_path):

@@ -143,8 +143,8 @@ class CompressedCache(Cache):
     def end_context(self) -> None:
         """Say that the context is complete: from now on a pass of several tokens (a question asked of a compressed
         document) is scored as decoding steps are, not replayed (``scoring="reconstruction"`` replays every pass of
-        several tokens until the first decoding step: the prompt, or each of its chunks). ``fill`` and ``load`` end
-        it.
+        several tokens until the first decoding step: the prompt, or each of its chunks). ``fill`` ends it; a loaded
+        cache continues as the one saved.
 
         Example (with ``model`` and a tokenized document ``ids``)::
 
@@ -220,11 +220,12 @@ def _naming_windows(message: str, model: nn.Module) -> str:
     shorter than the floor holds its window whatever the budget; the others hold the budget)."""
     if not message.startswith("budget must be"):
         return message
-    caps = [cap for cap in layer_caps(model.config) if cap != math.inf]
-    if not caps:
+    caps = layer_caps(model.config)
+    windowed = [cap for cap in caps if cap != math.inf]
+    if not windowed:
         return message
-    return (f"{message}: this model's sliding window holds {int(min(caps))} tokens in {len(caps)} of its "
-            f"{len(layer_caps(model.config))} layers, which keep their window under any larger budget")
+    return (f"{message}: this model's sliding window holds {int(min(windowed))} tokens in {len(windowed)} of its "
+            f"{len(caps)} layers, which keep their window under any larger budget")
 
 
 def _coding(stored: StorageOptions):

@@ -265,12 +265,12 @@ class CompressedLayer(CacheLayerMixin):
             self.held_pads = self.pads.copy()
             self._padding_held = bool(self.pads.any())
         self._pass = step = Pass(query_length, first)
-        if not self.transient:
+        if not self.transient:  # (a replay's passes are none of these)
             self.context_start = 0 if first else self.seen
-        if query_length == 1 and not self.transient:
-            self.reads_context = False  # a decoding step: the context is complete
-        elif self.reads_context and not first and self.scorer.replays and not self.transient:
-            self.waits_for_prompt_scores = True  # a further piece of context: replayed once read, then evicted
+            if query_length == 1:
+                self.reads_context = False  # a decoding step: the context is complete
+            elif self.reads_context and not first and self.scorer.replays:
+                self.waits_for_prompt_scores = True  # a further piece of context: replayed once read, then evicted
         if first:
             return None
         step.reads_itself = self._reads_itself(step)

@@ -143,11 +143,11 @@ def union_of_ranks(attention: torch.Tensor, replay: torch.Tensor, valid: torch.T
 
 def replay_prompt(cache, model: nn.Module, input_ids: torch.Tensor | None) -> None:
     """Score a piece of context by reconstruction, share the size among layers or heads, then evict: called after
-    each forward pass of several tokens (the prompt in one pass, or each chunk of it, as generate's
-    ``prefill_chunk_size`` reads it, or a question asked later). The piece's tokens are fed again; the entries held
-    from earlier pieces keep their scores and take the most attention the new replay pays them too, so that a prompt
-    read in chunks never holds more than its size and one chunk. Where the replay of a first pass is estimated, that
-    pass scored it already and nothing is fed again."""
+    each forward pass of several tokens that reads the context (the prompt in one pass, or each chunk of it, as
+    generate's ``prefill_chunk_size`` reads it; until the first decoding step or ``end_context``). The piece's
+    tokens are fed again; the entries held from earlier pieces keep their scores and take the most attention the
+    new replay pays them too, so that a prompt read in chunks never holds more than its size and one chunk. Where
+    the replay of a first pass is estimated, that pass scored it already and nothing is fed again."""
     layers = cache.layers
     first = layers[0]
     if bool(first.pads.any()):
@@ -200,8 +200,8 @@ def _replay_forward(cache, model: nn.Module, input_ids: torch.Tensor, start: int
     try:
         with torch.no_grad():
             for piece, span in _pieces(input_ids, replay, start):
-                positions = torch.arange(length + span[0] - start, length + span[0] - start + piece.shape[-1],
-                                         device=piece.device)  # fmt: skip
+                placed = length + span[0] - start  # (each replayed chunk placed after every token seen)
+                positions = torch.arange(placed, placed + piece.shape[-1], device=piece.device)
                 for layer in layers:
                     layer.scorer.replay_span = span if replay.scope == "chunk" else None
                 model(input_ids=piece, past_key_values=cache, position_ids=positions.expand(piece.shape[0], -1),
