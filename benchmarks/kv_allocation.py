@@ -114,6 +114,7 @@ def scored_prompt(model, context, scoring: str = "attention", **options):
     cache = CompressedCache(model, compression_ratio=0.0, scoring=scoring, allocation=allocation, **options)
     with torch.inference_mode():
         first_logits = model(context, past_key_values=cache).logits[:, -1:]
+    cache.end_context()  # (the continuation is not part of the context)
     return cache, first_logits
 
 

@@ -71,6 +71,7 @@ def measure(
             piece = context[:, start : start + (chunk or context.shape[1])]
             places = torch.arange(start, start + piece.shape[1])[None]
             prefill = model(piece, past_key_values=cache, position_ids=places)
+        cache.end_context()  # (the continuation is not part of the context)
         held = cache.memory_bytes() / full_cache_bytes(model, context.shape[1], element_size=2, windows=True)
         kept = cache.kept_tokens
         positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1])[None]

@@ -166,6 +166,7 @@ def run_tasks(model, tokenizer, tasks: dict, make_cache: Callable[[float], objec
 
     import torch
 
+    from decodekit.cache import CompressedCache
     from decodekit.eval.perplexity import continuation_perplexity
 
     device = model.device
@@ -185,6 +186,8 @@ def run_tasks(model, tokenizer, tasks: dict, make_cache: Callable[[float], objec
             cache = make_cache(ratio)
             with torch.no_grad():
                 model(context, past_key_values=cache)
+                if isinstance(cache, CompressedCache):
+                    cache.end_context()  # (the question is not part of the context)
                 output = model.generate(
                     ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=7,
                     do_sample=False, pad_token_id=tokenizer.eos_token_id,

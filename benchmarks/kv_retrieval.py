@@ -141,6 +141,8 @@ def answer_tasks(
     context read in one pass, or in passes of ``chunk`` tokens (as generate's ``prefill_chunk_size`` reads it)."""
     import torch
 
+    from decodekit.context import fill
+
     device = model.device
     hits = []
     for task in tasks:
@@ -148,12 +150,8 @@ def answer_tasks(
         ids = torch.cat([context, torch.tensor([task["question"]], device=device)], dim=1)
         cache = make_cache()
         with torch.no_grad():
-            if cache is not None:
-                step = chunk or context.shape[1]
-                for start in range(0, context.shape[1], step):
-                    model(context[:, start : start + step], past_key_values=cache, logits_to_keep=1,
-                          position_ids=torch.arange(start, min(start + step, context.shape[1]), device=device)[None])
-                cache.end_context()  # (the question is not part of the context)
+            if cache is not None:  # (fill ends the context: the question is not part of it)
+                fill(model, cache, context, chunk=chunk or context.shape[1])
             output = model.generate(
                 ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
                 do_sample=False, pad_token_id=tokenizer.eos_token_id,

@@ -239,6 +239,22 @@ def test_after_a_decoding_step_or_end_context_a_pass_of_several_tokens_is_not_re
         assert torch.equal(reset_layer.scores(), fresh_layer.scores())
 
 
+def test_a_continuation_scored_for_perplexity_after_a_context_is_not_replayed(tiny):
+    """``continuation_perplexity`` ends the context after its prefill: the replay feeds the context's 64 tokens
+    again, not the continuation's 16."""
+    from decodekit.eval.perplexity import continuation_perplexity
+
+    _, tokenizer = tiny
+    model = build_model(tokenizer, num_layers=2)
+    ids = torch.randint(3, model.config.vocab_size, (1, 80), generator=torch.Generator().manual_seed(7))
+    cache = CompressedCache(model, memory_fraction=FRACTION, scoring="reconstruction", replay="forward")
+    layer, replayed = cache.layers[0], []
+    forget_last = layer.forget_last
+    layer.forget_last = lambda count: (replayed.append(count), forget_last(count))
+    assert continuation_perplexity(model, cache, ids[:, :64], ids[:, 64:]) > 1
+    assert sum(replayed) == 64 and not layer.reads_context
+
+
 @pytest.mark.parametrize(
     ("values", "named"),
     [

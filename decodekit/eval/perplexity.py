@@ -17,6 +17,7 @@ import torch
 from torch.nn import functional
 
 from decodekit._validation import check_int
+from decodekit.cache import CompressedCache
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,13 @@ def continuation_perplexity(model: Any, cache: Any, context: torch.Tensor, conti
     """Perplexity of ``continuation`` ([1, n] ids) after ``context`` ([1, m] ids) prefilled through ``cache``.
 
     The continuation is scored in one forward pass with explicit positions, so it attends to what
-    the cache kept of the context and to itself; its first token is predicted by the prefill.
+    the cache kept of the context and to itself; its first token is predicted by the prefill. A compressed cache's
+    context ends with the prefill: the continuation is not replayed as context would be.
     """
     with torch.inference_mode():
         prefill = model(context, past_key_values=cache)
+        if isinstance(cache, CompressedCache):
+            cache.end_context()
         positions = torch.arange(context.shape[1], context.shape[1] + continuation.shape[1], device=context.device)
         logits = model(continuation, past_key_values=cache, position_ids=positions.unsqueeze(0)).logits
     logits = torch.cat([prefill.logits[:, -1:], logits[:, :-1]], dim=1).float()
