@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from decodekit.cache import CompressedCache
 
+OPERATORS = ("aten::", "decodekit::")  # what a step launches: PyTorch's operators and decodekit's CPU attention
 CACHES = ("DynamicCache", "CompressedCache", "CompressedCache never evicting", "memory_fraction=0.25")
 
 
@@ -78,7 +79,7 @@ def profiled_step(model, prompt: torch.Tensor, cache, tokens: int) -> tuple[floa
     """Top-level operators, wall milliseconds and kernel milliseconds (NaN off CUDA) per step, over ``tokens``
     greedy steps after the prompt's pass and 8 steps of warm-up."""
     events, wall = decode_profiled(model, model.forward, prompt, cache, 8, tokens)
-    operators = sum(1 for event in events if event.name.startswith("aten::") and event.cpu_parent is None)
+    operators = sum(1 for event in events if event.name.startswith(OPERATORS) and event.cpu_parent is None)
     kernels = float("nan")
     if prompt.is_cuda:
         kernels = sum(event.device_time for event in events if event.device_type.name == "CUDA") / 1e3 / tokens
@@ -92,7 +93,7 @@ def operators_by_function(model, prompt: torch.Tensor, cache, tokens: int) -> di
     counts: dict[str, int] = {}
     for event in events:
         parent = event.cpu_parent
-        if not event.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+        if not event.name.startswith(OPERATORS) or (parent is not None and parent.name.startswith(OPERATORS)):
             continue
         owner = "the model"
         while parent is not None:

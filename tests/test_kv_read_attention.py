@@ -1,8 +1,10 @@
 """A decoding step that reads coded entries (or heads of their own lengths) where they lie, through decodekit's
 wrapper of the sdpa attention function, against the oracle of a dense copy of every entry read by SDPA; and the
-Triton kernels that read the codes, under Triton's interpreter on a CPU."""
+kernels that read the codes: Triton's (under its interpreter on a CPU) and the C++ operator of CPU steps."""
 
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 import pytest
@@ -115,12 +117,13 @@ def test_other_families_read_their_steps_as_a_dense_copy_does(monkeypatch, famil
         torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=2e-4)
 
 
-def _storage(coding, batch: int, heads: int, head_dim: int, seed: int):
-    """A storage of ``coding``'s entries whose segments hold 13, 9, 11 and 13 entries, then one step's token each;
-    returns it, the step's exact key and value, and every entry decoded (the step's own exact)."""
+def _storage(coding, batch: int, heads: int, head_dim: int, seed: int, dtype: torch.dtype = torch.float32):
+    """A storage of ``coding``'s entries (of a model in ``dtype``) whose segments hold 13, 9, 11 and 13 entries, then
+    one step's token each; returns it, the step's exact key and value, and every entry decoded (the step's own
+    exact)."""
     generator = torch.Generator().manual_seed(seed)
     first = torch.randn(batch, heads, 7, head_dim, generator=generator)
-    coding.start(first)
+    coding.start(first.to(dtype))
     fields = {**coding.fields(head_dim), "positions": Field((), torch.int32), "biases": Field((), torch.float16)}
     storage = EntryStorage(fields, batch, heads, 4, "cpu")
     for count in (7, 6):
@@ -140,21 +143,31 @@ def _storage(coding, batch: int, heads: int, head_dim: int, seed: int):
     return storage, read_keys, own_values, keys, values
 
 
+KERNELS = {"triton": "decodekit.cache._triton_attention", "native": "decodekit.cache._native_attention"}
+
+
 @pytest.mark.parametrize(("key_bits", "value_bits"), [(5, 4), (4, 4), (8, 8), (None, 4), (4, None), (None, None)])
 @pytest.mark.parametrize("extras", ["plain", "biases", "softcap", "window"])
-def test_the_triton_kernels_read_codes_as_decoded_entries_read_them(key_bits, value_bits, extras):
+@pytest.mark.parametrize(("kernel", "head_dim", "dtype"), [
+    ("triton", 16, torch.float32), ("native", 16, torch.float32), ("native", 64, torch.float32),
+    ("native", 128, torch.bfloat16),
+])  # fmt: skip
+def test_the_kernels_read_codes_as_decoded_entries_read_them(key_bits, value_bits, extras, kernel, head_dim, dtype):
     """Oracle: the entries decoded to float32 and attended in PyTorch (``attention.read_decoded``) with a hand-made
-    mask of each segment's length; the kernels run in Triton's interpreter, over segments of different lengths,
-    every width of keys and values, with biases, a logit cap or a sliding window."""
-    from decodekit.cache._triton_attention import step_attention
+    mask of each segment's length; the Triton kernels run in Triton's interpreter, the C++ operator as built (its
+    AVX2 blocks where entries hold a multiple of 64 channels, where the CPU has AVX2), over segments of different
+    lengths, every width of keys and values, with biases, a logit cap or a sliding window, for float32 and bfloat16
+    models (scales and plain entries in float16, bfloat16 or float32)."""
+    step_attention = importlib.import_module(KERNELS[kernel]).step_attention
 
-    batch, heads, head_dim, query_heads = 2, 2, 16, 4
+    batch, heads, query_heads = 2, 2, 4
     if key_bits is None and value_bits is None:
         coding = PlainCoding()
     else:
         coding = QuantizedCoding(key_bits, value_bits, 8, 0)
         coding.rotated_reads = True  # the queries come rotated as the keys were coded
-    storage, read_keys, own_values, keys, values = _storage(coding, batch, heads, head_dim, seed=key_bits or 3)
+    storage, read_keys, own_values, keys, values = _storage(coding, batch, heads, head_dim, seed=key_bits or 3,
+                                                            dtype=dtype)  # fmt: skip
     query = torch.randn(batch, query_heads, 1, head_dim, generator=torch.Generator().manual_seed(7))
     slots = storage.length_range[1]
     visible = torch.arange(slots) < storage.lengths[..., None]
@@ -188,4 +201,25 @@ def test_a_cache_told_to_read_with_triton_decodes_as_the_torch_path(fresh):
     for ours, theirs in zip(triton_logits, torch_logits, strict=True):
         torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=2e-4)
     for ours, theirs in zip(triton_kept, torch_kept, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_the_cpu_operator_is_built_and_answers_the_steps_of_auto(fresh, monkeypatch):
+    """On a CPU, ``scoring_backend="auto"`` reads the byte-sized cache's steps with the C++ operator (it was called
+    once per layer and step): the tokens and the kept entries of ``scoring_backend="torch"``, which decodes the
+    entries in PyTorch, and its logits to float rounding."""
+    native = importlib.import_module(KERNELS["native"])
+    assert native.available(), "the C++ operator did not build (a C++ compiler and ninja are needed)"
+    calls = []
+    original = native.step_attention
+    monkeypatch.setattr(native, "step_attention", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    model, tokenizer = fresh
+    batch = prompt_batch(tokenizer)
+    runs = [_decode(model, CompressedCache(model, **SETTINGS["byte-sized"], scoring_backend=backend), batch, 6)
+            for backend in ("torch", "auto")]  # fmt: skip
+    assert len(calls) == 6 * model.config.num_hidden_layers
+    (torch_logits, torch_kept), (native_logits, native_kept) = runs
+    for ours, theirs in zip(native_logits, torch_logits, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=2e-4)
+    for ours, theirs in zip(native_kept, torch_kept, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))

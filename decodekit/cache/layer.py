@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+import decodekit.cache._native_attention as _native_attention
 import decodekit.cache.attention as attention
 import decodekit.cache.compiled as compiled
 import decodekit.cache.matching as matching
@@ -453,9 +454,8 @@ class CompressedLayer(CacheLayerMixin):
         """The step's attention over every stored entry, its own token exact: on the Triton kernels where they apply
         (``_triton_attention.py``: the codes read where they lie), else over the entries decoded; its probabilities
         kept for the scorer."""
-        if self._reads_on_triton():
-            from decodekit.cache._triton_attention import step_attention
-
+        step_attention = self._step_kernel()
+        if step_attention is not None:
             coding = self.coding
             widths = tuple(None if q is None else q.bits for q in coding.quantizers.values()) if coding.quantized \
                 else (None, None)  # fmt: skip
@@ -472,17 +472,25 @@ class CompressedLayer(CacheLayerMixin):
         step.keys, step.values, step.group = keys, values, query.shape[1] // self.storage.heads
         return output
 
-    def _reads_on_triton(self) -> bool:
-        """Whether this layer's decoding steps read their entries with the Triton kernels: on CUDA with Triton
-        installed (``scoring_backend`` "auto"), or told so ("triton"), where the kernels apply (no residual window,
-        no padding held, keys read as coded)."""
+    def _step_kernel(self) -> Callable | None:
+        """The ``step_attention`` that reads this layer's entries where they lie for its decoding steps, where one
+        applies (no residual window, no padding held, keys read as coded): the Triton kernels on CUDA with Triton
+        installed (``scoring_backend`` "auto") or when told so ("triton"), the C++ operator on a CPU where it builds
+        ("auto"); None: decode the entries in PyTorch."""
         backend = self.options.scoring.backend
-        if backend == "torch" or not uses_triton(backend, self.storage.device):
-            return False
         coding = self.coding
         keys_read_as_coded = not coding.quantized or coding.quantizers["keys"] is None or coding.rotated_reads
         residual = coding.quantized and coding.residual_length > 0
-        return keys_read_as_coded and not residual and not self.padding_held
+        if backend == "torch" or not keys_read_as_coded or residual or self.padding_held:
+            return None
+        device = self.storage.device
+        if uses_triton(backend, device):
+            from decodekit.cache._triton_attention import step_attention
+
+            return step_attention
+        if backend == "auto" and device.type == "cpu" and _native_attention.available():
+            return _native_attention.step_attention
+        return None
 
     def _room(self) -> int:
         """Slots a segment that must grow for a decoding step gets beyond it: room for the steps until the next

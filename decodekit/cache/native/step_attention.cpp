@@ -1,0 +1,433 @@
+// A decoding step's attention over a layer's entries read where they lie, on a CPU: one operator per layer.
+//
+// The storage is a layer's EntryStorage: flat tensors holding a segment per (row, KV head) from `starts`, each
+// with its own length. Keys and values are each either coded (4, 5 or 8 bits per channel, packed as quantize.py
+// packs them, with a scale and an offset per group of channels) or plain (the stored dtype). Per (row, KV head),
+// each stored key is decoded into a buffer of one entry and dotted with the query heads of its group, the logits
+// (scaled, capped, biased, -inf outside a sliding window) get a softmax with the step's own token (read exact), and
+// each value is decoded and added times its probability. Nothing of the decoded size is ever written.
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DECODEKIT_X86 1
+#include <immintrin.h>
+#define DECODEKIT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define DECODEKIT_X86 0
+#define DECODEKIT_AVX2
+#endif
+
+// Each byte of 4-bit codes as its two codes in channel order (low half first), in float.
+struct Nibbles {
+  float pairs[256][2];
+  Nibbles() {
+    for (int byte = 0; byte < 256; ++byte) pairs[byte][0] = byte & 15, pairs[byte][1] = byte >> 4;
+  }
+};
+// Each byte of fifth bits as what it adds to its eight channels (16 or 0): channel 8i + 2j in bit j, 8i + 2j + 1
+// in bit 4 + j.
+struct FifthBits {
+  float adds[256][8];
+  FifthBits() {
+    for (int byte = 0; byte < 256; ++byte)
+      for (int c = 0; c < 8; ++c) adds[byte][c] = ((byte >> ((c / 2) + 4 * (c % 2))) & 1) * 16.f;
+  }
+};
+const Nibbles kNibbles;
+const FifthBits kFifthBits;
+
+// One part (keys or values) of the storage: where its codes or plain entries are and how to read them.
+template <typename Scale>
+struct Part {
+  const uint8_t* codes = nullptr;  // coded: per entry `code_bytes` bytes
+  const Scale* plain = nullptr;    // plain: per entry `head_dim` elements
+  const Scale* scales = nullptr;   // coded: per entry `groups` scales and as many offsets
+  const Scale* offsets = nullptr;
+  int64_t code_bytes = 0;
+  int64_t groups = 1;
+  int64_t group_size = 0;
+  int64_t bits = 16;  // 4, 5, 8, or 16 (plain)
+};
+
+// The codes of the entry at flat slot `slot` as floats in `out` [head_dim] (a plain entry: its values).
+template <typename Scale>
+inline void codes_of(const Part<Scale>& part, int64_t slot, int64_t head_dim, float* __restrict__ out) {
+  if (part.bits == 16) {
+    const Scale* entry = part.plain + slot * head_dim;
+    for (int64_t c = 0; c < head_dim; ++c) out[c] = static_cast<float>(entry[c]);
+    return;
+  }
+  const uint8_t* code = part.codes + slot * part.code_bytes;
+  if (part.bits == 8) {
+    for (int64_t c = 0; c < head_dim; ++c) out[c] = static_cast<float>(code[c]);
+    return;
+  }
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    out[2 * i] = kNibbles.pairs[code[i]][0];
+    out[2 * i + 1] = kNibbles.pairs[code[i]][1];
+  }
+  if (part.bits == 5) {
+    const uint8_t* fifth = code + head_dim / 2;
+    for (int64_t i = 0; i < head_dim / 8; ++i) {
+      const float* __restrict__ adds = kFifthBits.adds[fifth[i]];
+      float* __restrict__ channels = out + 8 * i;
+      for (int c = 0; c < 8; ++c) channels[c] += adds[c];
+    }
+  }
+}
+
+// The entry at flat slot `slot` decoded into `out` [head_dim]: each group's offset plus its codes times its scale.
+template <typename Scale>
+inline void decode(const Part<Scale>& part, int64_t slot, int64_t head_dim, float* __restrict__ out) {
+  codes_of(part, slot, head_dim, out);
+  if (part.bits == 16) return;
+  const Scale* scale = part.scales + slot * part.groups;
+  const Scale* offset = part.offsets + slot * part.groups;
+  for (int64_t k = 0; k < part.groups; ++k) {
+    const float s = static_cast<float>(scale[k]), o = static_cast<float>(offset[k]);
+    float* __restrict__ channels = out + k * part.group_size;
+    for (int64_t c = 0; c < part.group_size; ++c) channels[c] = o + channels[c] * s;
+  }
+}
+
+#if DECODEKIT_X86
+// A stored scale or offset as float: 16-bit floats converted by the CPU (F16C), bfloat16 by a shift.
+DECODEKIT_AVX2 inline float to_float(c10::Half value) { return _cvtsh_ss(value.x); }
+DECODEKIT_AVX2 inline float to_float(c10::BFloat16 value) {
+  const uint32_t bits = static_cast<uint32_t>(value.x) << 16;
+  float result;
+  std::memcpy(&result, &bits, 4);
+  return result;
+}
+DECODEKIT_AVX2 inline float to_float(float value) { return value; }
+DECODEKIT_AVX2 inline float to_float(double value) { return static_cast<float>(value); }
+#endif
+
+#if DECODEKIT_X86
+// `decode` with AVX2, eight channels at a time (coded parts whose groups hold a multiple of eight channels).
+template <typename Scale>
+DECODEKIT_AVX2 inline void decode_avx2(const Part<Scale>& part, int64_t slot, int64_t head_dim,
+                                       float* __restrict__ out) {
+  if (part.bits == 16) {
+    const Scale* entry = part.plain + slot * head_dim;
+    for (int64_t c = 0; c < head_dim; ++c) out[c] = to_float(entry[c]);
+    return;
+  }
+  const uint8_t* code = part.codes + slot * part.code_bytes;
+  const Scale* scale = part.scales + slot * part.groups;
+  const Scale* offset = part.offsets + slot * part.groups;
+  const __m128i low_half = _mm_set1_epi8(0x0F);
+  const __m256i fifth_shift = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // channel 8i + c: its bit of byte i
+  const __m256i one = _mm256_set1_epi32(1);
+  for (int64_t k = 0; k < part.groups; ++k) {
+    const __m256 s = _mm256_set1_ps(to_float(scale[k]));
+    const __m256 o = _mm256_set1_ps(to_float(offset[k]));
+    for (int64_t c = k * part.group_size; c < (k + 1) * part.group_size; c += 8) {
+      __m256i ints;
+      if (part.bits == 8) {
+        ints = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code + c)));
+      } else {
+        uint32_t four;
+        std::memcpy(&four, code + c / 2, 4);
+        const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(four));
+        const __m128i low = _mm_and_si128(bytes, low_half);
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_half);
+        ints = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high));  // channel order: each byte's low half first
+        if (part.bits == 5) {
+          const __m256i fifth = _mm256_srlv_epi32(_mm256_set1_epi32(code[head_dim / 2 + c / 8]), fifth_shift);
+          ints = _mm256_or_si256(ints, _mm256_slli_epi32(_mm256_and_si256(fifth, one), 4));
+        }
+      }
+      _mm256_storeu_ps(out + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), s, o));
+    }
+  }
+}
+#endif
+
+// Whether `attend_unit_avx2` reads a part: entries of a multiple of 64 channels, plain or coded in groups of a
+// multiple of eight channels, on a CPU with AVX2, FMA and F16C.
+template <typename Scale>
+bool fits_avx2(const Part<Scale>& part, int64_t head_dim) {
+#if DECODEKIT_X86
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                __builtin_cpu_supports("f16c");
+  return supported && head_dim % 64 == 0 && (part.bits == 16 || part.group_size % 8 == 0);
+#else
+  return false;
+#endif
+}
+
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  float partial[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    for (int k = 0; k < 8; ++k) partial[k] += a[c + k] * b[c + k];
+  float sum = 0.f;
+  for (; c < n; ++c) sum += a[c] * b[c];
+  for (int k = 0; k < 8; ++k) sum += partial[k];
+  return sum;
+}
+
+struct Step {
+  const float* queries;     // [units * group, head_dim]
+  const int64_t* starts;    // [units]
+  const int64_t* lengths;   // [units], the step's own entry counted
+  const float* own_keys;    // [units, head_dim]
+  const float* own_values;  // [units, head_dim]
+  const float* biases;      // flat, or null
+  const int32_t* positions; // flat, or null (no window)
+  int64_t group, head_dim, slots;
+  float scaling, softcap;   // softcap 0: none
+  int64_t query_position, window;
+  float* output;            // [units * group, head_dim]
+  float* received;          // [units, slots]
+};
+
+// Each of `rows` rows of `width` logits replaced by its softmax.
+inline void softmax_rows(float* logits, int64_t rows, int64_t width) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* row = logits + g * width;
+    float most = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < width; ++s) most = std::max(most, row[s]);
+#pragma omp simd
+    for (int64_t s = 0; s < width; ++s) row[s] = std::exp(row[s] - most);
+    float sum = 0.f;
+    for (int64_t s = 0; s < width; ++s) sum += row[s];
+    const float inverse = 1.f / sum;
+    for (int64_t s = 0; s < width; ++s) row[s] *= inverse;
+  }
+}
+
+// One (row, KV head): its logits, softmax, received probabilities and output.
+template <typename Scale>
+void attend_unit(const Step& step, const Part<Scale>& keys, const Part<Scale>& values, int64_t unit,
+                 std::vector<float>& logits, std::vector<float>& buffers) {
+  const int64_t group = step.group, head_dim = step.head_dim;
+  const int64_t start = step.starts[unit];
+  const int64_t count = step.lengths[unit] - 1;  // entries stored before the step; the step's own at `count`
+  const int64_t width = count + 1;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  const float* queries = step.queries + unit * group * head_dim;
+  buffers.assign(head_dim + group * head_dim, 0.f);
+  float* entry = buffers.data();
+  float* total = entry + head_dim;  // [group, head_dim]: the values weighed
+  logits.assign(group * width, minus_inf);
+  for (int64_t slot = 0; slot < count; ++slot) {
+    const int64_t flat = start + slot;
+    if (step.window > 0 && step.query_position - step.positions[flat] >= step.window) continue;
+    decode(keys, flat, head_dim, entry);
+    const float bias = step.biases != nullptr ? step.biases[flat] : 0.f;
+    for (int64_t g = 0; g < group; ++g) {
+      float value = dot(queries + g * head_dim, entry, head_dim) * step.scaling;
+      if (step.softcap > 0) value = step.softcap * std::tanh(value / step.softcap);
+      logits[g * width + slot] = value + bias;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float value = dot(queries + g * head_dim, step.own_keys + unit * head_dim, head_dim) * step.scaling;
+    if (step.softcap > 0) value = step.softcap * std::tanh(value / step.softcap);
+    logits[g * width + count] = value;
+  }
+  softmax_rows(logits.data(), group, width);
+  float* taken = step.received + unit * step.slots;
+  for (int64_t s = 0; s < step.slots; ++s) taken[s] = 0.f;
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t s = 0; s < width; ++s) taken[s] += logits[g * width + s];
+  for (int64_t slot = 0; slot < count; ++slot) {
+    if (taken[slot] == 0.f) continue;  // (outside the window, or no weight left at all)
+    decode(values, start + slot, head_dim, entry);
+    for (int64_t g = 0; g < group; ++g) {
+      const float weight = logits[g * width + slot];
+      float* __restrict__ out = total + g * head_dim;
+      const float* __restrict__ decoded = entry;
+      for (int64_t c = 0; c < head_dim; ++c) out[c] += weight * decoded[c];
+    }
+  }
+  const float* own_value = step.own_values + unit * head_dim;
+  for (int64_t g = 0; g < group; ++g) {
+    const float weight = logits[g * width + count];
+    float* out = step.output + (unit * group + g) * head_dim;
+    for (int64_t c = 0; c < head_dim; ++c) out[c] = total[g * head_dim + c] + weight * own_value[c];
+  }
+}
+
+#if DECODEKIT_X86
+// The sum of each of eight vectors, as one vector.
+DECODEKIT_AVX2 inline __m256 sums_of_eight(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  // ab: [0 1 2 3 | 0 1 2 3] halves of sums 0-3; cd likewise for 4-7
+  const __m256 low = _mm256_permute2f128_ps(ab, cd, 0x20), high = _mm256_permute2f128_ps(ab, cd, 0x31);
+  return _mm256_add_ps(low, high);
+}
+
+// `attend_unit` with AVX2, eight slots at a time: their keys decoded into a block, each query head's eight logits
+// from one pass over the block; their values decoded into a block and added into each query head's output held in
+// registers, 64 channels at a time.
+template <typename Scale>
+DECODEKIT_AVX2 void attend_unit_avx2(const Step& step, const Part<Scale>& keys, const Part<Scale>& values,
+                                     int64_t unit, std::vector<float>& logits, std::vector<float>& buffers) {
+  constexpr int kBlock = 8;
+  const int64_t group = step.group, head_dim = step.head_dim;
+  const int64_t start = step.starts[unit];
+  const int64_t count = step.lengths[unit] - 1;  // entries stored before the step; the step's own at `count`
+  const int64_t width = count + 1;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  const float* queries = step.queries + unit * group * head_dim;
+  buffers.assign(kBlock * head_dim + group * head_dim, 0.f);
+  float* block = buffers.data();
+  float* total = block + kBlock * head_dim;  // [group, head_dim]: the values weighed
+  logits.assign(group * width, minus_inf);
+  for (int64_t first = 0; first < count; first += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, count - first);
+    for (int64_t j = 0; j < n; ++j) decode_avx2(keys, start + first + j, head_dim, block + j * head_dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* query = queries + g * head_dim;
+      __m256 partial[kBlock];
+      for (int j = 0; j < kBlock; ++j) partial[j] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < head_dim; c += 8) {
+        const __m256 q = _mm256_loadu_ps(query + c);
+        for (int j = 0; j < kBlock; ++j)
+          partial[j] = _mm256_fmadd_ps(q, _mm256_loadu_ps(block + j * head_dim + c), partial[j]);
+      }
+      alignas(32) float sums[kBlock];
+      _mm256_store_ps(sums, sums_of_eight(partial));
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t flat = start + first + j;
+        if (step.window > 0 && step.query_position - step.positions[flat] >= step.window) continue;
+        float value = sums[j] * step.scaling;
+        if (step.softcap > 0) value = step.softcap * std::tanh(value / step.softcap);
+        logits[g * width + first + j] = value + (step.biases != nullptr ? step.biases[flat] : 0.f);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float value = dot(queries + g * head_dim, step.own_keys + unit * head_dim, head_dim) * step.scaling;
+    if (step.softcap > 0) value = step.softcap * std::tanh(value / step.softcap);
+    logits[g * width + count] = value;
+  }
+  softmax_rows(logits.data(), group, width);
+  float* taken = step.received + unit * step.slots;
+  for (int64_t s = 0; s < step.slots; ++s) taken[s] = 0.f;
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t s = 0; s < width; ++s) taken[s] += logits[g * width + s];
+  for (int64_t first = 0; first < count; first += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, count - first);
+    for (int64_t j = 0; j < n; ++j) decode_avx2(values, start + first + j, head_dim, block + j * head_dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* weights = logits.data() + g * width + first;
+      for (int64_t c0 = 0; c0 < head_dim; c0 += 64) {
+        float* out = total + g * head_dim + c0;
+        __m256 sum[8];
+        for (int k = 0; k < 8; ++k) sum[k] = _mm256_loadu_ps(out + 8 * k);
+        for (int64_t j = 0; j < n; ++j) {
+          const __m256 w = _mm256_set1_ps(weights[j]);
+          const float* entry = block + j * head_dim + c0;
+          for (int k = 0; k < 8; ++k) sum[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(entry + 8 * k), sum[k]);
+        }
+        for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + 8 * k, sum[k]);
+      }
+    }
+  }
+  const float* own_value = step.own_values + unit * head_dim;
+  for (int64_t g = 0; g < group; ++g) {
+    const float weight = logits[g * width + count];
+    float* out = step.output + (unit * group + g) * head_dim;
+    for (int64_t c = 0; c < head_dim; ++c) out[c] = total[g * head_dim + c] + weight * own_value[c];
+  }
+}
+#endif
+
+template <typename Scale>
+Part<Scale> part_of(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
+                    int64_t bits, int64_t group_size) {
+  Part<Scale> part;
+  part.bits = bits;
+  part.group_size = group_size;
+  if (bits == 16) {
+    part.plain = codes.data_ptr<Scale>();
+    return part;
+  }
+  part.codes = codes.data_ptr<uint8_t>();
+  part.code_bytes = codes.size(-1);
+  part.scales = scales.data_ptr<Scale>();
+  part.offsets = offsets.data_ptr<Scale>();
+  part.groups = scales.size(-1);
+  return part;
+}
+
+}  // namespace
+
+// query: float32 [batch, kv_heads * group, 1, head_dim]; own_keys, own_values: float32 [batch, kv_heads, 1,
+// head_dim]; starts, lengths: int64 [batch, kv_heads] (lengths counting the step's own entry, stored last); all
+// contiguous. Per part, `bits` 16 reads `codes` as plain entries of the scales' dtype. Returns the output, float32
+// [batch, 1, heads, head_dim], and each slot's probability summed over its group's query heads, float32 [batch,
+// kv_heads, slots].
+std::tuple<torch::Tensor, torch::Tensor> step_attention(
+    const torch::Tensor& query, const torch::Tensor& key_codes, const torch::Tensor& key_scales,
+    const torch::Tensor& key_offsets, int64_t key_bits, const torch::Tensor& value_codes,
+    const torch::Tensor& value_scales, const torch::Tensor& value_offsets, int64_t value_bits, int64_t group_size,
+    const torch::Tensor& starts, const torch::Tensor& lengths, const torch::Tensor& own_keys,
+    const torch::Tensor& own_values, const c10::optional<torch::Tensor>& biases,
+    const c10::optional<torch::Tensor>& positions, int64_t slots, double scaling,
+    double softcap, int64_t query_position, int64_t window) {
+  const int64_t batch = starts.size(0), kv_heads = starts.size(1), head_dim = query.size(-1);
+  const int64_t group = query.size(1) / kv_heads;
+  TORCH_CHECK(query.is_contiguous() && query.scalar_type() == torch::kFloat32 && query.numel() == batch * kv_heads *
+              group * head_dim, "step_attention: query must be contiguous float32 [batch, heads, 1, head_dim]");
+  TORCH_CHECK(starts.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64,
+              "step_attention: starts and lengths must be int64");
+  TORCH_CHECK(own_keys.is_contiguous() && own_values.is_contiguous() && own_keys.scalar_type() == torch::kFloat32 &&
+              own_values.scalar_type() == torch::kFloat32, "step_attention: own keys and values: contiguous float32");
+  auto output = torch::empty({batch, 1, kv_heads * group, head_dim}, query.options());
+  auto received = torch::empty({batch, kv_heads, slots}, query.options());
+  Step step{query.data_ptr<float>(), starts.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
+            own_keys.data_ptr<float>(), own_values.data_ptr<float>(),
+            biases.has_value() ? biases->data_ptr<float>() : nullptr,
+            positions.has_value() ? positions->data_ptr<int32_t>() : nullptr, group, head_dim, slots,
+            static_cast<float>(scaling), static_cast<float>(softcap), query_position, window,
+            output.data_ptr<float>(), received.data_ptr<float>()};
+  const torch::Tensor& typed = key_bits == 16 ? key_codes : key_scales;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, typed.scalar_type(), "step_attention", [&] {
+    const auto keys = part_of<scalar_t>(key_codes, key_scales, key_offsets, key_bits, group_size);
+    const auto values = part_of<scalar_t>(value_codes, value_scales, value_offsets, value_bits, group_size);
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> logits, buffers;
+      for (int64_t unit = first; unit < last; ++unit) {
+#if DECODEKIT_X86
+        if (fits_avx2(keys, head_dim) && fits_avx2(values, head_dim)) {
+          attend_unit_avx2<scalar_t>(step, keys, values, unit, logits, buffers);
+          continue;
+        }
+#endif
+        attend_unit<scalar_t>(step, keys, values, unit, logits, buffers);
+      }
+    });
+  });
+  return std::make_tuple(output, received);
+}
+
+// Registered as the operator decodekit::step_attention (torch.ops.decodekit.step_attention), CPU tensors only.
+TORCH_LIBRARY(decodekit, library) {
+  library.def(
+      "step_attention(Tensor query, Tensor key_codes, Tensor key_scales, Tensor key_offsets, int key_bits, "
+      "Tensor value_codes, Tensor value_scales, Tensor value_offsets, int value_bits, int group_size, Tensor starts, "
+      "Tensor lengths, Tensor own_keys, Tensor own_values, Tensor? biases, Tensor? positions, int slots, "
+      "float scaling, float softcap, int query_position, int window) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(decodekit, CPU, library) { library.impl("step_attention", &step_attention); }
