@@ -143,7 +143,7 @@ def _storage(coding, batch: int, heads: int, head_dim: int, seed: int, dtype: to
     return storage, read_keys, own_values, keys, values
 
 
-KERNELS = {"triton": "decodekit.cache._triton_attention", "native": "decodekit.cache._native_attention"}
+KERNELS = {"triton": "decodekit.cache._triton_attention", "native": "decodekit.cache._native"}
 
 
 @pytest.mark.parametrize(("key_bits", "value_bits"), [(5, 4), (4, 4), (8, 8), (None, 4), (4, None), (None, None)])

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-import decodekit.cache._native_attention as _native_attention
+import decodekit.cache._native as _native
 import decodekit.cache.attention as attention
 import decodekit.cache.compiled as compiled
 import decodekit.cache.matching as matching
@@ -488,8 +488,8 @@ class CompressedLayer(CacheLayerMixin):
             from decodekit.cache._triton_attention import step_attention
 
             return step_attention
-        if backend == "auto" and device.type == "cpu" and _native_attention.available():
-            return _native_attention.step_attention
+        if backend == "auto" and device.type == "cpu" and _native.available():
+            return _native.step_attention
         return None
 
     def _room(self) -> int:

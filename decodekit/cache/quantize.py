@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from decodekit._validation import check_int
+from decodekit.cache import _native
 from decodekit.settings import CODED_BITS
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -182,7 +183,11 @@ class Quantizer:
             >>> all(torch.equal(apart[0][name], Quantizer(5).encode(keys)[name]) for name in apart[0])
             True
         """
-        bits = [self.bits] if widths is None else [quantizer.bits for quantizer in widths]
+        quantizers = [self] * len(parts) if widths is None else widths
+        if _native.encodes(parts[0]):  # (one operator a part)
+            return [_native.encode(part, quantizer.bits, quantizer.group_size, dtype)
+                    for part, quantizer in zip(parts, quantizers, strict=True)]  # fmt: skip
+        bits = [quantizer.bits for quantizer in quantizers]
         if len(set(bits)) == 1:
             same = self if widths is None else widths[0]
             coded = same._encode_float(torch.cat(parts), dtype, parts[0].shape[-1])
@@ -214,6 +219,8 @@ class Quantizer:
         """The codes, scales and offsets of ``values`` (float32, rotated already when ``rotated``); ``levels``: the
         largest code of each leading index of ``values`` (``_levels``) where it is not ``self.levels``; ``packs``:
         whether codes below 8 bits are packed (else one uint8 code per channel)."""
+        if levels is None and packs and _native.encodes(values):  # (the same bytes, in one operator)
+            return _native.encode(values, self.bits, self.group_size, dtype)
         grouped = values.unflatten(-1, (self.groups(head_dim), self.group_size))
         low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
         # The offset rounded down and the scale up in the storage dtype, so that the stored range still

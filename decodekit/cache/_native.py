@@ -1,14 +1,17 @@
-"""A decoding step's attention over coded entries, read where they lie, on a CPU: one C++ operator per layer.
+"""The compressed cache's C++ operators on a CPU: a decoding step's attention and the coding of entries.
 
-The CPU counterpart of ``_triton_attention.py``, with the same contract (``step_attention``): per (row, KV head), the
-stored keys are decoded eight at a time into a block and dotted with the query heads of their group, and the values
-likewise decoded and added times their probabilities (with AVX2 where the CPU has it and entries hold a multiple of 64
-channels), so that a step never writes a dense copy of the entries and launches one operator,
-``torch.ops.decodekit.step_attention``, where decoding then attending launches dozens. The source
-(``native/step_attention.cpp``) is built with PyTorch's C++ extension tools the first time a step needs it (about half
-a minute; a C++ compiler and ninja are needed) and kept in PyTorch's extensions folder (``TORCH_EXTENSIONS_DIR``) for
-later processes. Where it cannot be built, or with
-``DECODEKIT_NATIVE=0`` in the environment, steps decode the entries in PyTorch instead (``available()`` says which).
+- ``step_attention``: the CPU counterpart of ``_triton_attention.py``, with the same contract. Per (row, KV head),
+  the stored keys are decoded eight at a time into a block and dotted with the query heads of their group, and the
+  values likewise decoded and added times their probabilities (with AVX2 where the CPU has it and entries hold a
+  multiple of 64 channels): a step never writes a dense copy of the entries and launches one operator,
+  ``torch.ops.decodekit.step_attention``, where decoding then attending launches dozens.
+- ``encode``: ``Quantizer``'s coding of entries (scales rounded up and offsets down in the stored dtype, codes
+  packed), equal to the PyTorch code's bytes, in one operator where that launches about twenty.
+
+The source (``native/cache_ops.cpp``) is built with PyTorch's C++ extension tools the first time it is needed (about
+half a minute; a C++ compiler and ninja are needed) and kept in PyTorch's extensions folder
+(``TORCH_EXTENSIONS_DIR``) for later processes. Where it cannot be built, or with ``DECODEKIT_NATIVE=0`` in the
+environment, PyTorch does the same work instead (``available()`` says which).
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("native") / "step_attention.cpp"
+SOURCE = Path(__file__).with_name("native") / "cache_ops.cpp"
 _LOCK = threading.Lock()
-_BUILT: list[bool] = []  # whether the operator was built, once tried
+_BUILT: list[bool] = []  # whether the operators were built, once tried
 
 
 def available() -> bool:
-    """Whether steps on a CPU read their entries with the C++ operator (built now if it was not yet).
+    """Whether the C++ operators run on a CPU (built now if they were not yet).
 
     Example:
         >>> isinstance(available(), bool)
@@ -51,15 +54,15 @@ def _build() -> bool:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-    logging.getLogger("decodekit").info("decodekit: building the CPU attention operator (once, about half a minute)")
+    logging.getLogger("decodekit").info("decodekit: building the cache's CPU operators (once, about half a minute)")
     try:
-        cpp_extension.load(name="decodekit_step_attention", sources=[str(SOURCE)], is_python_module=False,
+        cpp_extension.load(name="decodekit_cache_ops", sources=[str(SOURCE)], is_python_module=False,
                            extra_cflags=["-O3", "-fopenmp-simd", "-fno-math-errno"], verbose=False)  # fmt: skip
         return True
     except Exception as error:  # (no compiler, no ninja, a failed build: PyTorch decoding takes over)
         logging.getLogger("decodekit").warning(
-            "decodekit: the CPU attention operator could not be built (%s); decoding steps decode entries in "
-            "PyTorch instead, more slowly", str(error).splitlines()[0] if str(error) else type(error).__name__,
+            "decodekit: the cache's CPU operators could not be built (%s); PyTorch decodes and codes entries "
+            "instead, more slowly", str(error).splitlines()[0] if str(error) else type(error).__name__,
         )  # fmt: skip
         return False
 
@@ -95,7 +98,7 @@ def step_attention(
     and each slot's probability summed over the query heads of its KV head, ``[batch, kv_heads, slots]`` (the step's
     own token at each segment's last slot), as ``_triton_attention.step_attention`` does."""
     if not available():
-        raise RuntimeError("the CPU attention operator is not available (see _native_attention.available())")
+        raise RuntimeError("the cache's CPU operators are not available (see _native.available())")
     key_codes, key_scales, key_offsets, key_bits = _part(storage, "keys", widths[0])
     value_codes, value_scales, value_offsets, value_bits = _part(storage, "values", widths[1])
     biases = _float32(storage.flat["biases"]) if biased else None
@@ -111,3 +114,16 @@ def step_attention(
 def _float32(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in float32 and contiguous (itself where it is: no operator launched)."""
     return (tensor if tensor.dtype == torch.float32 else tensor.float()).contiguous()
+
+
+def encode(values: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``values`` (float32 ``[..., head_dim]``, rotated already where coded rotated) coded in ``bits`` per channel in
+    groups of ``group_size``: ``codes`` (uint8, packed), ``scales`` and ``offsets`` in ``dtype``, byte for byte what
+    ``Quantizer`` codes in PyTorch."""
+    codes, scales, offsets = torch.ops.decodekit.encode_entries(_float32(values), bits, group_size, dtype)
+    return {"codes": codes, "scales": scales, "offsets": offsets}
+
+
+def encodes(values: torch.Tensor) -> bool:
+    """Whether ``encode`` codes ``values``: on a CPU, outside ``torch.compile``, where the operators are built."""
+    return values.device.type == "cpu" and not torch.compiler.is_compiling() and available()

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -421,13 +422,113 @@ std::tuple<torch::Tensor, torch::Tensor> step_attention(
   return std::make_tuple(output, received);
 }
 
-// Registered as the operator decodekit::step_attention (torch.ops.decodekit.step_attention), CPU tensors only.
+namespace {
+
+// `value` converted to Scale (rounding to nearest even), then moved one step toward +inf (`up`) or -inf where the
+// rounding moved it the other way: what quantize.py's `_rounded` does.
+template <typename Scale>
+Scale rounded(float value, bool up) {
+  Scale result = static_cast<Scale>(value);
+  const float back = static_cast<float>(result);
+  if (std::isnan(value) || (up ? back >= value : back <= value)) return result;
+  if constexpr (std::is_same_v<Scale, float> || std::is_same_v<Scale, double>) {
+    return static_cast<Scale>(std::nextafter(static_cast<float>(result), up ? INFINITY : -INFINITY));
+  } else {
+    uint16_t bits = result.x;
+    const bool negative = bits & 0x8000;
+    if ((bits & 0x7FFF) == 0) bits = up ? 0x0001 : 0x8001;  // (zero: the smallest number of the sign it moves to)
+    else if (negative == up) bits -= 1;                     // toward zero
+    else bits += 1;                                         // away from zero
+    Scale moved;
+    moved.x = bits;
+    return moved;
+  }
+}
+
+template <typename Scale>
+void encode_rows(const float* values, int64_t rows, int64_t head_dim, int64_t bits, int64_t group_size,
+                 uint8_t* codes, Scale* scales, Scale* offsets) {
+  const int64_t groups = head_dim / group_size, code_bytes = head_dim * bits / 8;
+  const float largest = static_cast<float>((1 << bits) - 1);
+  at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
+    std::vector<uint8_t> code(head_dim);
+    for (int64_t row = first; row < last; ++row) {
+      const float* entry = values + row * head_dim;
+      for (int64_t k = 0; k < groups; ++k) {
+        const float* channels = entry + k * group_size;
+        float low = channels[0], high = channels[0];
+        for (int64_t c = 1; c < group_size; ++c) low = std::min(low, channels[c]), high = std::max(high, channels[c]);
+        const Scale offset = rounded<Scale>(low, false);
+        const float base = static_cast<float>(offset);
+        const Scale scale = rounded<Scale>((high - base) / largest, true);
+        const float step = std::max(static_cast<float>(scale), std::numeric_limits<float>::min());
+        for (int64_t c = 0; c < group_size; ++c) {
+          const float rounded_code = std::nearbyint((channels[c] - base) / step);
+          code[k * group_size + c] = static_cast<uint8_t>(std::min(std::max(rounded_code, 0.f), largest));
+        }
+        scales[row * groups + k] = scale;
+        offsets[row * groups + k] = offset;
+      }
+      uint8_t* packed = codes + row * code_bytes;
+      if (bits == 8) {
+        std::memcpy(packed, code.data(), head_dim);
+        continue;
+      }
+      for (int64_t i = 0; i < head_dim / 2; ++i) packed[i] = (code[2 * i] & 15) | ((code[2 * i + 1] & 15) << 4);
+      if (bits == 5) {
+        for (int64_t i = 0; i < head_dim / 8; ++i) {
+          uint8_t fifth = 0;
+          for (int j = 0; j < 4; ++j)
+            fifth |= ((code[8 * i + 2 * j] >> 4) << j) | ((code[8 * i + 2 * j + 1] >> 4) << (4 + j));
+          packed[head_dim / 2 + i] = fifth;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// values: float32 [..., head_dim], contiguous (keys rotated already). Returns the codes (uint8 [..., head_dim * bits
+// / 8]) and the scales and offsets ([..., head_dim / group_size], in `dtype`), equal to quantize.py's
+// `Quantizer._encode_float`.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> encode_entries(const torch::Tensor& values, int64_t bits,
+                                                                        int64_t group_size, at::ScalarType dtype) {
+  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == torch::kFloat32, "encode_entries: contiguous float32");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "encode_entries: bits 4, 5 or 8");
+  const int64_t head_dim = values.size(-1);
+  TORCH_CHECK(head_dim % group_size == 0 && (bits != 5 || head_dim % 8 == 0) && (bits != 4 || head_dim % 2 == 0),
+              "encode_entries: the groups must divide the channels");
+  const int64_t rows = head_dim == 0 ? 0 : values.numel() / head_dim;
+  auto leading = values.sizes().vec();
+  leading.pop_back();
+  auto with_last = [&](int64_t last) {
+    auto shape = leading;
+    shape.push_back(last);
+    return shape;
+  };
+  auto codes = torch::empty(with_last(head_dim * bits / 8), values.options().dtype(torch::kUInt8));
+  auto scales = torch::empty(with_last(head_dim / group_size), values.options().dtype(dtype));
+  auto offsets = torch::empty_like(scales);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "encode_entries", [&] {
+    encode_rows<scalar_t>(values.data_ptr<float>(), rows, head_dim, bits, group_size, codes.data_ptr<uint8_t>(),
+                          scales.data_ptr<scalar_t>(), offsets.data_ptr<scalar_t>());
+  });
+  return std::make_tuple(codes, scales, offsets);
+}
+
+// Registered as the operators decodekit::step_attention and decodekit::encode_entries (torch.ops.decodekit), CPU
+// tensors only.
 TORCH_LIBRARY(decodekit, library) {
   library.def(
       "step_attention(Tensor query, Tensor key_codes, Tensor key_scales, Tensor key_offsets, int key_bits, "
       "Tensor value_codes, Tensor value_scales, Tensor value_offsets, int value_bits, int group_size, Tensor starts, "
       "Tensor lengths, Tensor own_keys, Tensor own_values, Tensor? biases, Tensor? positions, int slots, "
       "float scaling, float softcap, int query_position, int window) -> (Tensor, Tensor)");
+  library.def("encode_entries(Tensor values, int bits, int group_size, ScalarType dtype) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(decodekit, CPU, library) { library.impl("step_attention", &step_attention); }
+TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
+  library.impl("step_attention", &step_attention);
+  library.impl("encode_entries", &encode_entries);
+}

@@ -1,0 +1,59 @@
+"""The cache's C++ coding operator (``_native.encode``) against the PyTorch coding it replaces: byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit.cache import _native
+from decodekit.cache.quantize import Quantizer
+
+
+def _torch_coding(quantizer: Quantizer, values: torch.Tensor, dtype: torch.dtype, monkeypatch) -> dict:
+    """The PyTorch coding of ``values`` (the operator turned off for the call)."""
+    with monkeypatch.context() as patched:
+        patched.setattr(_native, "encodes", lambda values: False)
+        return quantizer._encode_float(values, dtype, values.shape[-1])
+
+
+def _values(head_dim: int, seed: int) -> torch.Tensor:
+    """Entries of many kinds: normal, large, tiny, one group constant, zeros, a negative constant, ties to round."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(64, 3, head_dim, generator=generator)
+    values[1] *= 1e4
+    values[2] *= 1e-6
+    values[3, :, :8] = 0.37
+    values[4] = 0.0
+    values[5] = -2.5
+    values[6] = torch.arange(head_dim).float() / 2  # codes that land on halves
+    values[7] *= 7e4  # past float16's range: infinite scales, as PyTorch's coding gives them
+    return values
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("head_dim", "group_size"), [(64, 32), (16, 8), (256, 16)])
+def test_the_operator_codes_entries_as_pytorch_does_byte_for_byte(monkeypatch, bits, dtype, head_dim, group_size):
+    assert _native.available(), "the C++ operators did not build (a C++ compiler and ninja are needed)"
+    quantizer = Quantizer(bits, group_size)
+    values = _values(head_dim, seed=bits)
+    expected = _torch_coding(quantizer, values, dtype, monkeypatch)
+    coded = _native.encode(values, bits, group_size, dtype)
+    for name in ("codes", "scales", "offsets"):
+        assert coded[name].dtype == expected[name].dtype and coded[name].shape == expected[name].shape, name
+        assert torch.equal(coded[name].view(torch.uint8), expected[name].view(torch.uint8)), name
+
+
+def test_the_quantizer_codes_with_the_operator_on_a_cpu(monkeypatch):
+    """``Quantizer.encode`` and ``encode_together`` (two widths) go through the operator where it is built, and give
+    the PyTorch coding's bytes."""
+    calls = []
+    original = _native.encode
+    monkeypatch.setattr(_native, "encode", lambda *args: calls.append(args[1]) or original(*args))
+    keys, values = _values(64, seed=1), _values(64, seed=2)
+    together = Quantizer(4, 32).encode_together([keys, values], torch.float16, [Quantizer(5, 32), Quantizer(4, 32)])
+    assert calls == [5, 4]
+    monkeypatch.setattr(_native, "encodes", lambda values: False)
+    apart = Quantizer(4, 32).encode_together([keys, values], torch.float16, [Quantizer(5, 32), Quantizer(4, 32)])
+    for ours, theirs in zip(together, apart, strict=True):
+        assert all(torch.equal(ours[name], theirs[name]) for name in ("codes", "scales", "offsets"))
