@@ -10,7 +10,7 @@ import torch
 
 from decodekit.cache import CompressedCache
 from decodekit.cache.allocation import layer_counts
-from decodekit.cache.size import full_cache_bytes
+from decodekit.cache.size import full_cache_bytes, reserved_room
 from decodekit.decoders import beam_search
 from tests.test_cache_memory import bytes_by_hand
 from tests.tiny import build_model
@@ -106,7 +106,7 @@ def test_layers_keep_their_share_of_one_budget_and_store_nothing_more(four_layer
     kept = [layer.kept for layer in cache.layers]
     assert sum(kept) == 4 * target and len(set(kept)) > 1  # one budget, not the same in every layer
     assert min(kept) >= math.ceil(0.2 * target)
-    room = max(cache.options.size.eviction_interval, 4)  # the decoding steps' until the next eviction
+    room = reserved_room(cache.options.size.eviction_interval, grows=True)  # the steps' until the next eviction
     for layer, count in zip(cache.layers, kept, strict=True):
         heads = layer.storage.heads
         assert torch.as_tensor(layer.storage.lengths_host).tolist() == [[count] * heads]  # every head the same

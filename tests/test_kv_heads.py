@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from decodekit.cache import CompressedCache
 from decodekit.cache.coding import QuantizedCoding
 from decodekit.cache.quantize import rotate as hadamard_rotate
-from decodekit.cache.size import full_cache_bytes
+from decodekit.cache.size import full_cache_bytes, reserved_room
 from decodekit.cache.storage import storage_bytes
 from decodekit.decoders import beam_search
 from tests.test_cache_memory import bytes_by_hand
@@ -69,7 +69,7 @@ def test_heads_keep_their_share_of_one_budget_and_store_nothing_more(four_layers
     assert len(kept) == UNITS and sum(kept) == UNITS * target
     assert len(set(kept[0::2])) > 1 and any(a != b for a, b in zip(kept[0::2], kept[1::2], strict=True))
     assert min(kept) >= math.ceil(0.2 * target)  # the per-head floor
-    room = max(cache.options.size.eviction_interval, 4)  # the decoding steps' until the next eviction
+    room = reserved_room(cache.options.size.eviction_interval, grows=True)  # the steps until the next eviction
     for layer in cache.layers:
         lengths = torch.as_tensor(layer.storage.lengths_host)
         # Each head stores only what it keeps and the room for the steps until the next eviction.

@@ -57,3 +57,29 @@ def test_the_quantizer_codes_with_the_operator_on_a_cpu(monkeypatch):
     apart = Quantizer(4, 32).encode_together([keys, values], torch.float16, [Quantizer(5, 32), Quantizer(4, 32)])
     for ours, theirs in zip(together, apart, strict=True):
         assert all(torch.equal(ours[name], theirs[name]) for name in ("codes", "scales", "offsets"))
+
+
+def test_the_row_operators_move_and_write_as_index_copy_does():
+    """Oracle: ``index_select`` then ``index_copy_`` of every field (reads before writes, a repeated target slot
+    taking one of its rows), on fields of several dtypes and trailing shapes."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 255, (20, 40), dtype=torch.uint8, generator=generator)
+    fields = [torch.randn(20, 4, generator=generator).half(), codes, torch.arange(20, dtype=torch.int32),
+              torch.randn(20, generator=generator)]  # fmt: skip
+    source, target = torch.tensor([3, 7, 7, 1, 19]), torch.tensor([7, 3, 19, 0, 19])
+    ours = [tensor.clone() for tensor in fields]
+    _native.copy_rows(ours, source, target.int())
+    for mine, tensor in zip(ours, fields, strict=True):
+        expected = tensor.clone()
+        expected.index_copy_(0, target[:4], tensor.index_select(0, source[:4]))  # (the scratch slot 19 set apart)
+        assert torch.equal(mine[:19], expected[:19])
+        assert torch.equal(mine[19], tensor[7]) or torch.equal(mine[19], tensor[19])
+    rows = [torch.randn(3, 4, generator=generator).half(), torch.zeros(3, 40, dtype=torch.uint8),
+            torch.tensor([-1, -2, -3], dtype=torch.int32), torch.ones(3)]  # fmt: skip
+    index = torch.tensor([2, 11, 5])
+    written = [tensor.clone() for tensor in fields]
+    _native.write_rows(written, index, rows)
+    for mine, tensor, row in zip(written, fields, rows, strict=True):
+        assert torch.equal(mine, tensor.clone().index_copy_(0, index, row))
+    with pytest.raises(RuntimeError, match="out of range"):
+        _native.write_rows(written, torch.tensor([20]), [row[:1] for row in rows])

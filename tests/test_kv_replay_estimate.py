@@ -285,7 +285,7 @@ def test_a_prompt_given_as_embeddings_needs_no_token_ids_to_be_estimated():
 @pytest.mark.parametrize(
     ("size", "estimated"),
     [({"compression_ratio": 0.5}, True), ({"compression_ratio": 0.51}, False), ({"budget": 60}, True),
-     ({"budget": 59}, False), ({"memory_fraction": 0.4}, True), ({"memory_fraction": 0.05}, False),
+     ({"budget": 59}, False), ({"memory_fraction": 0.42}, True), ({"memory_fraction": 0.05}, False),
      ({"compression_ratio": 0.5, "allocation": "uniform"}, False),
      ({"compression_ratio": 0.5, "observation_window": 8}, False)],
 )  # fmt: skip

@@ -7,6 +7,8 @@
   ``torch.ops.decodekit.step_attention``, where decoding then attending launches dozens.
 - ``encode``: ``Quantizer``'s coding of entries (scales rounded up and offsets down in the stored dtype, codes
   packed), equal to the PyTorch code's bytes, in one operator where that launches about twenty.
+- ``copy_rows`` and ``write_rows``: a storage's moves and writes of entries, every field at once (one operator where
+  an ``index_copy_`` per field launches one to two a field).
 
 The source (``native/cache_ops.cpp``) is built with PyTorch's C++ extension tools the first time it is needed (about
 half a minute; a C++ compiler and ninja are needed) and kept in PyTorch's extensions folder
@@ -126,4 +128,25 @@ def encode(values: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype)
 
 def encodes(values: torch.Tensor) -> bool:
     """Whether ``encode`` codes ``values``: on a CPU, outside ``torch.compile``, where the operators are built."""
-    return values.device.type == "cpu" and not torch.compiler.is_compiling() and available()
+    return runs_on(values.device)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the operators run for tensors on ``device``: a CPU, outside ``torch.compile``, where they are built."""
+    return device.type == "cpu" and not torch.compiler.is_compiling() and available()
+
+
+def copy_rows(tensors: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor) -> None:
+    """In each of ``tensors`` (contiguous, ``[slots, ...]``), copy the rows ``source`` to the rows ``target`` (1-d
+    indices of one size), all read before any is written."""
+    torch.ops.decodekit.copy_rows(tensors, _int64(source), _int64(target))
+
+
+def write_rows(tensors: list[torch.Tensor], index: torch.Tensor, values: list[torch.Tensor]) -> None:
+    """In each of ``tensors``, write the rows of the matching ``values`` (``[len(index), ...]``, its dtype) at the
+    rows ``index``."""
+    torch.ops.decodekit.write_rows(tensors, _int64(index), [value.contiguous() for value in values])
+
+
+def _int64(index: torch.Tensor) -> torch.Tensor:
+    return (index if index.dtype == torch.int64 else index.long()).contiguous()

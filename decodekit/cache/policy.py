@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from decodekit.cache.options import SizeOptions
-from decodekit.cache.size import EntryBytes
+from decodekit.cache.size import EntryBytes, reserved_room
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,7 @@ class EvictionPolicy:
         return self.interval == 1 and self.size.budget is not None
 
     def growth_room(self) -> int:
-        """Slots a segment that must grow gets beyond what it needs: one per step until the next eviction, at least
-        4 where the target grows with the tokens seen (a copy every few steps of growth, not at every one)."""
-        return max(self.interval, 4) if self.fixed_target() is None else self.interval
+        """Slots a segment that must grow gets beyond what it needs (``size.reserved_room``): one per step until the
+        next eviction, at least ``GROWTH_ROOM`` where the target grows with the tokens seen (a copy of the layer's
+        storage every few steps of growth, not at every one)."""
+        return reserved_room(self.interval, grows=self.fixed_target() is None)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decodekit.cache import _native
+
 
 @dataclass(frozen=True)
 class Field:
@@ -305,6 +307,8 @@ class EntryStorage:
     def write_at(self, flat_index: torch.Tensor, entries: dict[str, torch.Tensor | float | bool], count: int) -> None:
         """Write ``entries`` (each ``[batch, heads, count, ...]`` or one value) at the flat slots ``flat_index``."""
         full = (self.batch, self.heads, count)
+        native = _native.runs_on(self.device)
+        targets, rows = [], []  # (with the C++ operator: every field's rows written at once)
         for name, entry in entries.items():
             field = self.fields[name]
             if not isinstance(entry, torch.Tensor):
@@ -314,7 +318,13 @@ class EntryStorage:
                 entry = entry.to(field.dtype)
             if tuple(entry.shape[:3]) != full:
                 entry = entry.expand(*full, *field.trailing)
-            self.flat[name].index_copy_(0, flat_index, entry.reshape(-1, *field.trailing))
+            if native:
+                targets.append(self.flat[name])
+                rows.append(entry.reshape(-1, *field.trailing))
+            else:
+                self.flat[name].index_copy_(0, flat_index, entry.reshape(-1, *field.trailing))
+        if targets:
+            _native.write_rows(targets, flat_index, rows)
 
     def write_slots(
         self,
@@ -344,9 +354,15 @@ class EntryStorage:
         if lanes is not None:
             scratch = torch.full((), self.flat_slots, dtype=source.dtype, device=self.device)
             source, target = torch.where(lanes, source, scratch), torch.where(lanes, target, scratch)
-        source, target = source.flatten(), target.flatten()
-        for name in self.fields if names is None else names:
-            tensor = self.flat[name]
+        self._copy_rows([self.flat[name] for name in (self.fields if names is None else names)], source.flatten(),
+                        target.flatten())  # fmt: skip
+
+    def _copy_rows(self, tensors: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor) -> None:
+        """In each of ``tensors``, copy the flat slots ``source`` to ``target``, all read before any is written."""
+        if _native.runs_on(self.device):
+            _native.copy_rows(tensors, source, target)
+            return
+        for tensor in tensors:
             tensor.index_copy_(0, target, tensor.index_select(0, source))
 
     def keep(self, slots: torch.Tensor, counts: np.ndarray | int) -> None:
@@ -360,9 +376,7 @@ class EntryStorage:
             kept = torch.from_numpy(np.ascontiguousarray(counts)).to(self.device)[..., None]
             source = torch.where(place < kept, source, self.flat_slots)
             target = torch.where(place < kept, target, self.flat_slots)
-        source, target = source.flatten(), target.flatten()
-        for tensor in self.flat.values():
-            tensor.index_copy_(0, target, tensor.index_select(0, source))
+        self._copy_rows(list(self.flat.values()), source.flatten(), target.flatten())
         self.set_lengths(counts)
 
     def reads_views(self, stop: int) -> bool:

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <limits>
 #include <vector>
@@ -517,8 +518,63 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> encode_entries(const tor
   return std::make_tuple(codes, scales, offsets);
 }
 
-// Registered as the operators decodekit::step_attention and decodekit::encode_entries (torch.ops.decodekit), CPU
-// tensors only.
+namespace {
+
+// Bytes of one row (first index) of `tensor`, and its data as bytes; the tensor must be contiguous.
+std::pair<int64_t, uint8_t*> rows_of(const torch::Tensor& tensor) {
+  TORCH_CHECK(tensor.is_contiguous(), "storage rows: a field's tensor must be contiguous");
+  const int64_t rows = tensor.size(0);
+  return {rows == 0 ? 0 : tensor.numel() / rows * tensor.element_size(),
+          static_cast<uint8_t*>(tensor.data_ptr())};
+}
+
+}  // namespace
+
+// For each tensor of `tensors` (a storage's fields, each [slots, ...]), copy the rows at `source` to the rows at
+// `target` (int64 [n] each), all read before any is written (what index_select then index_copy_ of every field does).
+void copy_rows(const std::vector<torch::Tensor>& tensors, const torch::Tensor& source, const torch::Tensor& target) {
+  TORCH_CHECK(source.scalar_type() == torch::kInt64 && target.scalar_type() == torch::kInt64 &&
+              source.numel() == target.numel() && source.is_contiguous() && target.is_contiguous(),
+              "copy_rows: source and target must be contiguous int64 of one size");
+  const int64_t n = source.numel();
+  const int64_t* from = source.data_ptr<int64_t>();
+  const int64_t* to = target.data_ptr<int64_t>();
+  std::vector<uint8_t> held;
+  for (const auto& tensor : tensors) {
+    const auto [row_bytes, data] = rows_of(tensor);
+    const int64_t rows = tensor.size(0);
+    held.resize(n * row_bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(from[i] >= 0 && from[i] < rows && to[i] >= 0 && to[i] < rows, "copy_rows: a row out of range");
+      std::memcpy(held.data() + i * row_bytes, data + from[i] * row_bytes, row_bytes);
+    }
+    for (int64_t i = 0; i < n; ++i) std::memcpy(data + to[i] * row_bytes, held.data() + i * row_bytes, row_bytes);
+  }
+}
+
+// For each tensor of `tensors`, write the rows of the matching tensor of `values` ([n, ...], the tensor's dtype and
+// row size) at the rows `index` (int64 [n]): what index_copy_ of every field does.
+void write_rows(const std::vector<torch::Tensor>& tensors, const torch::Tensor& index,
+                const std::vector<torch::Tensor>& values) {
+  TORCH_CHECK(tensors.size() == values.size(), "write_rows: one values tensor per tensor");
+  TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.is_contiguous(), "write_rows: contiguous int64 index");
+  const int64_t n = index.numel();
+  const int64_t* at = index.data_ptr<int64_t>();
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const auto [row_bytes, data] = rows_of(tensors[k]);
+    const auto& written = values[k];
+    TORCH_CHECK(written.is_contiguous() && written.scalar_type() == tensors[k].scalar_type() &&
+                written.numel() * written.element_size() == n * row_bytes, "write_rows: values of the rows' shape");
+    const auto* from = static_cast<const uint8_t*>(written.data_ptr());
+    const int64_t rows = tensors[k].size(0);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(at[i] >= 0 && at[i] < rows, "write_rows: a row out of range");
+      std::memcpy(data + at[i] * row_bytes, from + i * row_bytes, row_bytes);
+    }
+  }
+}
+
+// Registered as torch.ops.decodekit's operators, for CPU tensors.
 TORCH_LIBRARY(decodekit, library) {
   library.def(
       "step_attention(Tensor query, Tensor key_codes, Tensor key_scales, Tensor key_offsets, int key_bits, "
@@ -526,9 +582,13 @@ TORCH_LIBRARY(decodekit, library) {
       "Tensor lengths, Tensor own_keys, Tensor own_values, Tensor? biases, Tensor? positions, int slots, "
       "float scaling, float softcap, int query_position, int window) -> (Tensor, Tensor)");
   library.def("encode_entries(Tensor values, int bits, int group_size, ScalarType dtype) -> (Tensor, Tensor, Tensor)");
+  library.def("copy_rows(Tensor(a!)[] tensors, Tensor source, Tensor target) -> ()");
+  library.def("write_rows(Tensor(a!)[] tensors, Tensor index, Tensor[] values) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
   library.impl("step_attention", &step_attention);
   library.impl("encode_entries", &encode_entries);
+  library.impl("copy_rows", &copy_rows);
+  library.impl("write_rows", &write_rows);
 }
