@@ -83,3 +83,36 @@ def test_the_row_operators_move_and_write_as_index_copy_does():
         assert torch.equal(mine, tensor.clone().index_copy_(0, index, row))
     with pytest.raises(RuntimeError, match="out of range"):
         _native.write_rows(written, torch.tensor([20]), [row[:1] for row in rows])
+
+
+def test_decay_add_changes_each_segments_entries_as_mul_then_add_does():
+    """Oracle: a loop over segments, ``mul_`` then ``add_`` on each segment's first slots up to its length; the
+    slots past a segment's length and the scratch slot stay as they were."""
+    generator = torch.Generator().manual_seed(3)
+    flat = torch.randn(31, generator=generator)
+    starts, lengths = torch.tensor([[0, 8], [15, 22]]), torch.tensor([[5, 7], [2, 8]])
+    added = torch.randn(2, 2, 6, generator=generator)
+    expected = flat.clone()
+    for row in range(2):
+        for head in range(2):
+            start, count = int(starts[row, head]), min(int(lengths[row, head]), 6)
+            expected[start : start + count].mul_(0.9).add_(added[row, head, :count])
+    _native.decay_add(flat, starts, lengths, added, 0.9)
+    assert torch.equal(flat, expected)
+
+
+def test_moves_within_segments_are_index_copies_from_each_segments_start():
+    """Oracle: the flat slots ``start + slot`` of each segment, copied with ``index_select`` then ``index_copy_``
+    where the lane is live; the dead lanes move nothing."""
+    generator = torch.Generator().manual_seed(5)
+    fields = [torch.randn(25, 3, generator=generator), torch.arange(25, dtype=torch.int32)]
+    starts = torch.tensor([[0, 6], [12, 18]])
+    sources = torch.tensor([[[4, 1], [5, 0]], [[2, 3], [1, 1]]])
+    targets = torch.tensor([[[1, 4], [0, 2]], [[0, 0], [3, 3]]])
+    lanes = torch.tensor([[[True, True], [True, False]], [[True, False], [False, False]]])
+    moved = [tensor.clone() for tensor in fields]
+    _native.move_in_segments(moved, starts, sources, targets, lanes)
+    source = (starts[..., None] + sources)[lanes]
+    target = (starts[..., None] + targets)[lanes]
+    for mine, tensor in zip(moved, fields, strict=True):
+        assert torch.equal(mine, tensor.clone().index_copy_(0, target, tensor.index_select(0, source)))

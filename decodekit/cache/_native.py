@@ -8,7 +8,7 @@
 - ``encode``: ``Quantizer``'s coding of entries (scales rounded up and offsets down in the stored dtype, codes
   packed), equal to the PyTorch code's bytes, in one operator where that launches about twenty.
 - ``copy_rows`` and ``write_rows``: a storage's moves and writes of entries, every field at once (one operator where
-  an ``index_copy_`` per field launches one to two a field).
+  an ``index_copy_`` per field launches one to two a field); ``decay_add``: scores decayed and added to in place.
 
 The source (``native/cache_ops.cpp``) is built with PyTorch's C++ extension tools the first time it is needed (about
 half a minute; a C++ compiler and ninja are needed) and kept in PyTorch's extensions folder
@@ -150,3 +150,22 @@ def write_rows(tensors: list[torch.Tensor], index: torch.Tensor, values: list[to
 
 def _int64(index: torch.Tensor) -> torch.Tensor:
     return (index if index.dtype == torch.int64 else index.long()).contiguous()
+
+
+def decay_add(
+    flat: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, added: torch.Tensor, decay: float
+) -> None:
+    """In ``flat`` (a float32 field), each segment's first slots (up to ``added.shape[-1]`` and its length) times
+    ``decay`` plus ``added`` (``[batch, heads, stop]``), in place."""
+    torch.ops.decodekit.decay_add(flat, starts, lengths, _float32(added), float(decay))
+
+
+def move_in_segments(
+    tensors: list[torch.Tensor], starts: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor,
+    lanes: torch.Tensor | None,
+) -> None:
+    """In each of ``tensors``, within each segment (from ``starts``, ``[batch, heads]``), copy the slots ``sources`` to
+    ``targets`` (``[batch, heads, n]``), only where ``lanes`` (bool, the same shape) when given, all read before any
+    is written."""
+    torch.ops.decodekit.move_in_segments(tensors, starts, _int64(sources), _int64(targets),
+                                         None if lanes is None else lanes.contiguous())  # fmt: skip

@@ -318,9 +318,9 @@ class EntryStorage:
                 entry = entry.to(field.dtype)
             if tuple(entry.shape[:3]) != full:
                 entry = entry.expand(*full, *field.trailing)
-            if native:
+            if native:  # (any shape: the operator reads the rows' bytes in order)
                 targets.append(self.flat[name])
-                rows.append(entry.reshape(-1, *field.trailing))
+                rows.append(entry)
             else:
                 self.flat[name].index_copy_(0, flat_index, entry.reshape(-1, *field.trailing))
         if targets:
@@ -349,13 +349,16 @@ class EntryStorage:
         """Within each segment, copy the entries at slots ``sources`` to slots ``targets`` (both ``[batch, heads,
         n]``), all read before any is written; ``lanes`` (``[batch, heads, n]``, bool): only where True (the others
         touch the scratch slot alone)."""
+        tensors = [self.flat[name] for name in (self.fields if names is None else names)]
+        if _native.runs_on(self.device):
+            _native.move_in_segments(tensors, self.starts, sources, targets, lanes)
+            return
         starts = self.starts[..., None]
         source, target = starts + sources, starts + targets
         if lanes is not None:
             scratch = torch.full((), self.flat_slots, dtype=source.dtype, device=self.device)
             source, target = torch.where(lanes, source, scratch), torch.where(lanes, target, scratch)
-        self._copy_rows([self.flat[name] for name in (self.fields if names is None else names)], source.flatten(),
-                        target.flatten())  # fmt: skip
+        self._copy_rows(tensors, source.flatten(), target.flatten())
 
     def _copy_rows(self, tensors: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor) -> None:
         """In each of ``tensors``, copy the flat slots ``source`` to ``target``, all read before any is written."""
@@ -392,6 +395,18 @@ class EntryStorage:
             return
         index = torch.where(self.valid(stop), self.padded_index(stop), self.flat_slots)
         self.flat[name].index_copy_(0, index.flatten(), values.reshape(-1, *self.fields[name].trailing))
+
+    def decay_add(self, name: str, added: torch.Tensor, decay: float) -> None:
+        """Field ``name`` (float32) of each segment's first ``added.shape[-1]`` slots that hold entries: times
+        ``decay``, plus ``added`` (``[batch, heads, stop]``)."""
+        stop = added.shape[-1]
+        if _native.runs_on(self.device):
+            _native.decay_add(self.flat[name], self.starts, self.lengths, added, decay)
+            return
+        values = self.read(name, stop)
+        values.mul_(decay).add_(added)
+        if not self.reads_views(stop):
+            self.write_prefix(name, values)
 
     def truncate(self, count: int) -> None:
         """Forget each segment's last ``count`` entries (the ones a pass just appended)."""

@@ -552,6 +552,51 @@ void copy_rows(const std::vector<torch::Tensor>& tensors, const torch::Tensor& s
   }
 }
 
+// For each tensor of `tensors` (a storage's fields), within each segment (from `starts`, int64 [batch, heads]), copy
+// the rows at slots `sources` to the slots `targets` (int64 [batch, heads, n] each), only where `lanes` (bool, the
+// same shape) is true when given, all read before any is written.
+void move_in_segments(const std::vector<torch::Tensor>& tensors, const torch::Tensor& starts,
+                      const torch::Tensor& sources, const torch::Tensor& targets,
+                      const c10::optional<torch::Tensor>& lanes) {
+  TORCH_CHECK(starts.scalar_type() == torch::kInt64 && sources.scalar_type() == torch::kInt64 &&
+              targets.scalar_type() == torch::kInt64 && starts.is_contiguous() && sources.is_contiguous() &&
+              targets.is_contiguous() && sources.sizes() == targets.sizes() && sources.dim() == 3 &&
+              sources.size(0) * sources.size(1) == starts.numel(),
+              "move_in_segments: int64 starts [batch, heads], sources and targets [batch, heads, n]");
+  const bool* live = nullptr;
+  if (lanes.has_value()) {
+    TORCH_CHECK(lanes->scalar_type() == torch::kBool && lanes->is_contiguous() && lanes->sizes() == sources.sizes(),
+                "move_in_segments: lanes, bool of the sources' shape");
+    live = lanes->data_ptr<bool>();
+  }
+  const int64_t n = sources.size(2), units = starts.numel();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  const int64_t* from = sources.data_ptr<int64_t>();
+  const int64_t* to = targets.data_ptr<int64_t>();
+  std::vector<int64_t> source_rows, target_rows;
+  for (int64_t unit = 0; unit < units; ++unit)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t k = unit * n + i;
+      if (live != nullptr && !live[k]) continue;
+      source_rows.push_back(start[unit] + from[k]);
+      target_rows.push_back(start[unit] + to[k]);
+    }
+  std::vector<uint8_t> held;
+  for (const auto& tensor : tensors) {
+    const auto [row_bytes, data] = rows_of(tensor);
+    const int64_t rows = tensor.size(0);
+    const size_t count = source_rows.size();
+    held.resize(count * row_bytes);
+    for (size_t i = 0; i < count; ++i) {
+      TORCH_CHECK(source_rows[i] >= 0 && source_rows[i] < rows && target_rows[i] >= 0 && target_rows[i] < rows,
+                  "move_in_segments: a row out of range");
+      std::memcpy(held.data() + i * row_bytes, data + source_rows[i] * row_bytes, row_bytes);
+    }
+    for (size_t i = 0; i < count; ++i)
+      std::memcpy(data + target_rows[i] * row_bytes, held.data() + i * row_bytes, row_bytes);
+  }
+}
+
 // For each tensor of `tensors`, write the rows of the matching tensor of `values` ([n, ...], the tensor's dtype and
 // row size) at the rows `index` (int64 [n]): what index_copy_ of every field does.
 void write_rows(const std::vector<torch::Tensor>& tensors, const torch::Tensor& index,
@@ -574,6 +619,34 @@ void write_rows(const std::vector<torch::Tensor>& tensors, const torch::Tensor& 
   }
 }
 
+// In `flat` (float32 [slots], a storage's field), each segment's first min(length, stop) slots (from `starts`, int64
+// [batch, heads]) decayed by `decay`, then `added` (float32 [batch, heads, stop]) added: a multiplication then an
+// addition, each rounded, as PyTorch's mul_ then add_ round them.
+void decay_add(const torch::Tensor& flat, const torch::Tensor& starts, const torch::Tensor& lengths,
+               const torch::Tensor& added, double decay) {
+  TORCH_CHECK(flat.is_contiguous() && flat.scalar_type() == torch::kFloat32 && added.is_contiguous() &&
+              added.scalar_type() == torch::kFloat32 && added.dim() == 3, "decay_add: float32 field and additions");
+  TORCH_CHECK(starts.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 &&
+              starts.is_contiguous() && lengths.is_contiguous() && starts.numel() == added.size(0) * added.size(1),
+              "decay_add: int64 starts and lengths, one per segment");
+  const int64_t units = starts.numel(), stop = added.size(2), slots = flat.numel();
+  float* values = flat.data_ptr<float>();
+  const float* from = added.data_ptr<float>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const float factor = static_cast<float>(decay);
+  for (int64_t unit = 0; unit < units; ++unit) {
+    const int64_t count = std::min(length[unit], stop);
+    TORCH_CHECK(start[unit] >= 0 && start[unit] + count <= slots, "decay_add: a segment out of range");
+    float* segment = values + start[unit];
+    const float* row = from + unit * stop;
+    for (int64_t s = 0; s < count; ++s) {
+      volatile float decayed = segment[s] * factor;  // (rounded before the addition, never fused with it)
+      segment[s] = decayed + row[s];
+    }
+  }
+}
+
 // Registered as torch.ops.decodekit's operators, for CPU tensors.
 TORCH_LIBRARY(decodekit, library) {
   library.def(
@@ -584,6 +657,8 @@ TORCH_LIBRARY(decodekit, library) {
   library.def("encode_entries(Tensor values, int bits, int group_size, ScalarType dtype) -> (Tensor, Tensor, Tensor)");
   library.def("copy_rows(Tensor(a!)[] tensors, Tensor source, Tensor target) -> ()");
   library.def("write_rows(Tensor(a!)[] tensors, Tensor index, Tensor[] values) -> ()");
+  library.def("move_in_segments(Tensor(a!)[] tensors, Tensor starts, Tensor sources, Tensor targets, Tensor? lanes) -> ()");
+  library.def("decay_add(Tensor(a!) flat, Tensor starts, Tensor lengths, Tensor added, float decay) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
@@ -591,4 +666,6 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
   library.impl("encode_entries", &encode_entries);
   library.impl("copy_rows", &copy_rows);
   library.impl("write_rows", &write_rows);
+  library.impl("decay_add", &decay_add);
+  library.impl("move_in_segments", &move_in_segments);
 }

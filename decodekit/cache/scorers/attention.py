@@ -78,11 +78,7 @@ class AttentionScorer:
     @staticmethod
     def add(layer, received: torch.Tensor, decay: float) -> None:
         """Decay every score of the first ``received.shape[-1]`` slots by ``decay``, then add ``received``."""
-        stop = received.shape[-1]
-        scores = layer.storage.read("scores", stop)
-        scores.mul_(decay).add_(received)
-        if not layer.storage.reads_views(stop):
-            layer.storage.write_prefix("scores", scores)
+        layer.storage.decay_add("scores", received, decay)
 
     def received(self, layer, step) -> torch.Tensor:
         """``[batch, heads, slots]``: the mean attention each entry received from the pass's observed queries (a
