@@ -116,3 +116,17 @@ def test_moves_within_segments_are_index_copies_from_each_segments_start():
     target = (starts[..., None] + targets)[lanes]
     for mine, tensor in zip(moved, fields, strict=True):
         assert torch.equal(mine, tensor.clone().index_copy_(0, target, tensor.index_select(0, source)))
+
+
+def test_appended_rows_land_after_each_segments_entries():
+    """Oracle: ``index_copy_`` at ``start + length + i`` for each segment, in (row, head, i) order, and zeros
+    written there for the zeroed fields; every other slot unchanged."""
+    generator = torch.Generator().manual_seed(6)
+    codes, scores = torch.randint(0, 255, (30, 5), dtype=torch.uint8, generator=generator), torch.randn(30)
+    starts, lengths = torch.tensor([[0, 7], [14, 22]]), torch.tensor([[3, 5], [0, 6]])
+    values = torch.randint(0, 255, (2, 2, 2, 5), dtype=torch.uint8, generator=generator)
+    index = ((starts + lengths)[..., None] + torch.arange(2)).flatten()
+    expected_codes = codes.clone().index_copy_(0, index, values.reshape(-1, 5))
+    expected_scores = scores.clone().index_fill_(0, index, 0.0)
+    _native.append_rows([codes], [values], [scores], starts, lengths, 2)
+    assert torch.equal(codes, expected_codes) and torch.equal(scores, expected_scores)

@@ -169,3 +169,12 @@ def move_in_segments(
     is written."""
     torch.ops.decodekit.move_in_segments(tensors, starts, _int64(sources), _int64(targets),
                                          None if lanes is None else lanes.contiguous())  # fmt: skip
+
+
+def append_rows(
+    tensors: list[torch.Tensor], values: list[torch.Tensor], zeroed: list[torch.Tensor], starts: torch.Tensor,
+    lengths: torch.Tensor, count: int,
+) -> None:
+    """Write each of ``values`` (``[batch, heads, count, ...]``, its tensor's dtype) into the matching of ``tensors``
+    after each segment's entries (from ``starts`` and ``lengths``), and zero those slots of ``zeroed``."""
+    torch.ops.decodekit.append_rows(tensors, [value.contiguous() for value in values], zeroed, starts, lengths, count)

@@ -299,10 +299,28 @@ class EntryStorage:
             for name, entry in entries.items():
                 target = self.tensor(name).narrow(2, least, count)
                 target.copy_(entry) if isinstance(entry, torch.Tensor) else target.fill_(entry)
+        elif _native.runs_on(self.device) and all(isinstance(entry, torch.Tensor) or entry == 0
+                                                 for entry in entries.values()):
+            full = (self.batch, self.heads, count)
+            named = [(name, self._as_field(name, entry, full)) for name, entry in entries.items()
+                     if isinstance(entry, torch.Tensor)]  # fmt: skip
+            zeroed = [self.flat[name] for name, entry in entries.items() if not isinstance(entry, torch.Tensor)]
+            _native.append_rows([self.flat[name] for name, _ in named], [entry for _, entry in named], zeroed,
+                                self.starts, self.lengths, count)  # fmt: skip
         else:
             index = (self.starts + self.lengths)[..., None] + torch.arange(count, device=self.device)
             self.write_at(index.flatten(), entries, count)
         self._add_to_lengths(count)
+
+    def _as_field(self, name: str, entry: torch.Tensor, full: tuple[int, int, int]) -> torch.Tensor:
+        """``entry`` in field ``name``'s dtype, expanded to ``full`` (``[batch, heads, count]``) and its trailing
+        shape."""
+        field = self.fields[name]
+        if entry.dtype != field.dtype:
+            entry = entry.to(field.dtype)
+        if tuple(entry.shape[:3]) != full:
+            entry = entry.expand(*full, *field.trailing)
+        return entry
 
     def write_at(self, flat_index: torch.Tensor, entries: dict[str, torch.Tensor | float | bool], count: int) -> None:
         """Write ``entries`` (each ``[batch, heads, count, ...]`` or one value) at the flat slots ``flat_index``."""
@@ -314,10 +332,7 @@ class EntryStorage:
             if not isinstance(entry, torch.Tensor):
                 self.flat[name].index_fill_(0, flat_index, entry)
                 continue
-            if entry.dtype != field.dtype:
-                entry = entry.to(field.dtype)
-            if tuple(entry.shape[:3]) != full:
-                entry = entry.expand(*full, *field.trailing)
+            entry = self._as_field(name, entry, full)
             if native:  # (any shape: the operator reads the rows' bytes in order)
                 targets.append(self.flat[name])
                 rows.append(entry)

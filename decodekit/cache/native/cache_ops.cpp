@@ -619,6 +619,43 @@ void write_rows(const std::vector<torch::Tensor>& tensors, const torch::Tensor& 
   }
 }
 
+// For each tensor of `tensors` (a storage's fields), write the matching tensor of `values` ([batch, heads, count,
+// ...] rows in that order, the tensor's dtype) after each segment's entries: at the slots start + length + i (from
+// `starts` and `lengths`, int64 [batch, heads]); and zero those slots of each tensor of `zeroed`.
+void append_rows(const std::vector<torch::Tensor>& tensors, const std::vector<torch::Tensor>& values,
+                 const std::vector<torch::Tensor>& zeroed, const torch::Tensor& starts, const torch::Tensor& lengths,
+                 int64_t count) {
+  TORCH_CHECK(tensors.size() == values.size(), "append_rows: one values tensor per tensor");
+  TORCH_CHECK(starts.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 &&
+              starts.is_contiguous() && lengths.is_contiguous() && starts.numel() == lengths.numel(),
+              "append_rows: int64 starts and lengths [batch, heads]");
+  const int64_t units = starts.numel();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  auto each_slot = [&](const torch::Tensor& tensor, auto write) {
+    const auto [row_bytes, data] = rows_of(tensor);
+    const int64_t rows = tensor.size(0);
+    for (int64_t unit = 0; unit < units; ++unit)
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t slot = start[unit] + length[unit] + i;
+        TORCH_CHECK(slot >= 0 && slot < rows, "append_rows: a slot out of range");
+        write(data + slot * row_bytes, unit * count + i, row_bytes);
+      }
+  };
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const auto& written = values[k];
+    TORCH_CHECK(written.is_contiguous() && written.scalar_type() == tensors[k].scalar_type() &&
+                written.numel() * written.element_size() == units * count * rows_of(tensors[k]).first,
+                "append_rows: values of the rows' shape");
+    const auto* from = static_cast<const uint8_t*>(written.data_ptr());
+    each_slot(tensors[k], [&](uint8_t* row, int64_t index, int64_t bytes) {
+      std::memcpy(row, from + index * bytes, bytes);
+    });
+  }
+  for (const auto& tensor : zeroed)
+    each_slot(tensor, [](uint8_t* row, int64_t, int64_t bytes) { std::memset(row, 0, bytes); });
+}
+
 // In `flat` (float32 [slots], a storage's field), each segment's first min(length, stop) slots (from `starts`, int64
 // [batch, heads]) decayed by `decay`, then `added` (float32 [batch, heads, stop]) added: a multiplication then an
 // addition, each rounded, as PyTorch's mul_ then add_ round them.
@@ -658,6 +695,7 @@ TORCH_LIBRARY(decodekit, library) {
   library.def("copy_rows(Tensor(a!)[] tensors, Tensor source, Tensor target) -> ()");
   library.def("write_rows(Tensor(a!)[] tensors, Tensor index, Tensor[] values) -> ()");
   library.def("move_in_segments(Tensor(a!)[] tensors, Tensor starts, Tensor sources, Tensor targets, Tensor? lanes) -> ()");
+  library.def("append_rows(Tensor(a!)[] tensors, Tensor[] values, Tensor(b!)[] zeroed, Tensor starts, Tensor lengths, int count) -> ()");
   library.def("decay_add(Tensor(a!) flat, Tensor starts, Tensor lengths, Tensor added, float decay) -> ()");
 }
 
@@ -667,5 +705,6 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
   library.impl("copy_rows", &copy_rows);
   library.impl("write_rows", &write_rows);
   library.impl("decay_add", &decay_add);
+  library.impl("append_rows", &append_rows);
   library.impl("move_in_segments", &move_in_segments);
 }
