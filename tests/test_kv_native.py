@@ -130,3 +130,32 @@ def test_appended_rows_land_after_each_segments_entries():
     expected_scores = scores.clone().index_fill_(0, index, 0.0)
     _native.append_rows([codes], [values], [scores], starts, lengths, 2)
     assert torch.equal(codes, expected_codes) and torch.equal(scores, expected_scores)
+
+
+def test_a_storage_laid_out_again_keeps_every_segments_entries(monkeypatch):
+    """A storage whose segments hold 5, 2, 7 and 0 entries grows one segment and then reorders its rows (a beam's
+    reorder): every segment's entries read the same as the PyTorch relayout's (oracle: the operators turned off)."""
+    import numpy as np
+
+    from decodekit.cache.storage import EntryStorage, Field
+
+    def build(native: bool) -> EntryStorage:
+        with monkeypatch.context() as patched:
+            if not native:
+                patched.setattr(_native, "runs_on", lambda device: False)
+            fields = {"keys": Field((6,), torch.float16), "positions": Field((), torch.int32)}
+            storage = EntryStorage(fields, 2, 2, 8, "cpu")
+            generator = torch.Generator().manual_seed(7)
+            keys = torch.randn(2, 2, 7, 6, generator=generator).half()
+            storage.append({"keys": keys, "positions": torch.arange(7, dtype=torch.int32).expand(2, 2, 7)}, 7)
+            storage.keep(torch.arange(7).expand(2, 2, 7), np.array([[5, 2], [7, 0]]))
+            storage.reserve(np.array([[5, 12], [7, 0]]), room=3)
+            storage.select_rows(torch.tensor([1, 0, 1]))
+            return storage
+
+    native, oracle = build(True), build(False)
+    assert np.array_equal(native.lengths_host, oracle.lengths_host)
+    assert np.array_equal(native.capacities, oracle.capacities)
+    valid = oracle.valid(7)
+    for name in ("keys", "positions"):
+        assert torch.equal(native.read(name, 7)[valid], oracle.read(name, 7)[valid])

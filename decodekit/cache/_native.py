@@ -178,3 +178,13 @@ def append_rows(
     """Write each of ``values`` (``[batch, heads, count, ...]``, its tensor's dtype) into the matching of ``tensors``
     after each segment's entries (from ``starts`` and ``lengths``), and zero those slots of ``zeroed``."""
     torch.ops.decodekit.append_rows(tensors, [value.contiguous() for value in values], zeroed, starts, lengths, count)
+
+
+def copy_segments(
+    sources: list[torch.Tensor], targets: list[torch.Tensor], old_starts: torch.Tensor, segments: torch.Tensor,
+    new_starts: torch.Tensor, lengths: torch.Tensor,
+) -> None:
+    """A storage laid out again: for each field's old and new tensor, each new segment's ``lengths`` entries copied as
+    one block from the old segment ``segments`` (a flat index into ``old_starts``) to ``new_starts``."""
+    torch.ops.decodekit.copy_segments(sources, targets, old_starts.contiguous(), _int64(segments),
+                                      new_starts.contiguous(), lengths.contiguous())  # fmt: skip

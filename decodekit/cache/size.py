@@ -74,7 +74,7 @@ def layer_caps(config: Any) -> list[float]:
 # The least room a decoding step reserves after a layer's entries when it finds none, so that a layer whose
 # target grows with the tokens seen (a ratio, a size in bytes) and evicts at every step copies its entries into
 # a larger tensor once every few steps of growth, not at every one.
-GROWTH_ROOM = 16
+GROWTH_ROOM = 4
 
 
 def reserved_room(eviction_interval: int, grows: bool) -> int:
@@ -83,7 +83,7 @@ def reserved_room(eviction_interval: int, grows: bool) -> int:
 
     Example:
         >>> reserved_room(8, grows=False), reserved_room(1, grows=False), reserved_room(1, grows=True)
-        (8, 1, 16)
+        (8, 1, 4)
     """
     return max(eviction_interval, GROWTH_ROOM) if grows else eviction_interval
 

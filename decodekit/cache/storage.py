@@ -162,6 +162,10 @@ class EntryStorage:
         longest = self.length_range[1]
         if longest == 0:
             return
+        if _native.runs_on(self.device):  # (each segment's entries copied as one block, every field at once)
+            _native.copy_segments([old[name] for name in self.flat], list(self.flat.values()), old_starts, source,
+                                  self.starts, self.lengths)  # fmt: skip
+            return
         slots = torch.arange(longest, device=self.device)
         from_index = old_starts.flatten()[source.flatten()].view(self.batch, self.heads, 1) + slots
         valid = slots < self.lengths[..., None]

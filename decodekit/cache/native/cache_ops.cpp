@@ -656,6 +656,38 @@ void append_rows(const std::vector<torch::Tensor>& tensors, const std::vector<to
     each_slot(tensor, [](uint8_t* row, int64_t, int64_t bytes) { std::memset(row, 0, bytes); });
 }
 
+// A storage laid out again: for each pair of `sources` and `targets` (the old and new tensors of a field), each new
+// segment's `lengths` entries (int64 [batch, heads]) copied from the old segment `segments` (int64 [batch, heads],
+// a flat index into `old_starts`) to the new segment's start (`new_starts`, int64 [batch, heads]), as one block.
+void copy_segments(const std::vector<torch::Tensor>& sources, const std::vector<torch::Tensor>& targets,
+                   const torch::Tensor& old_starts, const torch::Tensor& segments, const torch::Tensor& new_starts,
+                   const torch::Tensor& lengths) {
+  TORCH_CHECK(sources.size() == targets.size(), "copy_segments: one target per source");
+  for (const auto* index : {&old_starts, &segments, &new_starts, &lengths})
+    TORCH_CHECK(index->scalar_type() == torch::kInt64 && index->is_contiguous(), "copy_segments: contiguous int64");
+  TORCH_CHECK(segments.numel() == new_starts.numel() && lengths.numel() == new_starts.numel(),
+              "copy_segments: one segment, start and length per new segment");
+  const int64_t units = new_starts.numel(), old_units = old_starts.numel();
+  const int64_t* old_start = old_starts.data_ptr<int64_t>();
+  const int64_t* segment = segments.data_ptr<int64_t>();
+  const int64_t* new_start = new_starts.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (size_t k = 0; k < sources.size(); ++k) {
+    const auto [row_bytes, from] = rows_of(sources[k]);
+    const auto [target_row_bytes, to] = rows_of(targets[k]);
+    TORCH_CHECK(row_bytes == target_row_bytes && sources[k].scalar_type() == targets[k].scalar_type(),
+                "copy_segments: a field's old and new rows must match");
+    const int64_t old_rows = sources[k].size(0), new_rows = targets[k].size(0);
+    for (int64_t unit = 0; unit < units; ++unit) {
+      TORCH_CHECK(segment[unit] >= 0 && segment[unit] < old_units, "copy_segments: a segment out of range");
+      const int64_t first = old_start[segment[unit]], count = length[unit];
+      TORCH_CHECK(count >= 0 && first >= 0 && first + count <= old_rows && new_start[unit] >= 0 &&
+                  new_start[unit] + count <= new_rows, "copy_segments: a segment out of range");
+      std::memcpy(to + new_start[unit] * row_bytes, from + first * row_bytes, count * row_bytes);
+    }
+  }
+}
+
 // In `flat` (float32 [slots], a storage's field), each segment's first min(length, stop) slots (from `starts`, int64
 // [batch, heads]) decayed by `decay`, then `added` (float32 [batch, heads, stop]) added: a multiplication then an
 // addition, each rounded, as PyTorch's mul_ then add_ round them.
@@ -696,6 +728,7 @@ TORCH_LIBRARY(decodekit, library) {
   library.def("write_rows(Tensor(a!)[] tensors, Tensor index, Tensor[] values) -> ()");
   library.def("move_in_segments(Tensor(a!)[] tensors, Tensor starts, Tensor sources, Tensor targets, Tensor? lanes) -> ()");
   library.def("append_rows(Tensor(a!)[] tensors, Tensor[] values, Tensor(b!)[] zeroed, Tensor starts, Tensor lengths, int count) -> ()");
+  library.def("copy_segments(Tensor[] sources, Tensor(a!)[] targets, Tensor old_starts, Tensor segments, Tensor new_starts, Tensor lengths) -> ()");
   library.def("decay_add(Tensor(a!) flat, Tensor starts, Tensor lengths, Tensor added, float decay) -> ()");
 }
 
@@ -705,6 +738,7 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
   library.impl("copy_rows", &copy_rows);
   library.impl("write_rows", &write_rows);
   library.impl("decay_add", &decay_add);
+  library.impl("copy_segments", &copy_segments);
   library.impl("append_rows", &append_rows);
   library.impl("move_in_segments", &move_in_segments);
 }
