@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import decodekit
-from decodekit.cache import CompressedCache, joint
+from decodekit.cache import CompressedCache, _native, joint
 from decodekit.cache import layer as layer_module
 from decodekit.cache.eviction import removal_moves
 from decodekit.cache.scorers.attention import AttentionScorer
@@ -187,9 +187,16 @@ def test_waiting_scores_and_moves_of_the_newest_entries_change_nothing(fresh, mo
         moved.append(True)
         return removal_moves(*args, **kwargs)
 
+    evict_one = _native.evict_one
+
+    def recording_evict_one(*args):
+        moved.append(True)
+        return evict_one(*args)
+
     monkeypatch.setattr(AttentionScorer, "may_wait", recording_wait)
     monkeypatch.setattr(layer_module, "removal_moves", recording_moves)  # (alone)
     monkeypatch.setattr(joint, "removal_moves", recording_moves)  # (with the other layers)
+    monkeypatch.setattr(_native, "evict_one", recording_evict_one)  # (one entry a segment, on a CPU)
     quick = CompressedCache(model, **kwargs)
     quick_tokens = _decode_with_interruptions(model, quick, batch, steps=30)
     assert any(waited) == (quick.options.size.eviction_interval > 1)
@@ -197,6 +204,7 @@ def test_waiting_scores_and_moves_of_the_newest_entries_change_nothing(fresh, mo
     monkeypatch.setattr(AttentionScorer, "may_wait", lambda self, layer, step: False)
     for module in (layer_module, joint):
         monkeypatch.setattr(module, "removal_moves", lambda *args, **kwargs: pytest.fail("an eviction moved entries"))
+    monkeypatch.setattr(_native, "evict_one", lambda *args: pytest.fail("an eviction moved entries"))
     monkeypatch.setattr("decodekit.cache.layer.MOVES_AT_MOST", 0.0)
     full = CompressedCache(model, **kwargs)
     full_tokens = _decode_with_interruptions(model, full, batch, steps=30)

@@ -159,3 +159,52 @@ def test_a_storage_laid_out_again_keeps_every_segments_entries(monkeypatch):
     valid = oracle.valid(7)
     for name in ("keys", "positions"):
         assert torch.equal(native.read(name, 7)[valid], oracle.read(name, 7)[valid])
+
+
+@pytest.mark.parametrize("case", ["byte-sized", "sliding window", "sliding window, padded rows"])
+def test_evicting_one_entry_a_segment_natively_keeps_what_pytorch_keeps(tiny, monkeypatch, case):
+    """Oracle: the same cache with the eviction in PyTorch (``protect``, ``lowest``, ``removal_moves``): after each
+    of 12 greedy steps every layer keeps the same positions in the same slots and the logits are equal, for the
+    byte-sized cache (reconstruction scores, heads of their own lengths, the first layer refit) and for attention
+    scores times value norms on a sliding-window model, alone and in a left-padded batch."""
+    from decodekit.cache import CompressedCache
+    from decodekit.cache.layer import CompressedLayer
+    from tests.decode_steps import prompt_batch
+    from tests.families import build_family_model
+    from tests.tiny import build_model
+
+    calls = []
+    original = _native.evict_one
+    monkeypatch.setattr(_native, "evict_one", lambda *args: calls.append(1) or original(*args))
+    if case == "byte-sized":
+        model = build_model(tiny[1])
+        batch = prompt_batch(tiny[1])
+        options = {"memory_fraction": 0.25, "scoring": "reconstruction"}
+    else:
+        model = build_family_model("mistral-sliding")
+        rows = 2 if case.endswith("padded rows") else 1
+        ids = torch.randint(3, 300, (rows, 40), generator=torch.Generator().manual_seed(2))
+        mask = torch.ones_like(ids)
+        mask[1:, :5] = 0  # (the second row left-padded)
+        batch = {"input_ids": ids, "attention_mask": mask}
+        options = {"budget": 20, "sink_tokens": 2, "recent_tokens": 4, "eviction_interval": 1}
+
+    def run():
+        cache = CompressedCache(model, **options)
+        mask, steps = batch["attention_mask"], []
+        with torch.no_grad():
+            last = model(**batch, past_key_values=cache).logits[:, -1]
+            for _ in range(12):
+                token = last.argmax(dim=-1, keepdim=True)
+                mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+                positions = mask.sum(dim=-1, keepdim=True) - 1
+                last = model(token, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
+                steps.append((last, [layer.storage.read("positions").clone() for layer in cache.layers]))
+        return steps
+
+    native = run()
+    assert calls, "the operator evicted nothing"
+    monkeypatch.setattr(CompressedLayer, "_evicts_natively", lambda self: False)
+    for (ours, kept), (theirs, expected) in zip(native, run(), strict=True):
+        assert torch.equal(ours, theirs)
+        assert all(torch.equal(a, b) for a, b in zip(kept, expected, strict=True))

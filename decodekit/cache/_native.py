@@ -8,7 +8,8 @@
 - ``encode``: ``Quantizer``'s coding of entries (scales rounded up and offsets down in the stored dtype, codes
   packed), equal to the PyTorch code's bytes, in one operator where that launches about twenty.
 - ``copy_rows`` and ``write_rows``: a storage's moves and writes of entries, every field at once (one operator where
-  an ``index_copy_`` per field launches one to two a field); ``decay_add``: scores decayed and added to in place.
+  an ``index_copy_`` per field launches one to two a field); ``decay_add``: scores decayed and added to in place;
+  ``evict_one``: an eviction of one entry a segment (its priority, its victim, the last entry moved into its slot).
 
 The source (``native/cache_ops.cpp``) is built with PyTorch's C++ extension tools the first time it is needed (about
 half a minute; a C++ compiler and ninja are needed) and kept in PyTorch's extensions folder
@@ -188,3 +189,14 @@ def copy_segments(
     one block from the old segment ``segments`` (a flat index into ``old_starts``) to ``new_starts``."""
     torch.ops.decodekit.copy_segments(sources, targets, old_starts.contiguous(), _int64(segments),
                                       new_starts.contiguous(), lengths.contiguous())  # fmt: skip
+
+
+def evict_one(
+    fields: list[torch.Tensor], scores: torch.Tensor, value_norms: torch.Tensor | None, positions: torch.Tensor,
+    starts: torch.Tensor, lengths: torch.Tensor, drops: torch.Tensor, seen: int, sink_tokens: int,
+    recent_tokens: int, pads: torch.Tensor | None, window: int, protected_rank: float,
+) -> None:
+    """Evict the lowest-priority entry of each segment whose ``drops`` is 1 (``eviction.protect``'s priority, from
+    ``scores`` times ``value_norms``), moving the segment's last entry into its slot in every field."""
+    torch.ops.decodekit.evict_one(fields, scores, value_norms, positions, starts, lengths, drops, seen, sink_tokens,
+                                  recent_tokens, pads, window, protected_rank)  # fmt: skip

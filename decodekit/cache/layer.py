@@ -26,7 +26,7 @@ import decodekit.cache._native as _native
 import decodekit.cache.attention as attention
 import decodekit.cache.compiled as compiled
 import decodekit.cache.matching as matching
-from decodekit.cache.eviction import best_in_slot_order, lowest, protect, removal_moves
+from decodekit.cache.eviction import PROTECTED, best_in_slot_order, lowest, protect, removal_moves
 from decodekit.cache.joint import Eviction, LayerGroup
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import hadamard, rotation_block
@@ -739,19 +739,41 @@ class CompressedLayer(CacheLayerMixin):
         prompt = self.matched and self.prompt_queries is not None
         before = tuple(part.clone() for part in self.decoded()) if prompt else None  # (the eviction moves entries)
         longest = self.longest
-        priority = self.priority(longest)
-        valid = storage.valid(longest)
         if self.moves_few(eviction):  # few go: the last entries of each segment move into their slots
-            victims = lowest(priority, valid, most)
-            sources, destinations, lanes = removal_moves(victims, storage.lengths, self._on_device(drops))
-            storage.move(sources, destinations, lanes)
+            if most == 1 and not prompt and self._evicts_natively():  # (one a segment: one C++ operator)
+                self._evict_one_natively(drops)
+            else:
+                victims = lowest(self.priority(longest), storage.valid(longest), most)
+                sources, destinations, lanes = removal_moves(victims, storage.lengths, self._on_device(drops))
+                storage.move(sources, destinations, lanes)
             storage.set_lengths(keep)
         else:
+            priority, valid = self.priority(longest), storage.valid(longest)
             storage.keep(best_in_slot_order(priority, valid, int(keep.max()), self._on_device(keep)), keep)
         if prompt:
             self._refit(before)
         self._quiet_steps = int((targets - keep).min())
         self._prepare_steps()
+
+    def _evicts_natively(self) -> bool:
+        """Whether an eviction of one entry a segment runs as one C++ operator (``_native.evict_one``): on a CPU
+        where it is built, for a scorer that ranks by its scores (times the values' norms), as ``priority`` does."""
+        ranked = self.scorer.ranked_fields()
+        return ranked is not None and ranked[0] == "scores" and _native.runs_on(self.storage.device)
+
+    def _evict_one_natively(self, drops: np.ndarray) -> None:
+        """``evict_now``'s one entry a segment, where ``drops[b, h]`` is 1: the lowest ``priority`` goes, the segment's
+        last entry takes its slot (the caller sets the lengths)."""
+        storage, size = self.storage, self.options.size
+        flat = storage.flat
+        pads = torch.from_numpy(np.ascontiguousarray(self.pads, dtype=np.int64)) if self.pads.any() else None
+        ranked = self.scorer.ranked_fields()
+        norms = flat[ranked[1]] if len(ranked) > 1 else None
+        _native.evict_one(
+            list(flat.values()), flat["scores"], norms, flat["positions"], storage.starts,
+            storage.lengths, torch.from_numpy(np.ascontiguousarray(drops, dtype=np.int64)), self.seen,
+            size.sink_tokens, size.recent_tokens, pads, self.window or 0, PROTECTED,
+        )  # fmt: skip
 
     def _refit(self, before: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Refit what the prompt kept (``matching.refit``) against every prompt entry it held (``before``)."""

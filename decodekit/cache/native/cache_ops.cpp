@@ -688,6 +688,70 @@ void copy_segments(const std::vector<torch::Tensor>& sources, const std::vector<
   }
 }
 
+// One entry evicted from each segment whose `drops` (int64 [batch, heads]) is 1: the valid entry of lowest priority
+// (the first such slot; a NaN ranks lowest), where priority is the score (times the value's norm where
+// `value_norms` is given), raised to `protected_rank` for the sinks (positions below the row's `pads` plus
+// `sink_tokens`) and the recent tokens (from `seen` - `recent_tokens`), and under a `window` (0: none) lowered to
+// -`protected_rank` for the positions at or below `seen` - `window`. The segment's last entry moves into its slot
+// (every field of `fields`); the caller sets the lengths. What eviction.py's protect, lowest and removal_moves do.
+void evict_one(const std::vector<torch::Tensor>& fields, const torch::Tensor& scores,
+               const c10::optional<torch::Tensor>& value_norms, const torch::Tensor& positions,
+               const torch::Tensor& starts, const torch::Tensor& lengths, const torch::Tensor& drops, int64_t seen,
+               int64_t sink_tokens, int64_t recent_tokens, const c10::optional<torch::Tensor>& pads, int64_t window,
+               double protected_rank) {
+  TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && positions.scalar_type() == torch::kInt32 &&
+              scores.is_contiguous() && positions.is_contiguous(), "evict_one: float32 scores, int32 positions");
+  for (const auto* index : {&starts, &lengths, &drops})
+    TORCH_CHECK(index->scalar_type() == torch::kInt64 && index->is_contiguous() && index->numel() == starts.numel(),
+                "evict_one: int64 starts, lengths and drops [batch, heads]");
+  const float* norms = nullptr;
+  if (value_norms.has_value()) {
+    TORCH_CHECK(value_norms->scalar_type() == torch::kFloat32 && value_norms->is_contiguous(),
+                "evict_one: float32 value norms");
+    norms = value_norms->data_ptr<float>();
+  }
+  const int64_t* pad = nullptr;
+  if (pads.has_value()) {
+    TORCH_CHECK(pads->scalar_type() == torch::kInt64 && pads->is_contiguous() && pads->numel() == starts.size(0),
+                "evict_one: int64 pads [batch]");
+    pad = pads->data_ptr<int64_t>();
+  }
+  const int64_t heads = starts.size(1), units = starts.numel(), slots = scores.numel();
+  const float* score = scores.data_ptr<float>();
+  const int32_t* position = positions.data_ptr<int32_t>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t* drop = drops.data_ptr<int64_t>();
+  const float high = static_cast<float>(protected_rank), low = -high;
+  for (int64_t unit = 0; unit < units; ++unit) {
+    if (drop[unit] <= 0) continue;
+    TORCH_CHECK(drop[unit] == 1, "evict_one: one entry a segment at most");
+    const int64_t first = start[unit], count = length[unit];
+    TORCH_CHECK(count >= 1 && first >= 0 && first + count <= slots, "evict_one: a segment out of range");
+    const int64_t sinks_below = (pad != nullptr ? pad[unit / heads] : 0) + sink_tokens;
+    int64_t victim = 0;
+    float least = std::numeric_limits<float>::infinity();
+    bool found = false;
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t at = position[first + s];
+      float rank = norms != nullptr ? score[first + s] * norms[first + s] : score[first + s];
+      if (at < sinks_below || at >= seen - recent_tokens) rank = high;
+      if (window > 0 && at <= seen - window) rank = low;
+      if (std::isnan(rank)) {
+        victim = s;
+        break;
+      }
+      if (!found || rank < least) least = rank, victim = s, found = true;
+    }
+    const int64_t tail = count - 1;
+    if (victim == tail) continue;
+    for (const auto& tensor : fields) {
+      const auto [row_bytes, data] = rows_of(tensor);
+      std::memcpy(data + (first + victim) * row_bytes, data + (first + tail) * row_bytes, row_bytes);
+    }
+  }
+}
+
 // In `flat` (float32 [slots], a storage's field), each segment's first min(length, stop) slots (from `starts`, int64
 // [batch, heads]) decayed by `decay`, then `added` (float32 [batch, heads, stop]) added: a multiplication then an
 // addition, each rounded, as PyTorch's mul_ then add_ round them.
@@ -729,6 +793,7 @@ TORCH_LIBRARY(decodekit, library) {
   library.def("move_in_segments(Tensor(a!)[] tensors, Tensor starts, Tensor sources, Tensor targets, Tensor? lanes) -> ()");
   library.def("append_rows(Tensor(a!)[] tensors, Tensor[] values, Tensor(b!)[] zeroed, Tensor starts, Tensor lengths, int count) -> ()");
   library.def("copy_segments(Tensor[] sources, Tensor(a!)[] targets, Tensor old_starts, Tensor segments, Tensor new_starts, Tensor lengths) -> ()");
+  library.def("evict_one(Tensor(a!)[] fields, Tensor scores, Tensor? value_norms, Tensor positions, Tensor starts, Tensor lengths, Tensor drops, int seen, int sink_tokens, int recent_tokens, Tensor? pads, int window, float protected_rank) -> ()");
   library.def("decay_add(Tensor(a!) flat, Tensor starts, Tensor lengths, Tensor added, float decay) -> ()");
 }
 
@@ -738,6 +803,7 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
   library.impl("copy_rows", &copy_rows);
   library.impl("write_rows", &write_rows);
   library.impl("decay_add", &decay_add);
+  library.impl("evict_one", &evict_one);
   library.impl("copy_segments", &copy_segments);
   library.impl("append_rows", &append_rows);
   library.impl("move_in_segments", &move_in_segments);

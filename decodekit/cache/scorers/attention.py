@@ -160,6 +160,11 @@ class AttentionScorer:
         scores = grids["scores"][..., :stop]
         return scores * grids["value_norms"][..., :stop] if "value_norms" in grids else scores
 
+    def ranked_fields(self) -> tuple[str, ...] | None:
+        """The storage fields whose product ``importance`` is (None where it is computed otherwise), so that an
+        eviction may rank entries where they lie."""
+        return tuple(self.fields())
+
     def importance(self, layer, stop: int) -> torch.Tensor:
         """``[batch, heads, stop]``: what eviction ranks the entries by, before the sinks and the recent window are
         protected: the score, times the value's norm where the options say so."""

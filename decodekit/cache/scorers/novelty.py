@@ -14,6 +14,10 @@ from decodekit.cache.scorers.attention import AttentionScorer
 class NoveltyScorer(AttentionScorer):
     """Scores by attention, ranks by the better of attention and key novelty (``scoring="attention+novelty"``)."""
 
+    def ranked_fields(self) -> None:
+        """None: the importance is a rank computed from the keys as well."""
+        return None
+
     def importance(self, layer, stop: int) -> torch.Tensor:
         """Each entry's better rank, as a fraction of its row and head's entries, under attention (``importance`` of
         ``AttentionScorer``) and under its key's novelty; ties go by the other rank, then by attention. Float64."""
