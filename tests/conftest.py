@@ -27,6 +27,14 @@ if not torch.cuda.is_available():
 from tests.tiny import save_tiny_model
 
 
+def pytest_sessionstart(session) -> None:
+    """Build the cache's CPU operators before any test runs (once per fresh home: about half a minute, which would
+    otherwise fall inside whichever timed test first decodes a compressed cache; workers wait on PyTorch's lock)."""
+    from decodekit.cache import _native
+
+    _native.available()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A directory holding the tiny model and tokenizer, loadable with ``load_model(dir)``."""

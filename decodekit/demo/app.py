@@ -24,6 +24,7 @@ import gradio as gr
 import pandas as pd
 
 from decodekit._validation import as_integer, as_real, check_int
+from decodekit.cache import _native
 from decodekit.demo.access import is_loopback
 from decodekit.demo.engine import Stats, Update, stream
 from decodekit.fields import BY_NAME, FIELDS, SAMPLING_FIELDS
@@ -574,6 +575,8 @@ def launch(
     lets anyone who reaches the port in, which the start message says when ``host`` is not loopback.
     """
     limits = limits or DemoLimits()
+    if str(getattr(model, "device", "cpu")).startswith("cpu"):  # the cache's CPU operators, built once, meanwhile
+        threading.Thread(target=_native.available, name="decodekit-cpu-operators", daemon=True).start()
     app = build_app(model, tokenizer, limits).queue(max_size=limits.max_queue)
     # quiet: Gradio's banner suggests share=True, which the command line does not offer; say where instead.
     app.launch(
