@@ -94,12 +94,8 @@ def step_attention(
     window: int | None = None,
     query_position: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoding step's attention for ``query`` ``[batch, heads, 1, head_dim]`` over every entry each segment of
-    ``storage`` stored before the step (its last entry is the step's own, read exact from ``own_keys`` and
-    ``own_values``, ``[batch, kv_heads, 1, head_dim]``). ``widths``: the key and value bits (None: stored as they
-    are); ``group_size``: channels per scale. Returns the output ``[batch, 1, heads, head_dim]`` in the query's dtype
-    and each slot's probability summed over the query heads of its KV head, ``[batch, kv_heads, slots]`` (the step's
-    own token at each segment's last slot), as ``_triton_attention.step_attention`` does."""
+    """``_triton_attention.step_attention`` on a CPU: the same arguments, the same results (the output ``[batch, 1,
+    heads, head_dim]`` in the query's dtype, each slot's probability summed over its KV head's query heads)."""
     if not available():
         raise RuntimeError("the cache's CPU operators are not available (see _native.available())")
     key_codes, key_scales, key_offsets, key_bits = _part(storage, "keys", widths[0])

@@ -213,6 +213,36 @@ inline void softmax_rows(float* logits, int64_t rows, int64_t width) {
   }
 }
 
+// The step's own token's logits (read exact) put after a (row, KV head)'s `count` stored logits, each query head's
+// softmax taken, and each slot's probability summed over the query heads written to `received`; returns that row.
+inline float* with_own_token(const Step& step, const float* queries, int64_t unit, int64_t count,
+                             std::vector<float>& logits) {
+  const int64_t group = step.group, head_dim = step.head_dim, width = count + 1;
+  for (int64_t g = 0; g < group; ++g) {
+    float value = dot(queries + g * head_dim, step.own_keys + unit * head_dim, head_dim) * step.scaling;
+    if (step.softcap > 0) value = step.softcap * std::tanh(value / step.softcap);
+    logits[g * width + count] = value;
+  }
+  softmax_rows(logits.data(), group, width);
+  float* taken = step.received + unit * step.slots;
+  for (int64_t s = 0; s < step.slots; ++s) taken[s] = 0.f;
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t s = 0; s < width; ++s) taken[s] += logits[g * width + s];
+  return taken;
+}
+
+// Each query head's output: the stored values weighed (`total`, [group, head_dim]) plus its own value's share.
+inline void write_output(const Step& step, int64_t unit, int64_t count, const std::vector<float>& logits,
+                         const float* total) {
+  const int64_t group = step.group, head_dim = step.head_dim, width = count + 1;
+  const float* own_value = step.own_values + unit * head_dim;
+  for (int64_t g = 0; g < group; ++g) {
+    const float weight = logits[g * width + count];
+    float* out = step.output + (unit * group + g) * head_dim;
+    for (int64_t c = 0; c < head_dim; ++c) out[c] = total[g * head_dim + c] + weight * own_value[c];
+  }
+}
+
 // One (row, KV head): its logits, softmax, received probabilities and output.
 template <typename Scale>
 void attend_unit(const Step& step, const Part<Scale>& keys, const Part<Scale>& values, int64_t unit,
@@ -238,16 +268,7 @@ void attend_unit(const Step& step, const Part<Scale>& keys, const Part<Scale>& v
       logits[g * width + slot] = value + bias;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float value = dot(queries + g * head_dim, step.own_keys + unit * head_dim, head_dim) * step.scaling;
-    if (step.softcap > 0) value = step.softcap * std::tanh(value / step.softcap);
-    logits[g * width + count] = value;
-  }
-  softmax_rows(logits.data(), group, width);
-  float* taken = step.received + unit * step.slots;
-  for (int64_t s = 0; s < step.slots; ++s) taken[s] = 0.f;
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t s = 0; s < width; ++s) taken[s] += logits[g * width + s];
+  float* taken = with_own_token(step, queries, unit, count, logits);
   for (int64_t slot = 0; slot < count; ++slot) {
     if (taken[slot] == 0.f) continue;  // (outside the window, or no weight left at all)
     decode(values, start + slot, head_dim, entry);
@@ -258,12 +279,7 @@ void attend_unit(const Step& step, const Part<Scale>& keys, const Part<Scale>& v
       for (int64_t c = 0; c < head_dim; ++c) out[c] += weight * decoded[c];
     }
   }
-  const float* own_value = step.own_values + unit * head_dim;
-  for (int64_t g = 0; g < group; ++g) {
-    const float weight = logits[g * width + count];
-    float* out = step.output + (unit * group + g) * head_dim;
-    for (int64_t c = 0; c < head_dim; ++c) out[c] = total[g * head_dim + c] + weight * own_value[c];
-  }
+  write_output(step, unit, count, logits, total);
 }
 
 #if DECODEKIT_X86
@@ -317,16 +333,7 @@ DECODEKIT_AVX2 void attend_unit_avx2(const Step& step, const Part<Scale>& keys, 
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float value = dot(queries + g * head_dim, step.own_keys + unit * head_dim, head_dim) * step.scaling;
-    if (step.softcap > 0) value = step.softcap * std::tanh(value / step.softcap);
-    logits[g * width + count] = value;
-  }
-  softmax_rows(logits.data(), group, width);
-  float* taken = step.received + unit * step.slots;
-  for (int64_t s = 0; s < step.slots; ++s) taken[s] = 0.f;
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t s = 0; s < width; ++s) taken[s] += logits[g * width + s];
+  float* taken = with_own_token(step, queries, unit, count, logits);
   for (int64_t first = 0; first < count; first += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, count - first);
     for (int64_t j = 0; j < n; ++j) decode_avx2(values, start + first + j, head_dim, block + j * head_dim);
@@ -345,12 +352,7 @@ DECODEKIT_AVX2 void attend_unit_avx2(const Step& step, const Part<Scale>& keys, 
       }
     }
   }
-  const float* own_value = step.own_values + unit * head_dim;
-  for (int64_t g = 0; g < group; ++g) {
-    const float weight = logits[g * width + count];
-    float* out = step.output + (unit * group + g) * head_dim;
-    for (int64_t c = 0; c < head_dim; ++c) out[c] = total[g * head_dim + c] + weight * own_value[c];
-  }
+  write_output(step, unit, count, logits, total);
 }
 #endif
 
