@@ -41,9 +41,10 @@ def available() -> bool:
     """
     if os.environ.get("DECODEKIT_NATIVE", "1") == "0":
         return False
-    with _LOCK:
-        if not _BUILT:
-            _BUILT.append(_build())
+    if not _BUILT:  # (asked at every step: the lock only until the first build was tried)
+        with _LOCK:
+            if not _BUILT:
+                _BUILT.append(_build())
     return _BUILT[0]
 
 
@@ -194,5 +195,6 @@ def evict_one(
 ) -> None:
     """Evict the lowest-priority entry of each segment whose ``drops`` is 1 (``eviction.protect``'s priority, from
     ``scores`` times ``value_norms``), moving the segment's last entry into its slot in every field."""
-    torch.ops.decodekit.evict_one(fields, scores, value_norms, positions, starts, lengths, drops, seen, sink_tokens,
-                                  recent_tokens, pads, window, protected_rank)  # fmt: skip
+    torch.ops.decodekit.evict_one(fields, scores, value_norms, positions, starts, lengths, _int64(drops), seen,
+                                  sink_tokens, recent_tokens, None if pads is None else _int64(pads), window,
+                                  protected_rank)  # fmt: skip

@@ -488,7 +488,7 @@ class CompressedLayer(CacheLayerMixin):
             from decodekit.cache._triton_attention import step_attention
 
             return step_attention
-        if backend == "auto" and device.type == "cpu" and _native.available():
+        if backend == "auto" and _native.runs_on(device):
             return _native.step_attention
         return None
 
@@ -740,8 +740,9 @@ class CompressedLayer(CacheLayerMixin):
         before = tuple(part.clone() for part in self.decoded()) if prompt else None  # (the eviction moves entries)
         longest = self.longest
         if self.moves_few(eviction):  # few go: the last entries of each segment move into their slots
-            if most == 1 and not prompt and self._evicts_natively():  # (one a segment: one C++ operator)
-                self._evict_one_natively(drops)
+            ranked = self._natively_ranked() if most == 1 and not prompt else None
+            if ranked is not None:  # (one a segment: one C++ operator)
+                self._evict_one_natively(drops, ranked)
             else:
                 victims = lowest(self.priority(longest), storage.valid(longest), most)
                 sources, destinations, lanes = removal_moves(victims, storage.lengths, self._on_device(drops))
@@ -755,24 +756,23 @@ class CompressedLayer(CacheLayerMixin):
         self._quiet_steps = int((targets - keep).min())
         self._prepare_steps()
 
-    def _evicts_natively(self) -> bool:
-        """Whether an eviction of one entry a segment runs as one C++ operator (``_native.evict_one``): on a CPU
-        where it is built, for a scorer that ranks by its scores (times the values' norms), as ``priority`` does."""
+    def _natively_ranked(self) -> tuple[str, ...] | None:
+        """The fields an eviction of one entry a segment ranks by where it runs as one C++ operator
+        (``_native.evict_one``): on a CPU where it is built, for a scorer that ranks by its scores (times the values'
+        norms), as ``priority`` does; None elsewhere."""
         ranked = self.scorer.ranked_fields()
-        return ranked is not None and ranked[0] == "scores" and _native.runs_on(self.storage.device)
+        return ranked if ranked is not None and ranked[0] == "scores" and _native.runs_on(self.storage.device) \
+            else None  # fmt: skip
 
-    def _evict_one_natively(self, drops: np.ndarray) -> None:
-        """``evict_now``'s one entry a segment, where ``drops[b, h]`` is 1: the lowest ``priority`` goes, the segment's
-        last entry takes its slot (the caller sets the lengths)."""
+    def _evict_one_natively(self, drops: np.ndarray, ranked: tuple[str, ...]) -> None:
+        """``evict_now``'s one entry a segment, where ``drops[b, h]`` is 1: the lowest ``priority`` by the fields
+        ``ranked`` goes, the segment's last entry takes its slot (the caller sets the lengths)."""
         storage, size = self.storage, self.options.size
         flat = storage.flat
-        pads = torch.from_numpy(np.ascontiguousarray(self.pads, dtype=np.int64)) if self.pads.any() else None
-        ranked = self.scorer.ranked_fields()
-        norms = flat[ranked[1]] if len(ranked) > 1 else None
         _native.evict_one(
-            list(flat.values()), flat["scores"], norms, flat["positions"], storage.starts,
-            storage.lengths, torch.from_numpy(np.ascontiguousarray(drops, dtype=np.int64)), self.seen,
-            size.sink_tokens, size.recent_tokens, pads, self.window or 0, PROTECTED,
+            list(flat.values()), flat[ranked[0]], flat[ranked[1]] if len(ranked) > 1 else None, flat["positions"],
+            storage.starts, storage.lengths, self._on_device(drops), self.seen, size.sink_tokens, size.recent_tokens,
+            self.pads_device if self.pads.any() else None, self.window or 0, PROTECTED,
         )  # fmt: skip
 
     def _refit(self, before: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -792,7 +792,9 @@ class CompressedLayer(CacheLayerMixin):
 
     def _on_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the storage's device (the same memory on a CPU)."""
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.storage.device)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        device = self.storage.device
+        return tensor if torch.device(device).type == "cpu" else tensor.to(device)
 
     # -- rows, crop, reset ------------------------------------------------------------------------------------------
 

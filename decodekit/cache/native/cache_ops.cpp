@@ -530,6 +530,41 @@ std::pair<int64_t, uint8_t*> rows_of(const torch::Tensor& tensor) {
           static_cast<uint8_t*>(tensor.data_ptr())};
 }
 
+// In each of `tensors`, copy the rows `from[i]` to the rows `to[i]` (i < n), all read before any is written.
+void copy_held_rows(const std::vector<torch::Tensor>& tensors, const int64_t* from, const int64_t* to, int64_t n,
+                    const char* op) {
+  std::vector<uint8_t> held;
+  for (const auto& tensor : tensors) {
+    const auto [row_bytes, data] = rows_of(tensor);
+    const int64_t rows = tensor.size(0);
+    held.resize(n * row_bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(from[i] >= 0 && from[i] < rows && to[i] >= 0 && to[i] < rows, op, ": a row out of range");
+      std::memcpy(held.data() + i * row_bytes, data + from[i] * row_bytes, row_bytes);
+    }
+    for (int64_t i = 0; i < n; ++i) std::memcpy(data + to[i] * row_bytes, held.data() + i * row_bytes, row_bytes);
+  }
+}
+
+// In each of `tensors`, write the rows of the matching tensor of `values` (n rows, the tensor's dtype and row size)
+// at the rows `at[i]` (i < n).
+void write_rows_at(const std::vector<torch::Tensor>& tensors, const std::vector<torch::Tensor>& values,
+                   const int64_t* at, int64_t n, const char* op) {
+  TORCH_CHECK(tensors.size() == values.size(), op, ": one values tensor per tensor");
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const auto [row_bytes, data] = rows_of(tensors[k]);
+    const auto& written = values[k];
+    TORCH_CHECK(written.is_contiguous() && written.scalar_type() == tensors[k].scalar_type() &&
+                written.numel() * written.element_size() == n * row_bytes, op, ": values of the rows' shape");
+    const auto* from = static_cast<const uint8_t*>(written.data_ptr());
+    const int64_t rows = tensors[k].size(0);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(at[i] >= 0 && at[i] < rows, op, ": a row out of range");
+      std::memcpy(data + at[i] * row_bytes, from + i * row_bytes, row_bytes);
+    }
+  }
+}
+
 }  // namespace
 
 // For each tensor of `tensors` (a storage's fields, each [slots, ...]), copy the rows at `source` to the rows at
@@ -538,20 +573,7 @@ void copy_rows(const std::vector<torch::Tensor>& tensors, const torch::Tensor& s
   TORCH_CHECK(source.scalar_type() == torch::kInt64 && target.scalar_type() == torch::kInt64 &&
               source.numel() == target.numel() && source.is_contiguous() && target.is_contiguous(),
               "copy_rows: source and target must be contiguous int64 of one size");
-  const int64_t n = source.numel();
-  const int64_t* from = source.data_ptr<int64_t>();
-  const int64_t* to = target.data_ptr<int64_t>();
-  std::vector<uint8_t> held;
-  for (const auto& tensor : tensors) {
-    const auto [row_bytes, data] = rows_of(tensor);
-    const int64_t rows = tensor.size(0);
-    held.resize(n * row_bytes);
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(from[i] >= 0 && from[i] < rows && to[i] >= 0 && to[i] < rows, "copy_rows: a row out of range");
-      std::memcpy(held.data() + i * row_bytes, data + from[i] * row_bytes, row_bytes);
-    }
-    for (int64_t i = 0; i < n; ++i) std::memcpy(data + to[i] * row_bytes, held.data() + i * row_bytes, row_bytes);
-  }
+  copy_held_rows(tensors, source.data_ptr<int64_t>(), target.data_ptr<int64_t>(), source.numel(), "copy_rows");
 }
 
 // For each tensor of `tensors` (a storage's fields), within each segment (from `starts`, int64 [batch, heads]), copy
@@ -583,42 +605,16 @@ void move_in_segments(const std::vector<torch::Tensor>& tensors, const torch::Te
       source_rows.push_back(start[unit] + from[k]);
       target_rows.push_back(start[unit] + to[k]);
     }
-  std::vector<uint8_t> held;
-  for (const auto& tensor : tensors) {
-    const auto [row_bytes, data] = rows_of(tensor);
-    const int64_t rows = tensor.size(0);
-    const size_t count = source_rows.size();
-    held.resize(count * row_bytes);
-    for (size_t i = 0; i < count; ++i) {
-      TORCH_CHECK(source_rows[i] >= 0 && source_rows[i] < rows && target_rows[i] >= 0 && target_rows[i] < rows,
-                  "move_in_segments: a row out of range");
-      std::memcpy(held.data() + i * row_bytes, data + source_rows[i] * row_bytes, row_bytes);
-    }
-    for (size_t i = 0; i < count; ++i)
-      std::memcpy(data + target_rows[i] * row_bytes, held.data() + i * row_bytes, row_bytes);
-  }
+  copy_held_rows(tensors, source_rows.data(), target_rows.data(), static_cast<int64_t>(source_rows.size()),
+                 "move_in_segments");
 }
 
 // For each tensor of `tensors`, write the rows of the matching tensor of `values` ([n, ...], the tensor's dtype and
 // row size) at the rows `index` (int64 [n]): what index_copy_ of every field does.
 void write_rows(const std::vector<torch::Tensor>& tensors, const torch::Tensor& index,
                 const std::vector<torch::Tensor>& values) {
-  TORCH_CHECK(tensors.size() == values.size(), "write_rows: one values tensor per tensor");
   TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.is_contiguous(), "write_rows: contiguous int64 index");
-  const int64_t n = index.numel();
-  const int64_t* at = index.data_ptr<int64_t>();
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    const auto [row_bytes, data] = rows_of(tensors[k]);
-    const auto& written = values[k];
-    TORCH_CHECK(written.is_contiguous() && written.scalar_type() == tensors[k].scalar_type() &&
-                written.numel() * written.element_size() == n * row_bytes, "write_rows: values of the rows' shape");
-    const auto* from = static_cast<const uint8_t*>(written.data_ptr());
-    const int64_t rows = tensors[k].size(0);
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(at[i] >= 0 && at[i] < rows, "write_rows: a row out of range");
-      std::memcpy(data + at[i] * row_bytes, from + i * row_bytes, row_bytes);
-    }
-  }
+  write_rows_at(tensors, values, index.data_ptr<int64_t>(), index.numel(), "write_rows");
 }
 
 // For each tensor of `tensors` (a storage's fields), write the matching tensor of `values` ([batch, heads, count,
@@ -627,35 +623,25 @@ void write_rows(const std::vector<torch::Tensor>& tensors, const torch::Tensor& 
 void append_rows(const std::vector<torch::Tensor>& tensors, const std::vector<torch::Tensor>& values,
                  const std::vector<torch::Tensor>& zeroed, const torch::Tensor& starts, const torch::Tensor& lengths,
                  int64_t count) {
-  TORCH_CHECK(tensors.size() == values.size(), "append_rows: one values tensor per tensor");
   TORCH_CHECK(starts.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 &&
               starts.is_contiguous() && lengths.is_contiguous() && starts.numel() == lengths.numel(),
               "append_rows: int64 starts and lengths [batch, heads]");
   const int64_t units = starts.numel();
   const int64_t* start = starts.data_ptr<int64_t>();
   const int64_t* length = lengths.data_ptr<int64_t>();
-  auto each_slot = [&](const torch::Tensor& tensor, auto write) {
+  std::vector<int64_t> slots;  // (row, head, i) order, as the values' rows
+  for (int64_t unit = 0; unit < units; ++unit)
+    for (int64_t i = 0; i < count; ++i) slots.push_back(start[unit] + length[unit] + i);
+  const int64_t n = static_cast<int64_t>(slots.size());
+  write_rows_at(tensors, values, slots.data(), n, "append_rows");
+  for (const auto& tensor : zeroed) {
     const auto [row_bytes, data] = rows_of(tensor);
     const int64_t rows = tensor.size(0);
-    for (int64_t unit = 0; unit < units; ++unit)
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t slot = start[unit] + length[unit] + i;
-        TORCH_CHECK(slot >= 0 && slot < rows, "append_rows: a slot out of range");
-        write(data + slot * row_bytes, unit * count + i, row_bytes);
-      }
-  };
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    const auto& written = values[k];
-    TORCH_CHECK(written.is_contiguous() && written.scalar_type() == tensors[k].scalar_type() &&
-                written.numel() * written.element_size() == units * count * rows_of(tensors[k]).first,
-                "append_rows: values of the rows' shape");
-    const auto* from = static_cast<const uint8_t*>(written.data_ptr());
-    each_slot(tensors[k], [&](uint8_t* row, int64_t index, int64_t bytes) {
-      std::memcpy(row, from + index * bytes, bytes);
-    });
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(slots[i] >= 0 && slots[i] < rows, "append_rows: a row out of range");
+      std::memset(data + slots[i] * row_bytes, 0, row_bytes);
+    }
   }
-  for (const auto& tensor : zeroed)
-    each_slot(tensor, [](uint8_t* row, int64_t, int64_t bytes) { std::memset(row, 0, bytes); });
 }
 
 // A storage laid out again: for each pair of `sources` and `targets` (the old and new tensors of a field), each new
