@@ -148,23 +148,27 @@ KERNELS = {"triton": "decodekit.cache._triton_attention", "native": "decodekit.c
 
 @pytest.mark.parametrize(("key_bits", "value_bits"), [(5, 4), (4, 4), (8, 8), (None, 4), (4, None), (None, None)])
 @pytest.mark.parametrize("extras", ["plain", "biases", "softcap", "window"])
-@pytest.mark.parametrize(("kernel", "head_dim", "dtype"), [
-    ("triton", 16, torch.float32), ("native", 16, torch.float32), ("native", 64, torch.float32),
-    ("native", 128, torch.bfloat16),
+@pytest.mark.parametrize(("kernel", "head_dim", "group_size", "dtype"), [
+    ("triton", 16, 8, torch.float32), ("native", 16, 8, torch.float32), ("native", 64, 8, torch.float32),
+    ("native", 128, 8, torch.bfloat16), ("native", 8, 8, torch.float32), ("native", 80, 8, torch.bfloat16),
+    ("native", 16, 4, torch.float32),
 ])  # fmt: skip
-def test_the_kernels_read_codes_as_decoded_entries_read_them(key_bits, value_bits, extras, kernel, head_dim, dtype):
+def test_the_kernels_read_codes_as_decoded_entries_read_them(
+    key_bits, value_bits, extras, kernel, head_dim, group_size, dtype
+):
     """Oracle: the entries decoded to float32 and attended in PyTorch (``attention.read_decoded``) with a hand-made
     mask of each segment's length; the Triton kernels run in Triton's interpreter, the C++ operator as built (its
-    AVX2 blocks where entries hold a multiple of 64 channels, where the CPU has AVX2), over segments of different
-    lengths, every width of keys and values, with biases, a logit cap or a sliding window, for float32 and bfloat16
-    models (scales and plain entries in float16, bfloat16 or float32)."""
+    AVX2 blocks where entries hold a multiple of eight channels in groups of a multiple of eight, where the CPU has
+    AVX2 — 64 channels at a time, then eight at a time for the rest, as 80 channels read; its scalar loop for groups
+    of four), over segments of different lengths, every width of keys and values, with biases, a logit cap or a
+    sliding window, for float32 and bfloat16 models (scales and plain entries in float16, bfloat16 or float32)."""
     step_attention = importlib.import_module(KERNELS[kernel]).step_attention
 
     batch, heads, query_heads = 2, 2, 4
     if key_bits is None and value_bits is None:
         coding = PlainCoding()
     else:
-        coding = QuantizedCoding(key_bits, value_bits, 8, 0)
+        coding = QuantizedCoding(key_bits, value_bits, group_size, 0)
         coding.rotated_reads = True  # the queries come rotated as the keys were coded
     storage, read_keys, own_values, keys, values = _storage(coding, batch, heads, head_dim, seed=key_bits or 3,
                                                             dtype=dtype)  # fmt: skip
@@ -183,8 +187,8 @@ def test_the_kernels_read_codes_as_decoded_entries_read_them(key_bits, value_bit
         mask = torch.where(mask, biases[:, :, None, :].repeat_interleave(2, dim=1), -torch.inf)
         options = {"biased": True}
     expected, expected_received = attention.read_decoded(query, keys, values, 0.25, mask, options.get("softcap"))
-    output, received = step_attention(query, storage, (key_bits, value_bits), 8, read_keys, own_values, 0.25,
-                                      **options)  # fmt: skip
+    output, received = step_attention(query, storage, (key_bits, value_bits), group_size, read_keys, own_values,
+                                      0.25, **options)  # fmt: skip
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(received, expected_received, atol=1e-6, rtol=1e-5)
 

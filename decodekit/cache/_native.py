@@ -7,6 +7,7 @@
   ``torch.ops.decodekit.step_attention``, where decoding then attending launches dozens.
 - ``encode``: ``Quantizer``'s coding of entries (scales rounded up and offsets down in the stored dtype, codes
   packed), equal to the PyTorch code's bytes, in one operator where that launches about twenty.
+- ``append_coded``: a decoding step's key and value coded straight into the slots after each segment's entries.
 - ``copy_rows`` and ``write_rows``: a storage's moves and writes of entries, every field at once (one operator where
   an ``index_copy_`` per field launches one to two a field); ``decay_add``: scores decayed and added to in place;
   ``evict_one``: an eviction of one entry a segment (its priority, its victim, the last entry moved into its slot).
@@ -14,7 +15,7 @@
 The source (``native/cache_ops.cpp``) is built with PyTorch's C++ extension tools the first time it is needed (about
 half a minute; a C++ compiler and ninja are needed) and kept in PyTorch's extensions folder
 (``TORCH_EXTENSIONS_DIR``) for later processes. Where it cannot be built, or with ``DECODEKIT_NATIVE=0`` in the
-environment, PyTorch does the same work instead (``available()`` says which).
+environment when they are first asked for, PyTorch does the same work instead (``available()`` says which).
 """
 
 from __future__ import annotations
@@ -39,12 +40,10 @@ def available() -> bool:
         >>> isinstance(available(), bool)
         True
     """
-    if os.environ.get("DECODEKIT_NATIVE", "1") == "0":
-        return False
     if not _BUILT:  # (asked at every step: the lock only until the first build was tried)
         with _LOCK:
             if not _BUILT:
-                _BUILT.append(_build())
+                _BUILT.append(os.environ.get("DECODEKIT_NATIVE", "1") != "0" and _build())
     return _BUILT[0]
 
 
@@ -131,7 +130,7 @@ def encodes(values: torch.Tensor) -> bool:
 
 def runs_on(device: torch.device) -> bool:
     """Whether the operators run for tensors on ``device``: a CPU, outside ``torch.compile``, where they are built."""
-    return device.type == "cpu" and not torch.compiler.is_compiling() and available()
+    return device.type == "cpu" and available() and not torch.compiler.is_compiling()
 
 
 def copy_rows(tensors: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor) -> None:
@@ -176,6 +175,17 @@ def append_rows(
     """Write each of ``values`` (``[batch, heads, count, ...]``, its tensor's dtype) into the matching of ``tensors``
     after each segment's entries (from ``starts`` and ``lengths``), and zero those slots of ``zeroed``."""
     torch.ops.decodekit.append_rows(tensors, [value.contiguous() for value in values], zeroed, starts, lengths, count)
+
+
+def append_coded(
+    coded: list[torch.Tensor], rows: list[torch.Tensor], bits: list[int], group_size: int, positions: torch.Tensor,
+    position: int, zeroed: list[torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor,
+) -> None:
+    """One decoding step's entry after each segment's entries, coded: each of ``rows`` (float32 ``[batch, heads, 1,
+    head_dim]``, keys rotated already) in its ``bits`` into the next three of ``coded`` (codes, scales, offsets), as
+    ``encode`` codes it; ``positions`` set to ``position`` there and those slots of ``zeroed`` zeroed."""
+    torch.ops.decodekit.append_coded(coded, [_float32(part) for part in rows], bits, group_size, positions, position,
+                                     zeroed, starts, lengths)  # fmt: skip
 
 
 def copy_segments(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from decodekit.cache import _native
 from decodekit.cache.quantize import Quantizer
 from decodekit.cache.quantize import rotate as hadamard_rotate
 from decodekit.cache.storage import EntryStorage, Field, mark_static
@@ -175,6 +176,27 @@ class QuantizedCoding:
             prefix = part[:-1]
             fields[part], fields[f"{prefix}_scales"], fields[f"{prefix}_offsets"] = codes.values()
         return fields, read_keys
+
+    def appends_steps_natively(self, storage: EntryStorage) -> bool:
+        """Whether ``append_step`` codes a decoding step's entry into ``storage`` with one C++ operator: keys and
+        values both coded in groups of one size, no residual window, on a CPU where the operators are built."""
+        keys, values = self.quantizers["keys"], self.quantizers["values"]
+        return (
+            keys is not None and values is not None and keys.groups_like(values) and self.residual_length == 0
+            and _native.runs_on(storage.device)
+        )  # fmt: skip
+
+    def append_step(
+        self, storage: EntryStorage, keys: torch.Tensor, values: torch.Tensor, position: int
+    ) -> torch.Tensor:
+        """Code a decoding step's ``keys`` and ``values`` (``[batch, heads, 1, head_dim]``) into the free slot after
+        each segment's entries, at ``position``, every other field zeroed (where ``appends_steps_natively``); returns
+        the keys as attention reads them. The bytes ``encode`` then ``storage.append`` write."""
+        key_coding, value_coding = self.quantizers["keys"], self.quantizers["values"]
+        rotated = key_coding.as_coded(keys)
+        parts = [("keys", rotated, key_coding.bits), ("values", values, value_coding.bits)]
+        storage.append_coded(parts, value_coding.group_size, position)
+        return rotated.to(keys.dtype) if self.rotated_reads else keys
 
     def decode(
         self, storage: EntryStorage, stop: int, valid: torch.Tensor | None = None, dtype: torch.dtype | None = None

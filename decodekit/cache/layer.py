@@ -64,6 +64,7 @@ class Pass:
     waits: bool = False  # whether its scoring waits for the next eviction (the scorer's ``may_wait``)
     group: int = 1  # query heads per KV head, where the layer read the step's attention itself
     reads_itself: bool = False  # whether the layer computes the step's attention itself (``attention.py``)
+    kernel: Callable | None = None  # the step_attention it reads the entries with (None: decoded in PyTorch)
 
     def queries(self) -> torch.Tensor:
         """The observed tokens' queries, rotated to their positions: ``[batch, heads, tokens, head_dim]``."""
@@ -355,9 +356,19 @@ class CompressedLayer(CacheLayerMixin):
         batch, heads, new, _ = key_states.shape
         if self.storage is None:
             self._start(key_states)
+        storage = self.storage
+        if step.reads_itself:  # (a decoding step)
+            step.waits = self.scorer.may_wait(self, step)
+            step.kernel = self._step_kernel()
+            if self._codes_step_natively(step):  # its key and value coded into the storage by one C++ operator
+                if storage.free_slots < 1:
+                    storage.reserve(storage.lengths_host + 1, self._room(), self._allocator())
+                read_keys = self.coding.append_step(storage, key_states, value_states, self.seen)
+                self._seen += 1
+                attention.expect(id(self.module()), partial(self._attend, step, read_keys, value_states))
+                return read_keys, value_states
         fields, read_keys = self.coding.encode(key_states, value_states)
         seen = self.seen
-        storage = self.storage
         equal = storage.equal_lengths
         step.new_slots = storage.length_range[0] if equal else storage.lengths.clone()
         step.waits = self.scorer.may_wait(self, step)
@@ -374,8 +385,7 @@ class CompressedLayer(CacheLayerMixin):
         if not step.waits:  # (a waiting step's value norm is taken when it is scored)
             entries = {**entries, **self.scorer.new_entries(value_states)}
         if new == 1:
-            grows = storage.least_capacity <= storage.length_range[1]
-            if grows:
+            if storage.free_slots < 1:  # (some segment grows)
                 storage.append(entries, 1, room=self._room(), allocate=self._allocator())
             else:
                 storage.append(entries, 1)
@@ -398,6 +408,15 @@ class CompressedLayer(CacheLayerMixin):
             self._write_pass_exact(keys, values, read_keys, value_states, step.new_slots)
         step.keys, step.values = keys, values
         return keys, values
+
+    def _codes_step_natively(self, step: Pass) -> bool:
+        """Whether a decoding step's key and value go into the storage through ``coding.append_step`` (one C++
+        operator): a step the layer reads itself with a kernel that reads the codes where they lie, scored at once,
+        keys and values coded alike, no field of the new entry but its codes and position other than zero."""
+        return (
+            step.kernel is not None and not step.waits and not self.transient and self.coding.quantized
+            and "value_norms" not in self.storage.fields and self.coding.appends_steps_natively(self.storage)
+        )  # fmt: skip
 
     def _is_prepared(self, slot: int) -> bool:
         """Whether ``slot`` (of every segment) holds the position, score (and bias) of the next token already."""
@@ -454,7 +473,7 @@ class CompressedLayer(CacheLayerMixin):
         """The step's attention over every stored entry, its own token exact: on the Triton kernels where they apply
         (``_triton_attention.py``: the codes read where they lie), else over the entries decoded; its probabilities
         kept for the scorer."""
-        step_attention = self._step_kernel()
+        step_attention = step.kernel
         if step_attention is not None:
             coding = self.coding
             widths = tuple(None if q is None else q.bits for q in coding.quantizers.values()) if coding.quantized \

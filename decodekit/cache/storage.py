@@ -110,12 +110,14 @@ class EntryStorage:
         host = torch.from_numpy(lengths)
         self.lengths = host if self.device.type == "cpu" else host.to(self.device)
         self._length_range = (int(lengths.min()), int(lengths.max())) if lengths.size else (0, 0)
+        self._free: int | None = None  # the fewest free slots of any segment, once counted
         self._stale = False  # whether compiled steps changed the device's lengths since the host last read them
 
     def mark_stale(self) -> None:
         """Note that the device's lengths changed without the host (a compiled step): read them back when next
         needed."""
         self._stale = True
+        self._free = None
 
     def _refresh(self) -> None:
         if self._stale:
@@ -145,6 +147,7 @@ class EntryStorage:
         old = getattr(self, "flat", None)
         old_starts = getattr(self, "starts", None)
         self.capacities = np.array(capacities, dtype=np.int64)
+        self._free = None
         ends = self.capacities.reshape(-1).cumsum()
         starts_host = (ends - self.capacities.reshape(-1)).reshape(self.batch, self.heads)
         self.starts = torch.from_numpy(starts_host).to(self.device)
@@ -207,6 +210,7 @@ class EntryStorage:
         self._refresh()
         self._lengths_host[...] = lengths
         self._length_range = (int(self._lengths_host.min()), int(self._lengths_host.max()))
+        self._free = None
         if self.device.type != "cpu":
             self.lengths.copy_(torch.from_numpy(self._lengths_host), non_blocking=True)
 
@@ -216,6 +220,15 @@ class EntryStorage:
         if self.device.type != "cpu":
             self.lengths += count
         self._length_range = (least + count, most + count)
+        if self._free is not None:
+            self._free -= count
+
+    @property
+    def free_slots(self) -> int:
+        """The fewest free slots (capacity less length) of any segment."""
+        if self._free is None:
+            self._free = int((self.capacities - self.lengths_host).min()) if self.capacities.size else 0
+        return self._free
 
     @property
     def equal_lengths(self) -> bool:
@@ -296,9 +309,9 @@ class EntryStorage:
         """Write ``count`` new entries after each segment's stored ones (``entries[name]``: ``[batch, heads, count,
         ...]``, or one value for all), growing segments that lack room (by ``room`` more slots, in tensors from
         ``allocate``), and count them."""
-        least, most = self.length_range
-        if self.least_capacity < most + count:
+        if self.free_slots < count:
             self.reserve(self.lengths_host + count, room, allocate)
+        least, most = self.length_range
         if self.rectangular and least == most:
             for name, entry in entries.items():
                 target = self.tensor(name).narrow(2, least, count)
@@ -315,6 +328,26 @@ class EntryStorage:
             index = (self.starts + self.lengths)[..., None] + torch.arange(count, device=self.device)
             self.write_at(index.flatten(), entries, count)
         self._add_to_lengths(count)
+
+    def append_coded(self, parts: list[tuple[str, torch.Tensor, int]], group_size: int, position: int) -> None:
+        """One decoding step's entry after each segment's (on a CPU, with the C++ operators: ``_native.append_coded``):
+        for each ``(name, rows, bits)`` of ``parts`` (``rows`` float32 ``[batch, heads, 1, head_dim]``), the codes in
+        field ``name``, its group scales and offsets in ``{name[:-1]}_scales`` and ``{name[:-1]}_offsets``; the
+        ``positions`` field set to ``position``; every other field zeroed; the entry counted. Every segment must
+        have a free slot (``reserve``)."""
+        if self.free_slots < 1:
+            raise ValueError("append_coded needs a free slot in every segment: reserve one first")
+        flat = self.flat
+        coded, written = [], {"positions"}
+        for name, _, _ in parts:
+            prefix = name[:-1]
+            names = (name, f"{prefix}_scales", f"{prefix}_offsets")
+            coded += [flat[field] for field in names]
+            written.update(names)
+        zeroed = [tensor for name, tensor in flat.items() if name not in written]
+        _native.append_coded(coded, [rows for _, rows, _ in parts], [bits for _, _, bits in parts], group_size,
+                             flat["positions"], position, zeroed, self.starts, self.lengths)  # fmt: skip
+        self._add_to_lengths(1)
 
     def _as_field(self, name: str, entry: torch.Tensor, full: tuple[int, int, int]) -> torch.Tensor:
         """``entry`` in field ``name``'s dtype, expanded to ``full`` (``[batch, heads, count]``) and its trailing

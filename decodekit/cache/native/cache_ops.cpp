@@ -159,14 +159,14 @@ DECODEKIT_AVX2 inline void decode_avx2(const Part<Scale>& part, int64_t slot, in
 }
 #endif
 
-// Whether `attend_unit_avx2` reads a part: entries of a multiple of 64 channels, plain or coded in groups of a
+// Whether `attend_unit_avx2` reads a part: entries of a multiple of eight channels, plain or coded in groups of a
 // multiple of eight channels, on a CPU with AVX2, FMA and F16C.
 template <typename Scale>
 bool fits_avx2(const Part<Scale>& part, int64_t head_dim) {
 #if DECODEKIT_X86
   static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                                 __builtin_cpu_supports("f16c");
-  return supported && head_dim % 64 == 0 && (part.bits == 16 || part.group_size % 8 == 0);
+  return supported && head_dim % 8 == 0 && (part.bits == 16 || part.group_size % 8 == 0);
 #else
   return false;
 #endif
@@ -293,6 +293,21 @@ DECODEKIT_AVX2 inline __m256 sums_of_eight(const __m256* v) {
   return _mm256_add_ps(low, high);
 }
 
+// `out` ([kChunks * 8] floats) plus the `n` entries of `block` (rows of `stride` floats, `out`'s channels of each)
+// times their `weights`, held in registers.
+template <int kChunks>
+DECODEKIT_AVX2 inline void add_weighed(float* out, const float* weights, const float* block, int64_t stride,
+                                       int64_t n) {
+  __m256 sum[kChunks];
+  for (int k = 0; k < kChunks; ++k) sum[k] = _mm256_loadu_ps(out + 8 * k);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 w = _mm256_set1_ps(weights[j]);
+    const float* entry = block + j * stride;
+    for (int k = 0; k < kChunks; ++k) sum[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(entry + 8 * k), sum[k]);
+  }
+  for (int k = 0; k < kChunks; ++k) _mm256_storeu_ps(out + 8 * k, sum[k]);
+}
+
 // `attend_unit` with AVX2, eight slots at a time: their keys decoded into a block, each query head's eight logits
 // from one pass over the block; their values decoded into a block and added into each query head's output held in
 // registers, 64 channels at a time.
@@ -341,14 +356,12 @@ DECODEKIT_AVX2 void attend_unit_avx2(const Step& step, const Part<Scale>& keys, 
       const float* weights = logits.data() + g * width + first;
       for (int64_t c0 = 0; c0 < head_dim; c0 += 64) {
         float* out = total + g * head_dim + c0;
-        __m256 sum[8];
-        for (int k = 0; k < 8; ++k) sum[k] = _mm256_loadu_ps(out + 8 * k);
-        for (int64_t j = 0; j < n; ++j) {
-          const __m256 w = _mm256_set1_ps(weights[j]);
-          const float* entry = block + j * head_dim + c0;
-          for (int k = 0; k < 8; ++k) sum[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(entry + 8 * k), sum[k]);
+        if (head_dim - c0 >= 64) {
+          add_weighed<8>(out, weights, block + c0, head_dim, n);
+        } else {
+          for (int64_t c = c0; c < head_dim; c += 8) add_weighed<1>(total + g * head_dim + c, weights, block + c,
+                                                                   head_dim, n);
         }
-        for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + 8 * k, sum[k]);
       }
     }
   }
@@ -644,6 +657,65 @@ void append_rows(const std::vector<torch::Tensor>& tensors, const std::vector<to
   }
 }
 
+// One decoding step's entry coded after each segment's entries: for each part k, `rows[k]` (float32 [batch, heads,
+// 1, head_dim], contiguous; keys rotated already) coded in `bits[k]` bits in groups of `group_size` into the flat
+// tensors `coded[3k]` (codes), `coded[3k + 1]` (scales) and `coded[3k + 2]` (offsets) at the slot `starts + lengths`
+// (int64 [batch, heads]) of each segment, as encode_entries codes it; `positions` (int32) set to `position` there,
+// and those slots of each tensor of `zeroed` zeroed.
+void append_coded(const std::vector<torch::Tensor>& coded, const std::vector<torch::Tensor>& rows,
+                  const std::vector<int64_t>& bits, int64_t group_size, const torch::Tensor& positions,
+                  int64_t position, const std::vector<torch::Tensor>& zeroed, const torch::Tensor& starts,
+                  const torch::Tensor& lengths) {
+  TORCH_CHECK(coded.size() == 3 * rows.size() && bits.size() == rows.size(),
+              "append_coded: codes, scales and offsets for each part, one width each");
+  TORCH_CHECK(starts.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 &&
+              starts.is_contiguous() && lengths.is_contiguous() && starts.numel() == lengths.numel(),
+              "append_coded: int64 starts and lengths [batch, heads]");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt32 && positions.is_contiguous(), "append_coded: int32 positions");
+  const int64_t units = starts.numel();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t slots = positions.size(0);
+  std::vector<int64_t> targets(units);
+  for (int64_t unit = 0; unit < units; ++unit) {
+    targets[unit] = start[unit] + length[unit];
+    TORCH_CHECK(targets[unit] >= 0 && targets[unit] < slots, "append_coded: a segment has no free slot");
+  }
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const torch::Tensor& part = rows[k];
+    const int64_t head_dim = part.size(-1);
+    const int64_t width = bits[k];
+    TORCH_CHECK(part.is_contiguous() && part.scalar_type() == torch::kFloat32 && part.numel() == units * head_dim,
+                "append_coded: each part's rows: contiguous float32 [batch, heads, 1, head_dim]");
+    TORCH_CHECK(width == 4 || width == 5 || width == 8, "append_coded: bits 4, 5 or 8");
+    TORCH_CHECK(head_dim % group_size == 0 && (width != 5 || head_dim % 8 == 0) && (width != 4 || head_dim % 2 == 0),
+                "append_coded: the groups must divide the channels");
+    const torch::Tensor& codes = coded[3 * k];
+    const torch::Tensor& scales = coded[3 * k + 1];
+    const torch::Tensor& offsets = coded[3 * k + 2];
+    const int64_t code_bytes = head_dim * width / 8, groups = head_dim / group_size;
+    TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.numel() == slots * code_bytes &&
+                scales.is_contiguous() && offsets.is_contiguous() && scales.numel() == slots * groups &&
+                offsets.numel() == slots * groups && scales.scalar_type() == offsets.scalar_type(),
+                "append_coded: a part's codes, scales and offsets must match its width and the slots");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scales.scalar_type(), "append_coded", [&] {
+      for (int64_t unit = 0; unit < units; ++unit) {
+        const int64_t slot = targets[unit];
+        encode_rows<scalar_t>(part.data_ptr<float>() + unit * head_dim, 1, head_dim, width, group_size,
+                              codes.data_ptr<uint8_t>() + slot * code_bytes, scales.data_ptr<scalar_t>() + slot * groups,
+                              offsets.data_ptr<scalar_t>() + slot * groups);
+      }
+    });
+  }
+  int32_t* held = positions.data_ptr<int32_t>();
+  for (int64_t unit = 0; unit < units; ++unit) held[targets[unit]] = static_cast<int32_t>(position);
+  for (const auto& tensor : zeroed) {
+    const auto [row_bytes, data] = rows_of(tensor);
+    TORCH_CHECK(tensor.size(0) == slots, "append_coded: every field holds the same slots");
+    for (int64_t unit = 0; unit < units; ++unit) std::memset(data + targets[unit] * row_bytes, 0, row_bytes);
+  }
+}
+
 // A storage laid out again: for each pair of `sources` and `targets` (the old and new tensors of a field), each new
 // segment's `lengths` entries (int64 [batch, heads]) copied from the old segment `segments` (int64 [batch, heads],
 // a flat index into `old_starts`) to the new segment's start (`new_starts`, int64 [batch, heads]), as one block.
@@ -782,6 +854,7 @@ TORCH_LIBRARY(decodekit, library) {
   library.def("append_rows(Tensor(a!)[] tensors, Tensor[] values, Tensor(b!)[] zeroed, Tensor starts, Tensor lengths, int count) -> ()");
   library.def("copy_segments(Tensor[] sources, Tensor(a!)[] targets, Tensor old_starts, Tensor segments, Tensor new_starts, Tensor lengths) -> ()");
   library.def("evict_one(Tensor(a!)[] fields, Tensor scores, Tensor? value_norms, Tensor positions, Tensor starts, Tensor lengths, Tensor drops, int seen, int sink_tokens, int recent_tokens, Tensor? pads, int window, float protected_rank) -> ()");
+  library.def("append_coded(Tensor(a!)[] coded, Tensor[] rows, int[] bits, int group_size, Tensor(b!) positions, int position, Tensor(c!)[] zeroed, Tensor starts, Tensor lengths) -> ()");
   library.def("decay_add(Tensor(a!) flat, Tensor starts, Tensor lengths, Tensor added, float decay) -> ()");
 }
 
@@ -794,5 +867,6 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
   library.impl("evict_one", &evict_one);
   library.impl("copy_segments", &copy_segments);
   library.impl("append_rows", &append_rows);
+  library.impl("append_coded", &append_coded);
   library.impl("move_in_segments", &move_in_segments);
 }
