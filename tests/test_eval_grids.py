@@ -303,6 +303,24 @@ def test_the_plots_draw_any_grid():
     assert "0.8" in matched.get_title()
 
 
+def test_the_plots_show_the_grids_own_labels():
+    """Rows a grid file labelled each on its own (one sweep of min_p: "cautious", "balanced", "wild") carry their
+    labels on their points, and a labelled recipe swept over temperatures (``--sweep temperature=...`` of a row
+    labelled "mine": "mine, temperature=0.7", ...) is one line named "mine" in both plots."""
+    rows = [_row(label, 0.6 + p, 3 + 10 * p, name=label, min_p=p, temperature=1.0)
+            for label, p in (("cautious", 0.2), ("balanced", 0.1), ("wild", 0.02))]  # fmt: skip
+    rows += [_row(f"mine, temperature={t:g}", 0.5 + t / 5, 2 + 3 * t, top_p=0.9, temperature=t)
+             for t in (0.7, 1.0, 1.5)]  # fmt: skip
+    report = EvaluationReport(strategies=rows)
+    frontier = frontier_figure(report).axes[0]
+    texts = [text.get_text() for text in frontier.texts]
+    assert {"cautious (min_p=0.2)", "balanced (min_p=0.1)", "wild (min_p=0.02)"} <= set(texts)
+    assert "mine" in [text.get_text() for text in frontier.get_legend().get_texts()]
+    assert {"T=0.7", "T=1", "T=1.5"} <= set(texts)  # (the named sweep's points: what varies along it)
+    top = temperature_figure(report).axes[0]
+    assert [line.get_label() for line in top.get_lines() if not line.get_label().startswith("_")] == ["mine"]
+
+
 def test_matched_png_is_written_with_a_matched_report_and_removed_without_one(tmp_path):
     report = _sweep_report()
     paths = write_reports(report, tmp_path)

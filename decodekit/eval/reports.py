@@ -138,12 +138,24 @@ def _sweeps(rows: list[dict], free: tuple[str, ...]) -> list[list[dict]]:
     return list(groups.values())
 
 
-def _sweep_name(members: list[dict], varying: list[str]) -> str:
-    """A sweep's legend entry: the name its rows share before ", T=" (as the built-in grids name them), else
-    its fixed fields, then the varying ones."""
-    names = {re.sub(r",?\s*T=[0-9.e+-]+$", "", str(row["strategy"])) for row in members}
+# What a sweep appends to the name of its rows' recipe: ", T=0.7" (the built-in grids), ", temperature=0.7" (--sweep).
+SWEPT_SUFFIX = re.compile(r"(,\s*(T|temperature)=[0-9.e+-]+)+$")
+
+
+def _shared_name(members: list[dict]) -> str | None:
+    """The name the rows of a sweep share before what the sweep appended (", T=0.7"), or None."""
+    names = {SWEPT_SUFFIX.sub("", str(row["strategy"])) for row in members}
     if len(names) == 1 and "" not in names and len(members) > 1 and names != {members[0]["strategy"]}:
         return names.pop()
+    return None
+
+
+def _sweep_name(members: list[dict], varying: list[str]) -> str:
+    """A sweep's legend entry: the name its rows share before ", T=" (as the built-in grids and named sweeps name
+    them), else its fixed fields, then the varying ones."""
+    shared = _shared_name(members)
+    if shared is not None:
+        return shared
     fixed = [f"{name}={_shown(members[0][name])}" for name in _fields(members[0]) if name not in varying]
     return ", ".join(fixed + [f"{name} swept" for name in varying if name != "temperature"]) or "sampling"
 
@@ -161,13 +173,15 @@ def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _point_label(row: dict, varying: list[str]) -> str:
-    """What varies along a sweep at this point: ``T=0.7``, ``min_p=0.05, T=1``."""
+def _point_label(row: dict, varying: list[str], named: bool = False) -> str:
+    """What varies along a sweep at this point: ``T=0.7``, ``min_p=0.05, T=1``; a row of the grid's own label
+    (``named``: the sweep's rows do not share one name) shows its label first: ``cautious (min_p=0.2)``."""
     parts = []
     for name in varying:
         value = row.get(name, 1.0 if name == "temperature" else None)
         parts.append(f"{'T' if name == 'temperature' else name}={_shown(value)}")
-    return ", ".join(parts)
+    fields = ", ".join(parts)
+    return f"{row['name']} ({fields})" if named and row.get("name") else fields
 
 
 def frontier_figure(report: EvaluationReport):
@@ -189,11 +203,12 @@ def frontier_figure(report: EvaluationReport):
                 points.setdefault(spot, []).append(row["strategy"])
             continue
         members = sorted(members, key=lambda row: row["distinct_2"])
+        named = _shared_name(members) is None  # (rows named each on its own: their labels on their points)
         offset = 8 if lines % 2 == 0 else -12
         axes.plot([r["distinct_2"] for r in members], [r["perplexity"] for r in members],
                   MARKERS[lines % len(MARKERS)] + "-", label=_sweep_name(members, varying))  # fmt: skip
         for row in members:  # alternate sweeps label above and below their points
-            axes.annotate(_point_label(row, varying), (row["distinct_2"], row["perplexity"]),
+            axes.annotate(_point_label(row, varying, named), (row["distinct_2"], row["perplexity"]),
                           textcoords="offset points", xytext=(0, offset), ha="center", fontsize=6)  # fmt: skip
         lines += 1
     for index, ((x, y), labels) in enumerate(points.items()):
