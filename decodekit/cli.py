@@ -382,6 +382,8 @@ def _run_eval(args: argparse.Namespace) -> int:
             print(f"at matched diversity (each sampler's row nearest distinct-2 = {args.match_diversity:g}):")
             for entry in report.matched:
                 outside = "" if entry["within"] else "  (target outside its sweep)"
+                if not entry.get("compared", True):
+                    outside = "  (target outside its sweep and its interval: not compared)"
                 clear = f"  clear of: {', '.join(entry['clear_of'])}" if entry["clear_of"] else ""
                 print(f"  {entry['sampler']:24s} {entry['strategy']:32s} distinct-2 "
                       f"{_with_interval(entry, 'distinct_2', '.3f')}  perplexity "

@@ -28,3 +28,17 @@ def test_eval_benchmark_runs_and_prints_its_ratio():
     out = run_benchmark("eval.py", "--rounds", "1", "--texts", "6", "--batch-size", "3")
     assert "decodekit / canonical tokens/s" in out
     assert "largest relative difference" in out
+
+
+def test_rematching_a_recorded_report_prints_what_the_results_file_records(tmp_path):
+    """The recorded sampler table matched again from its CSV prints the lines the results file keeps for it (the
+    samplers whose rows sit far from 0.8 not compared, top-n-sigma clear of min-p), and draws matched.png."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    out = run_benchmark("eval_rematch.py", str(results / "samplers_matched_cpu.csv"), "--target", "0.8",
+                        "--plot", str(tmp_path / "matched.png"))  # fmt: skip
+    recorded = (results / "samplers_matched_cpu.txt").read_text().splitlines()
+    assert out.strip().splitlines() == recorded[-len(out.strip().splitlines()):]
+    assert "min-k 0.5, T=1" in out and "not compared" in out and "clear of: min_p" in out
+    assert (tmp_path / "matched.png").stat().st_size > 0

@@ -265,10 +265,18 @@ def test_each_sampler_is_matched_at_its_row_nearest_the_target_by_hand():
     assert matched["min_p"]["gap"] == pytest.approx(0.02) and matched["min_p"]["within"]
     assert matched["top_p"]["strategy"] == "top-p 0.8" and matched["top_p"]["within"]
     assert matched["xtc_probability + xtc_threshold"]["within"] is False  # 0.8 lies below its one row
-    # Quality compared there: min-p 9 +- 0.5 against top-p 12 +- 0.5 and XTC 40 +- 0.5: clear of both.
+    # ... and outside that row's interval [0.94, 0.96]: XTC is not at the matched diversity, and not compared.
+    assert [entry["compared"] for entry in matched.values()] == [True, True, False]
+    # Quality compared there: min-p 9 +- 0.5 against top-p 12 +- 0.5: clear of it; XTC is in nobody's list.
     assert next(entry["sampler"] for entry in matched_at_diversity(rows, 0.8)) == "min_p"
-    assert matched["min_p"]["clear_of"] == ["top_p", "xtc_probability + xtc_threshold"]
-    assert matched["top_p"]["clear_of"] == ["xtc_probability + xtc_threshold"]
+    assert matched["min_p"]["clear_of"] == ["top_p"]
+    assert matched["top_p"]["clear_of"] == [] and matched["xtc_probability + xtc_threshold"]["clear_of"] == []
+    # A sampler outside its sweep whose row's interval holds the target is compared: XTC at 0.81 [0.80, 0.82].
+    near = [*rows[:-2], _row("XTC", 0.81, 40.0, xtc_threshold=0.1, xtc_probability=0.5, temperature=1.0)]
+    entries = {entry["sampler"]: entry for entry in matched_at_diversity(near, 0.8)}
+    assert entries["xtc_probability + xtc_threshold"]["within"] is False
+    assert entries["xtc_probability + xtc_threshold"]["compared"]
+    assert entries["min_p"]["clear_of"] == ["top_p", "xtc_probability + xtc_threshold"]
     # With wide intervals nobody is clear of anybody.
     wide = [_row(r["strategy"], r["distinct_2"], r["perplexity"], spread=30, **{k: v for k, v in r.items()
             if k not in ("strategy",) and not k.startswith(("distinct", "perplexity"))}) for r in rows]  # fmt: skip

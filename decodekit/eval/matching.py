@@ -72,8 +72,11 @@ def matched_at_diversity(
     """For each sampler of the report, the row of its sweep whose ``metric`` is nearest ``target``, best
     ``quality`` (lowest) first. Each entry carries the row's values and 95% intervals, how many rows the
     sampler had (``candidates``), the distance to the target, whether the target lies within the
-    sampler's swept range (``within``: else the nearest row is at an end of its sweep), and the samplers
-    it is clearly better than (``clear_of``: their quality interval lies wholly above its own).
+    sampler's swept range (``within``: else the nearest row is at an end of its sweep), whether it is compared
+    at the target at all (``compared``: the target lies within its sweep or within its row's 95% interval of
+    ``metric``; a sampler whose every row is far more or less diverse is not at the matched diversity), and the
+    compared samplers it is clearly better than (``clear_of``, for a compared sampler: their quality interval lies
+    wholly above its own).
 
     Example:
         >>> rows = [{"strategy": "a", "top_p": 0.9, "distinct_2": 0.8, "distinct_2_low": 0.78,
@@ -99,9 +102,13 @@ def matched_at_diversity(
         })  # fmt: skip
     matched.sort(key=lambda entry: entry[quality])
     for entry in matched:
+        low, high = entry.get(f"{metric}_low"), entry.get(f"{metric}_high")
+        entry["compared"] = entry["within"] or (low is not None and high is not None and low <= target <= high)
+    for entry in matched:
         high = entry.get(f"{quality}_high")
         entry["clear_of"] = [
             other["sampler"] for other in matched
-            if high is not None and other.get(f"{quality}_low") is not None and other[f"{quality}_low"] > high
+            if entry["compared"] and other["compared"] and high is not None
+            and other.get(f"{quality}_low") is not None and other[f"{quality}_low"] > high
         ]  # fmt: skip
     return matched

@@ -284,7 +284,8 @@ def temperature_figure(report: EvaluationReport):
 def matched_figure(report: EvaluationReport):
     """Quality at matched diversity: each sampler's perplexity (log) with its 95% interval, at the row of
     its sweep whose distinct-2 is nearest the target (``report.matched``), best first; each bar names the
-    row and its distinct-2, hollow where the target lies outside the sampler's sweep.
+    row and its distinct-2, hollow where the target lies outside the sampler's sweep, grey where it lies outside
+    the row's interval too (not compared).
 
     Example:
         >>> from decodekit.eval.matching import matched_at_diversity
@@ -299,17 +300,21 @@ def matched_figure(report: EvaluationReport):
     for index, entry in enumerate(matched):
         low, high, value = entry.get("perplexity_low"), entry.get("perplexity_high"), entry["perplexity"]
         span = None if low is None or high is None else [[value - low], [high - value]]
-        axes.errorbar(value, index, xerr=span, fmt="o", color="C0", capsize=3,
-                      markerfacecolor="C0" if entry["within"] else "white")  # fmt: skip
+        color = "C0" if entry.get("compared", True) else "C7"
+        axes.errorbar(value, index, xerr=span, fmt="o", color=color, capsize=3,
+                      markerfacecolor=color if entry["within"] else "white")  # fmt: skip
         axes.annotate(f"{entry['strategy']}: distinct-2 {entry['distinct_2']:.3f}", (value, index),
                       textcoords="offset points", xytext=(8, 4), fontsize=7)  # fmt: skip
     axes.set_yticks(range(len(matched)), [entry["sampler"] for entry in matched], fontsize=8)
     axes.invert_yaxis()
     axes.set_xscale("log")
+    left, right = axes.get_xlim()
+    axes.set_xlim(left, right * (right / left) ** 0.35)  # (room for the last bar's words)
     axes.set_xlabel("perplexity of the generations at the matched diversity, log scale (lower: more fluent)")
     target = report.settings.get("match_diversity", matched[0]["target"] if matched else None)
     axes.set_title(f"Quality at matched diversity: each sampler's row nearest distinct-2 = {target}\n"
-                   "(bars: 95% intervals over prompts and seeds; hollow: the target lies outside its sweep)",
+                   "(bars: 95% intervals over prompts and seeds; hollow: the target lies outside its sweep;\n"
+                   "grey: outside its row's distinct-2 interval too, not compared)",
                    fontsize=9)  # fmt: skip
     figure.tight_layout()
     return figure
