@@ -213,9 +213,9 @@ def test_evicting_one_entry_a_segment_natively_keeps_what_pytorch_keeps(tiny, mo
 @pytest.mark.parametrize(("key_bits", "value_bits", "dtype"), [(5, 4, torch.float32), (8, 8, torch.bfloat16),
                                                                 (4, 5, torch.float16)])
 def test_a_step_coded_into_the_storage_writes_the_bytes_of_encode_then_append(key_bits, value_bits, dtype):
-    """Oracle: ``QuantizedCoding.encode`` of the step's key and value, then ``EntryStorage.append`` with its position
-    and a zero score, on a copy of the same storage (segments of different lengths and capacities): every field's
-    every slot equal, byte for byte, and the lengths one longer."""
+    """Oracle: ``QuantizedCoding.encode`` of the step's key and value, then ``EntryStorage.append`` with its position,
+    a zero score and its value norm, on a copy of the same storage (segments of different lengths and capacities):
+    every field's every slot equal, byte for byte, and the lengths one longer."""
     import copy
 
     import numpy as np
@@ -227,20 +227,23 @@ def test_a_step_coded_into_the_storage_writes_the_bytes_of_encode_then_append(ke
     coding = QuantizedCoding(key_bits, value_bits, 8, 0)
     coding.rotated_reads = True
     coding.start(torch.zeros(2, 2, 1, 16, dtype=dtype))
-    fields = {**coding.fields(16), "positions": Field((), torch.int32), "scores": Field((), torch.float32)}
+    fields = {**coding.fields(16), "positions": Field((), torch.int32), "scores": Field((), torch.float32),
+              "value_norms": Field((), torch.float32)}
     storage = EntryStorage(fields, 2, 2, 4, "cpu")
     keys, values = (torch.randn(2, 2, 9, 16, generator=generator).to(dtype) for _ in range(2))
     entries, _ = coding.encode(keys, values)
     positions = torch.arange(9, dtype=torch.int32).expand(2, 2, 9)
-    storage.append({**entries, "positions": positions, "scores": torch.rand(2, 2, 9, generator=generator)}, 9)
+    storage.append({**entries, "positions": positions, "scores": torch.rand(2, 2, 9, generator=generator),
+                    "value_norms": torch.rand(2, 2, 9, generator=generator)}, 9)
     storage.keep(torch.arange(9).expand(2, 2, 9), np.array([[9, 4], [6, 2]]))
     storage.reserve(np.array([[10, 5], [12, 3]]))
     oracle = copy.deepcopy(storage)
     key, value = (torch.randn(2, 2, 1, 16, generator=generator).to(dtype) for _ in range(2))
-    read_keys = coding.append_step(storage, key, value, 9)
+    norms = torch.rand(2, 2, 1, generator=generator)
+    read_keys = coding.append_step(storage, key, value, 9, {"scores": 0.0, "value_norms": norms})
     entries, expected_keys = coding.encode(key, value)
     position = torch.full((2, 2, 1), 9, dtype=torch.int32)
-    oracle.append({**entries, "positions": position, "scores": 0.0}, 1)
+    oracle.append({**entries, "positions": position, "scores": 0.0, "value_norms": norms}, 1)
     assert torch.equal(read_keys, expected_keys)
     assert np.array_equal(storage.lengths_host, oracle.lengths_host)
     for name in fields:
@@ -260,14 +263,19 @@ def test_a_storage_without_a_free_slot_refuses_a_coded_step():
     storage.append({**entries, "positions": torch.zeros(1, 1, 2, dtype=torch.int32)}, 2)
     before = {name: tensor.clone() for name, tensor in storage.flat.items()}
     with pytest.raises(ValueError, match="free slot"):
-        coding.append_step(storage, torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8), 2)
+        coding.append_step(storage, torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8), 2, {})
     assert all(torch.equal(storage.flat[name], before[name]) for name in before)
 
 
-def test_the_byte_sized_cache_codes_its_steps_natively_as_it_does_in_pytorch(tiny, monkeypatch):
+@pytest.mark.parametrize("options", [{"memory_fraction": 0.25, "scoring": "reconstruction"},
+                                     {"budget": 40, "kv_bits": 4, "residual_length": 6},
+                                     {"budget": 40, "kv_bits": 8, "residual_length": 6, "eviction_interval": 1}])
+def test_coded_caches_code_their_steps_natively_as_they_do_in_pytorch(tiny, monkeypatch, options):
     """Oracle: the same cache whose decoding steps are coded by ``encode`` and written by ``append`` (the operator's
     path turned off): after each of 12 greedy steps of a batch of two prompts, every layer holds the same bytes in
-    every field's held slots and the logits are equal; the operator's path was taken."""
+    every field's held slots (and the same residual window) and the logits are equal; the operator's path was taken.
+    The byte-sized cache, and budgets in 4 and 8 bits with a residual window (steps waiting to be scored, and scored
+    at once)."""
     from decodekit.cache import CompressedCache
     from decodekit.cache.coding import QuantizedCoding
     from tests.decode_steps import prompt_batch
@@ -280,7 +288,7 @@ def test_the_byte_sized_cache_codes_its_steps_natively_as_it_does_in_pytorch(tin
     monkeypatch.setattr(_native, "append_coded", lambda *args: calls.append(1) or original(*args))
 
     def run():
-        cache = CompressedCache(model, memory_fraction=0.25, scoring="reconstruction")
+        cache = CompressedCache(model, **options)
         mask, steps = batch["attention_mask"], []
         with torch.no_grad():
             last = model(**batch, past_key_values=cache).logits[:, -1]
@@ -289,8 +297,10 @@ def test_the_byte_sized_cache_codes_its_steps_natively_as_it_does_in_pytorch(tin
                 mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
                 positions = mask.sum(dim=-1, keepdim=True) - 1
                 last = model(token, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
-                held = [{name: layer.storage.read(name)[layer.storage.valid(layer.storage.length_range[1])]
-                         for name in layer.storage.fields} for layer in cache.layers]  # fmt: skip
+                held = [{**{name: layer.storage.read(name)[layer.storage.valid(layer.storage.length_range[1])]
+                            for name in layer.storage.fields},
+                         **{name: tensor.clone() for name, tensor in layer.coding.state().items()}}
+                        for layer in cache.layers]  # fmt: skip
                 steps.append((last, held))
         return steps
 

@@ -603,4 +603,7 @@ def test_coded_keys_read_turned_give_what_turning_them_back_gives(family, option
     for layer, reference in zip(cache.layers, turned_back.layers, strict=True):
         assert torch.equal(layer.kept_positions(), reference.kept_positions())
         torch.testing.assert_close(layer.scores(), reference.scores(), atol=1e-5, rtol=1e-4)
-    assert decoded and any(decoded) == (family in ("qwen3", "gemma3"))
+    # No stored key is rotated back where reads are rotated (on a CPU the C++ operator reads such steps' codes where
+    # they lie and decodes nothing in PyTorch); where they are not, every decode rotates the keys back.
+    assert any(decoded) == (family in ("qwen3", "gemma3"))
+    assert decoded or family not in ("qwen3", "gemma3")

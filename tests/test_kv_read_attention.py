@@ -208,10 +208,12 @@ def test_a_cache_told_to_read_with_triton_decodes_as_the_torch_path(fresh):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
-def test_the_cpu_operator_is_built_and_answers_the_steps_of_auto(fresh, monkeypatch):
-    """On a CPU, ``scoring_backend="auto"`` reads the byte-sized cache's steps with the C++ operator (it was called
-    once per layer and step): the tokens and the kept entries of ``scoring_backend="torch"``, which decodes the
-    entries in PyTorch, and its logits to float rounding."""
+@pytest.mark.parametrize("setting", ["byte-sized", "8-bit keys, 4-bit values, residual"])
+def test_the_cpu_operator_is_built_and_answers_the_steps_of_auto(fresh, monkeypatch, setting):
+    """On a CPU, ``scoring_backend="auto"`` reads the steps of the byte-sized cache and of a budget coded in 8 and 4
+    bits with a residual window with the C++ operator (it was called once per layer and step): the tokens and the
+    kept entries of ``scoring_backend="torch"``, which decodes the entries in PyTorch, and its logits to float
+    rounding."""
     native = importlib.import_module(KERNELS["native"])
     assert native.available(), "the C++ operator did not build (a C++ compiler and ninja are needed)"
     calls = []
@@ -219,7 +221,7 @@ def test_the_cpu_operator_is_built_and_answers_the_steps_of_auto(fresh, monkeypa
     monkeypatch.setattr(native, "step_attention", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     model, tokenizer = fresh
     batch = prompt_batch(tokenizer)
-    runs = [_decode(model, CompressedCache(model, **SETTINGS["byte-sized"], scoring_backend=backend), batch, 6)
+    runs = [_decode(model, CompressedCache(model, **SETTINGS[setting], scoring_backend=backend), batch, 6)
             for backend in ("torch", "auto")]  # fmt: skip
     assert len(calls) == 6 * model.config.num_hidden_layers
     (torch_logits, torch_kept), (native_logits, native_kept) = runs
@@ -227,3 +229,44 @@ def test_the_cpu_operator_is_built_and_answers_the_steps_of_auto(fresh, monkeypa
         torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=2e-4)
     for ours, theirs in zip(native_kept, torch_kept, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+@pytest.mark.parametrize(("key_bits", "value_bits"), [(5, 4), (8, 8), (4, None)])
+@pytest.mark.parametrize(("head_dim", "group_size", "dtype"), [(16, 8, torch.float32), (64, 8, torch.bfloat16),
+                                                                (16, 4, torch.float32)])  # fmt: skip
+def test_the_cpu_operator_reads_the_residual_windows_tokens_exact(key_bits, value_bits, head_dim, group_size, dtype):
+    """Oracle: ``QuantizedCoding.decode``, which writes the residual window's exact entries over their codes, then
+    attention in PyTorch. The window holds the last 5 tokens written (positions 15 to 19; some segments evicted
+    some of them), the step's own token is the exact one it is handed; AVX2 blocks and the scalar loop."""
+    native = importlib.import_module(KERNELS["native"])
+    batch, heads, query_heads = 2, 2, 4
+    generator = torch.Generator().manual_seed(11)
+    coding = QuantizedCoding(key_bits, value_bits, group_size, 5)
+    coding.rotated_reads = True
+    first = torch.randn(batch, heads, 20, head_dim, generator=generator)
+    coding.start(first.to(dtype))
+    storage = EntryStorage({**coding.fields(head_dim), "positions": Field((), torch.int32)}, batch, heads, 4, "cpu")
+    keys, values = (torch.randn(batch, heads, 20, head_dim, generator=generator).to(dtype) for _ in range(2))
+    entries, read_keys = coding.encode(keys, values)
+    positions = torch.arange(20, dtype=torch.int32)
+    storage.append({**entries, "positions": positions.expand(batch, heads, 20)}, 20)
+    coding.remember(read_keys, values, positions)
+    kept = torch.tensor([[[0, 3, 16, 5, 19, 9, 17], [18, 2, 15, 11, 4, 1, 7]],
+                         [[19, 18, 17, 16, 15, 0, 6], [12, 13, 14, 8, 10, 3, 2]]])  # fmt: skip
+    storage.keep(kept, 7)
+    own_keys, own_values = (torch.randn(batch, heads, 1, head_dim, generator=generator).to(dtype) for _ in range(2))
+    entries, own_read = coding.encode(own_keys, own_values)
+    storage.append({**entries, "positions": torch.full((batch, heads, 1), 20, dtype=torch.int32)}, 1)
+    coding.remember(own_read, own_values, torch.tensor([20], dtype=torch.int32))
+    expected_keys, expected_values = coding.decode(storage, 8, dtype=torch.float32)
+    expected_keys[:, :, 7:8] = own_read.float()
+    expected_values[:, :, 7:8] = own_values.float()
+    query = torch.randn(batch, query_heads, 1, head_dim, generator=generator)
+    expected, expected_received = attention.read_decoded(query, expected_keys, expected_values, 0.25, None)
+    output, received = native.step_attention(query, storage, (key_bits, value_bits), group_size, own_read.float(),
+                                             own_values.float(), 0.25, residual=coding.residual_window())  # fmt: skip
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(received, expected_received, atol=1e-6, rtol=1e-5)
+    without, _ = native.step_attention(query, storage, (key_bits, value_bits), group_size, own_read.float(),
+                                       own_values.float(), 0.25)  # fmt: skip
+    assert not torch.allclose(without, expected, atol=1e-5, rtol=1e-5)  # (the window's exact entries were read)

@@ -93,19 +93,24 @@ def step_attention(
     biased: bool = False,
     window: int | None = None,
     query_position: int = 0,
+    residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_triton_attention.step_attention`` on a CPU: the same arguments, the same results (the output ``[batch, 1,
-    heads, head_dim]`` in the query's dtype, each slot's probability summed over its KV head's query heads)."""
+    heads, head_dim]`` in the query's dtype, each slot's probability summed over its KV head's query heads); and a
+    ``residual`` window: its exact keys (as attention reads them) and values ``[batch, heads, ring, head_dim]`` (in
+    the scales' dtype) and their positions ``[ring]`` (int32), read instead of the codes of the tokens it holds."""
     if not available():
         raise RuntimeError("the cache's CPU operators are not available (see _native.available())")
     key_codes, key_scales, key_offsets, key_bits = _part(storage, "keys", widths[0])
     value_codes, value_scales, value_offsets, value_bits = _part(storage, "values", widths[1])
     biases = _float32(storage.flat["biases"]) if biased else None
-    positions = storage.flat["positions"] if window is not None else None
+    positions = storage.flat["positions"] if window is not None or residual is not None else None
+    ring_keys, ring_values, ring_positions = (None, None, None) if residual is None else residual
     output, received = torch.ops.decodekit.step_attention(
         _float32(query), key_codes, key_scales, key_offsets, key_bits, value_codes, value_scales, value_offsets,
         value_bits, group_size, storage.starts, storage.lengths, _float32(own_keys), _float32(own_values), biases,
-        positions, storage.length_range[1], scaling, softcap or 0.0, query_position, window or 0,
+        positions, storage.length_range[1], scaling, softcap or 0.0, query_position, window or 0, ring_keys,
+        ring_values, ring_positions,
     )  # fmt: skip
     return (output if query.dtype == torch.float32 else output.to(query.dtype)), received
 
@@ -179,13 +184,16 @@ def append_rows(
 
 def append_coded(
     coded: list[torch.Tensor], rows: list[torch.Tensor], bits: list[int], group_size: int, positions: torch.Tensor,
-    position: int, zeroed: list[torch.Tensor], starts: torch.Tensor, lengths: torch.Tensor,
+    position: int, written: list[torch.Tensor], values: list[torch.Tensor], zeroed: list[torch.Tensor],
+    starts: torch.Tensor, lengths: torch.Tensor,
 ) -> None:
     """One decoding step's entry after each segment's entries, coded: each of ``rows`` (float32 ``[batch, heads, 1,
     head_dim]``, keys rotated already) in its ``bits`` into the next three of ``coded`` (codes, scales, offsets), as
-    ``encode`` codes it; ``positions`` set to ``position`` there and those slots of ``zeroed`` zeroed."""
+    ``encode`` codes it; ``positions`` set to ``position`` there, each of ``written`` given the row of the matching
+    ``values`` (``[batch, heads, 1, ...]``, its dtype) and those slots of ``zeroed`` zeroed."""
     torch.ops.decodekit.append_coded(coded, [_float32(part) for part in rows], bits, group_size, positions, position,
-                                     zeroed, starts, lengths)  # fmt: skip
+                                     written, [value.contiguous() for value in values], zeroed, starts,
+                                     lengths)  # fmt: skip
 
 
 def copy_segments(

@@ -177,26 +177,37 @@ class QuantizedCoding:
             fields[part], fields[f"{prefix}_scales"], fields[f"{prefix}_offsets"] = codes.values()
         return fields, read_keys
 
+    def residual_window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The residual window's exact keys (as attention reads them) and values, ``[batch, heads, ring, head_dim]``
+        in the stored dtype, and the position each ring slot holds (``[ring]``, int32, -1: none); None without one."""
+        if self.residual_length == 0:
+            return None
+        return self.residual_keys, self.residual_values, self.residual_positions
+
     def appends_steps_natively(self, storage: EntryStorage) -> bool:
         """Whether ``append_step`` codes a decoding step's entry into ``storage`` with one C++ operator: keys and
-        values both coded in groups of one size, no residual window, on a CPU where the operators are built."""
+        values both coded in groups of one size, on a CPU where the operators are built."""
         keys, values = self.quantizers["keys"], self.quantizers["values"]
         return (
-            keys is not None and values is not None and keys.groups_like(values) and self.residual_length == 0
-            and _native.runs_on(storage.device)
+            keys is not None and values is not None and keys.groups_like(values) and _native.runs_on(storage.device)
         )  # fmt: skip
 
     def append_step(
-        self, storage: EntryStorage, keys: torch.Tensor, values: torch.Tensor, position: int
+        self, storage: EntryStorage, keys: torch.Tensor, values: torch.Tensor, position: int,
+        others: dict[str, torch.Tensor | float],
     ) -> torch.Tensor:
         """Code a decoding step's ``keys`` and ``values`` (``[batch, heads, 1, head_dim]``) into the free slot after
-        each segment's entries, at ``position``, every other field zeroed (where ``appends_steps_natively``); returns
-        the keys as attention reads them. The bytes ``encode`` then ``storage.append`` write."""
+        each segment's entries, at ``position``, with the fields ``others`` (``storage.append_coded``; where
+        ``appends_steps_natively``), and keep them exact in the residual window; returns the keys as attention reads
+        them. The bytes ``encode`` then ``storage.append`` write."""
         key_coding, value_coding = self.quantizers["keys"], self.quantizers["values"]
         rotated = key_coding.as_coded(keys)
         parts = [("keys", rotated, key_coding.bits), ("values", values, value_coding.bits)]
-        storage.append_coded(parts, value_coding.group_size, position)
-        return rotated.to(keys.dtype) if self.rotated_reads else keys
+        storage.append_coded(parts, value_coding.group_size, position, others)
+        read_keys = rotated.to(keys.dtype) if self.rotated_reads else keys
+        if self.residual_length:
+            self.remember(read_keys, values, torch.tensor([position], dtype=torch.int32, device=keys.device))
+        return read_keys
 
     def decode(
         self, storage: EntryStorage, stop: int, valid: torch.Tensor | None = None, dtype: torch.dtype | None = None

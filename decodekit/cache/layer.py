@@ -363,7 +363,12 @@ class CompressedLayer(CacheLayerMixin):
             if self._codes_step_natively(step):  # its key and value coded into the storage by one C++ operator
                 if storage.free_slots < 1:
                     storage.reserve(storage.lengths_host + 1, self._room(), self._allocator())
-                read_keys = self.coding.append_step(storage, key_states, value_states, self.seen)
+                if step.waits:  # (where the waiting steps begin, for the scorer)
+                    step.new_slots = storage.length_range[0] if storage.equal_lengths else storage.lengths.clone()
+                others = {name: 0.0 for name in ("scores", "biases") if name in storage.fields}
+                if not step.waits:  # (a waiting step's value norm is taken when it is scored)
+                    others.update(self.scorer.new_entries(value_states))
+                read_keys = self.coding.append_step(storage, key_states, value_states, self.seen, others)
                 self._seen += 1
                 attention.expect(id(self.module()), partial(self._attend, step, read_keys, value_states))
                 return read_keys, value_states
@@ -411,11 +416,11 @@ class CompressedLayer(CacheLayerMixin):
 
     def _codes_step_natively(self, step: Pass) -> bool:
         """Whether a decoding step's key and value go into the storage through ``coding.append_step`` (one C++
-        operator): a step the layer reads itself with a kernel that reads the codes where they lie, scored at once,
-        keys and values coded alike, no field of the new entry but its codes and position other than zero."""
+        operator): a step the layer reads itself with a kernel that reads the codes where they lie, keys and values
+        coded alike."""
         return (
-            step.kernel is not None and not step.waits and not self.transient and self.coding.quantized
-            and "value_norms" not in self.storage.fields and self.coding.appends_steps_natively(self.storage)
+            step.kernel is not None and not self.transient and self.coding.quantized
+            and self.coding.appends_steps_natively(self.storage)
         )  # fmt: skip
 
     def _is_prepared(self, slot: int) -> bool:
@@ -478,9 +483,10 @@ class CompressedLayer(CacheLayerMixin):
             coding = self.coding
             widths = tuple(None if q is None else q.bits for q in coding.quantizers.values()) if coding.quantized \
                 else (None, None)  # fmt: skip
+            residual = {"residual": coding.residual_window()} if coding.quantized and coding.residual_length else {}
             output, step.received = step_attention(
                 query, self.storage, widths, self.options.storage.group_size, read_keys, value_states, scaling,
-                softcap=self.softcap, biased=self.biased, window=self.window, query_position=self.seen - 1,
+                softcap=self.softcap, biased=self.biased, window=self.window, query_position=self.seen - 1, **residual,
             )  # fmt: skip
             step.group = query.shape[1] // self.storage.heads
             return output
@@ -493,17 +499,19 @@ class CompressedLayer(CacheLayerMixin):
 
     def _step_kernel(self) -> Callable | None:
         """The ``step_attention`` that reads this layer's entries where they lie for its decoding steps, where one
-        applies (no residual window, no padding held, keys read as coded): the Triton kernels on CUDA with Triton
-        installed (``scoring_backend`` "auto") or when told so ("triton"), the C++ operator on a CPU where it builds
-        ("auto"); None: decode the entries in PyTorch."""
+        applies (no padding held, keys read as coded): the Triton kernels on CUDA with Triton installed
+        (``scoring_backend`` "auto") or when told so ("triton"), without a residual window; the C++ operator on a
+        CPU where it builds ("auto"); None: decode the entries in PyTorch."""
         backend = self.options.scoring.backend
         coding = self.coding
         keys_read_as_coded = not coding.quantized or coding.quantizers["keys"] is None or coding.rotated_reads
-        residual = coding.quantized and coding.residual_length > 0
-        if backend == "torch" or not keys_read_as_coded or residual or self.padding_held:
+        if backend == "torch" or not keys_read_as_coded or self.padding_held:
             return None
         device = self.storage.device
+        residual = coding.quantized and coding.residual_length > 0
         if uses_triton(backend, device):
+            if residual:
+                return None
             from decodekit.cache._triton_attention import step_attention
 
             return step_attention

@@ -329,24 +329,35 @@ class EntryStorage:
             self.write_at(index.flatten(), entries, count)
         self._add_to_lengths(count)
 
-    def append_coded(self, parts: list[tuple[str, torch.Tensor, int]], group_size: int, position: int) -> None:
+    def append_coded(
+        self, parts: list[tuple[str, torch.Tensor, int]], group_size: int, position: int,
+        others: dict[str, torch.Tensor | float],
+    ) -> None:
         """One decoding step's entry after each segment's (on a CPU, with the C++ operators: ``_native.append_coded``):
         for each ``(name, rows, bits)`` of ``parts`` (``rows`` float32 ``[batch, heads, 1, head_dim]``), the codes in
         field ``name``, its group scales and offsets in ``{name[:-1]}_scales`` and ``{name[:-1]}_offsets``; the
-        ``positions`` field set to ``position``; every other field zeroed; the entry counted. Every segment must
-        have a free slot (``reserve``)."""
+        ``positions`` field set to ``position``; each field of ``others`` given its ``[batch, heads, 1]`` values or
+        zero (``0.0``), the fields left unnamed untouched; the entry counted. Every segment must have a free slot
+        (``reserve``)."""
         if self.free_slots < 1:
             raise ValueError("append_coded needs a free slot in every segment: reserve one first")
         flat = self.flat
-        coded, written = [], {"positions"}
+        coded = []
         for name, _, _ in parts:
             prefix = name[:-1]
-            names = (name, f"{prefix}_scales", f"{prefix}_offsets")
-            coded += [flat[field] for field in names]
-            written.update(names)
-        zeroed = [tensor for name, tensor in flat.items() if name not in written]
+            coded += [flat[name], flat[f"{prefix}_scales"], flat[f"{prefix}_offsets"]]
+        written, values, zeroed = [], [], []
+        for name, value in others.items():
+            if isinstance(value, torch.Tensor):
+                written.append(flat[name])
+                values.append(self._as_field(name, value, (self.batch, self.heads, 1)))
+            elif value == 0:
+                zeroed.append(flat[name])
+            else:
+                raise ValueError(f"append_coded writes a field's values or zero; got {value!r} for {name!r}")
         _native.append_coded(coded, [rows for _, rows, _ in parts], [bits for _, _, bits in parts], group_size,
-                             flat["positions"], position, zeroed, self.starts, self.lengths)  # fmt: skip
+                             flat["positions"], position, written, values, zeroed, self.starts,
+                             self.lengths)  # fmt: skip
         self._add_to_lengths(1)
 
     def _as_field(self, name: str, entry: torch.Tensor, full: tuple[int, int, int]) -> torch.Tensor:

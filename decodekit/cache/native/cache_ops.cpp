@@ -190,13 +190,34 @@ struct Step {
   const float* own_keys;    // [units, head_dim]
   const float* own_values;  // [units, head_dim]
   const float* biases;      // flat, or null
-  const int32_t* positions; // flat, or null (no window)
+  const int32_t* positions; // flat, or null (no window and no residual window)
   int64_t group, head_dim, slots;
   float scaling, softcap;   // softcap 0: none
   int64_t query_position, window;
   float* output;            // [units * group, head_dim]
   float* received;          // [units, slots]
+  // The residual window (ring 0: none): the exact keys (as attention reads them) and values of the last `ring`
+  // tokens, [units, ring, head_dim] in the scales' dtype, at slot `position % ring` where `ring_positions` holds
+  // that position.
+  const void* ring_keys = nullptr;
+  const void* ring_values = nullptr;
+  const int32_t* ring_positions = nullptr;
+  int64_t ring = 0;
 };
+
+// The exact entry the residual window holds for the token at flat slot `flat` of unit `unit`, copied into `out` as
+// floats: true where it holds it (the entry is then not decoded).
+template <typename Scale>
+inline bool from_ring(const Step& step, const void* ring, int64_t unit, int64_t flat, float* __restrict__ out) {
+  if (step.ring == 0) return false;
+  const int32_t position = step.positions[flat];
+  if (position < 0) return false;
+  const int64_t index = position % step.ring;
+  if (step.ring_positions[index] != position) return false;
+  const Scale* exact = static_cast<const Scale*>(ring) + (unit * step.ring + index) * step.head_dim;
+  for (int64_t c = 0; c < step.head_dim; ++c) out[c] = static_cast<float>(exact[c]);
+  return true;
+}
 
 // Each of `rows` rows of `width` logits replaced by its softmax.
 inline void softmax_rows(float* logits, int64_t rows, int64_t width) {
@@ -260,7 +281,7 @@ void attend_unit(const Step& step, const Part<Scale>& keys, const Part<Scale>& v
   for (int64_t slot = 0; slot < count; ++slot) {
     const int64_t flat = start + slot;
     if (step.window > 0 && step.query_position - step.positions[flat] >= step.window) continue;
-    decode(keys, flat, head_dim, entry);
+    if (!from_ring<Scale>(step, step.ring_keys, unit, flat, entry)) decode(keys, flat, head_dim, entry);
     const float bias = step.biases != nullptr ? step.biases[flat] : 0.f;
     for (int64_t g = 0; g < group; ++g) {
       float value = dot(queries + g * head_dim, entry, head_dim) * step.scaling;
@@ -271,7 +292,7 @@ void attend_unit(const Step& step, const Part<Scale>& keys, const Part<Scale>& v
   float* taken = with_own_token(step, queries, unit, count, logits);
   for (int64_t slot = 0; slot < count; ++slot) {
     if (taken[slot] == 0.f) continue;  // (outside the window, or no weight left at all)
-    decode(values, start + slot, head_dim, entry);
+    if (!from_ring<Scale>(step, step.ring_values, unit, start + slot, entry)) decode(values, start + slot, head_dim, entry);
     for (int64_t g = 0; g < group; ++g) {
       const float weight = logits[g * width + slot];
       float* __restrict__ out = total + g * head_dim;
@@ -327,7 +348,9 @@ DECODEKIT_AVX2 void attend_unit_avx2(const Step& step, const Part<Scale>& keys, 
   logits.assign(group * width, minus_inf);
   for (int64_t first = 0; first < count; first += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, count - first);
-    for (int64_t j = 0; j < n; ++j) decode_avx2(keys, start + first + j, head_dim, block + j * head_dim);
+    for (int64_t j = 0; j < n; ++j)
+      if (!from_ring<Scale>(step, step.ring_keys, unit, start + first + j, block + j * head_dim))
+        decode_avx2(keys, start + first + j, head_dim, block + j * head_dim);
     for (int64_t g = 0; g < group; ++g) {
       const float* query = queries + g * head_dim;
       __m256 partial[kBlock];
@@ -351,7 +374,9 @@ DECODEKIT_AVX2 void attend_unit_avx2(const Step& step, const Part<Scale>& keys, 
   float* taken = with_own_token(step, queries, unit, count, logits);
   for (int64_t first = 0; first < count; first += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, count - first);
-    for (int64_t j = 0; j < n; ++j) decode_avx2(values, start + first + j, head_dim, block + j * head_dim);
+    for (int64_t j = 0; j < n; ++j)
+      if (!from_ring<Scale>(step, step.ring_values, unit, start + first + j, block + j * head_dim))
+        decode_avx2(values, start + first + j, head_dim, block + j * head_dim);
     for (int64_t g = 0; g < group; ++g) {
       const float* weights = logits.data() + g * width + first;
       for (int64_t c0 = 0; c0 < head_dim; c0 += 64) {
@@ -401,7 +426,8 @@ std::tuple<torch::Tensor, torch::Tensor> step_attention(
     const torch::Tensor& starts, const torch::Tensor& lengths, const torch::Tensor& own_keys,
     const torch::Tensor& own_values, const c10::optional<torch::Tensor>& biases,
     const c10::optional<torch::Tensor>& positions, int64_t slots, double scaling,
-    double softcap, int64_t query_position, int64_t window) {
+    double softcap, int64_t query_position, int64_t window, const c10::optional<torch::Tensor>& ring_keys,
+    const c10::optional<torch::Tensor>& ring_values, const c10::optional<torch::Tensor>& ring_positions) {
   const int64_t batch = starts.size(0), kv_heads = starts.size(1), head_dim = query.size(-1);
   const int64_t group = query.size(1) / kv_heads;
   TORCH_CHECK(query.is_contiguous() && query.scalar_type() == torch::kFloat32 && query.numel() == batch * kv_heads *
@@ -419,6 +445,22 @@ std::tuple<torch::Tensor, torch::Tensor> step_attention(
             static_cast<float>(scaling), static_cast<float>(softcap), query_position, window,
             output.data_ptr<float>(), received.data_ptr<float>()};
   const torch::Tensor& typed = key_bits == 16 ? key_codes : key_scales;
+  if (ring_positions.has_value()) {
+    TORCH_CHECK(ring_keys.has_value() && ring_values.has_value() && positions.has_value(),
+                "step_attention: a residual window needs its keys, values and the entries' positions");
+    const int64_t ring = ring_positions->numel();
+    for (const auto* exact : {&*ring_keys, &*ring_values})
+      TORCH_CHECK(exact->is_contiguous() && exact->numel() == batch * kv_heads * ring * head_dim &&
+                  exact->scalar_type() == typed.scalar_type(),
+                  "step_attention: the residual window's entries: contiguous [batch, heads, ring, head_dim] in the "
+                  "scales' dtype");
+    TORCH_CHECK(ring_positions->scalar_type() == torch::kInt32 && ring_positions->is_contiguous(),
+                "step_attention: the residual window's positions: contiguous int32");
+    step.ring = ring;
+    step.ring_keys = ring_keys->data_ptr();
+    step.ring_values = ring_values->data_ptr();
+    step.ring_positions = ring_positions->data_ptr<int32_t>();
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, typed.scalar_type(), "step_attention", [&] {
     const auto keys = part_of<scalar_t>(key_codes, key_scales, key_offsets, key_bits, group_size);
     const auto values = part_of<scalar_t>(value_codes, value_scales, value_offsets, value_bits, group_size);
@@ -661,11 +703,12 @@ void append_rows(const std::vector<torch::Tensor>& tensors, const std::vector<to
 // 1, head_dim], contiguous; keys rotated already) coded in `bits[k]` bits in groups of `group_size` into the flat
 // tensors `coded[3k]` (codes), `coded[3k + 1]` (scales) and `coded[3k + 2]` (offsets) at the slot `starts + lengths`
 // (int64 [batch, heads]) of each segment, as encode_entries codes it; `positions` (int32) set to `position` there,
-// and those slots of each tensor of `zeroed` zeroed.
+// each tensor of `written` given the matching row of `values` ([batch, heads, 1, ...], its dtype) there, and those
+// slots of each tensor of `zeroed` zeroed.
 void append_coded(const std::vector<torch::Tensor>& coded, const std::vector<torch::Tensor>& rows,
                   const std::vector<int64_t>& bits, int64_t group_size, const torch::Tensor& positions,
-                  int64_t position, const std::vector<torch::Tensor>& zeroed, const torch::Tensor& starts,
-                  const torch::Tensor& lengths) {
+                  int64_t position, const std::vector<torch::Tensor>& written, const std::vector<torch::Tensor>& values,
+                  const std::vector<torch::Tensor>& zeroed, const torch::Tensor& starts, const torch::Tensor& lengths) {
   TORCH_CHECK(coded.size() == 3 * rows.size() && bits.size() == rows.size(),
               "append_coded: codes, scales and offsets for each part, one width each");
   TORCH_CHECK(starts.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 &&
@@ -709,6 +752,7 @@ void append_coded(const std::vector<torch::Tensor>& coded, const std::vector<tor
   }
   int32_t* held = positions.data_ptr<int32_t>();
   for (int64_t unit = 0; unit < units; ++unit) held[targets[unit]] = static_cast<int32_t>(position);
+  write_rows_at(written, values, targets.data(), units, "append_coded");
   for (const auto& tensor : zeroed) {
     const auto [row_bytes, data] = rows_of(tensor);
     TORCH_CHECK(tensor.size(0) == slots, "append_coded: every field holds the same slots");
@@ -846,7 +890,8 @@ TORCH_LIBRARY(decodekit, library) {
       "step_attention(Tensor query, Tensor key_codes, Tensor key_scales, Tensor key_offsets, int key_bits, "
       "Tensor value_codes, Tensor value_scales, Tensor value_offsets, int value_bits, int group_size, Tensor starts, "
       "Tensor lengths, Tensor own_keys, Tensor own_values, Tensor? biases, Tensor? positions, int slots, "
-      "float scaling, float softcap, int query_position, int window) -> (Tensor, Tensor)");
+      "float scaling, float softcap, int query_position, int window, Tensor? ring_keys, Tensor? ring_values, "
+      "Tensor? ring_positions) -> (Tensor, Tensor)");
   library.def("encode_entries(Tensor values, int bits, int group_size, ScalarType dtype) -> (Tensor, Tensor, Tensor)");
   library.def("copy_rows(Tensor(a!)[] tensors, Tensor source, Tensor target) -> ()");
   library.def("write_rows(Tensor(a!)[] tensors, Tensor index, Tensor[] values) -> ()");
@@ -854,7 +899,7 @@ TORCH_LIBRARY(decodekit, library) {
   library.def("append_rows(Tensor(a!)[] tensors, Tensor[] values, Tensor(b!)[] zeroed, Tensor starts, Tensor lengths, int count) -> ()");
   library.def("copy_segments(Tensor[] sources, Tensor(a!)[] targets, Tensor old_starts, Tensor segments, Tensor new_starts, Tensor lengths) -> ()");
   library.def("evict_one(Tensor(a!)[] fields, Tensor scores, Tensor? value_norms, Tensor positions, Tensor starts, Tensor lengths, Tensor drops, int seen, int sink_tokens, int recent_tokens, Tensor? pads, int window, float protected_rank) -> ()");
-  library.def("append_coded(Tensor(a!)[] coded, Tensor[] rows, int[] bits, int group_size, Tensor(b!) positions, int position, Tensor(c!)[] zeroed, Tensor starts, Tensor lengths) -> ()");
+  library.def("append_coded(Tensor(a!)[] coded, Tensor[] rows, int[] bits, int group_size, Tensor(b!) positions, int position, Tensor(c!)[] written, Tensor[] values, Tensor(d!)[] zeroed, Tensor starts, Tensor lengths) -> ()");
   library.def("decay_add(Tensor(a!) flat, Tensor starts, Tensor lengths, Tensor added, float decay) -> ()");
 }
 
