@@ -12,7 +12,7 @@ import torch
 
 from decodekit import Strategy
 from decodekit.logits_processors import MinKLogitsProcessor
-from decodekit.logits_processors.min_k import CERTIFIED_FROM_VOCAB, STAGES, certified_threshold
+from decodekit.logits_processors.min_k import CERTIFIED_FROM_VOCAB, STAGES, certified_threshold, histogram_bound
 
 EXPONENTS = (0.0, 0.5, 1.0, 1.5, 2.0, 4.0)
 
@@ -145,6 +145,71 @@ def test_large_rows_take_the_certified_path_and_keep_what_the_description_keeps(
     processed = processor(None, scores)
     for row in range(48):
         assert torch.isfinite(processed[row]).tolist() == paper_keeps(logits[row], float(exponents[row])), row
+
+
+@pytest.mark.parametrize("bins", [16, 1024])
+def test_the_histogram_bounds_every_deeper_cut_the_sort_scores(bins):
+    """Oracle: every cut of the sorted row whose upper logit is at or below ``floor``, scored as the sort path
+    scores it (float32 drop over the rank's weight): the histogram's bound is at least the best of them, on spread,
+    tied, plateaued, partly removed and model-like rows, every sampled exponent, floors taken anywhere in the row."""
+    generator = torch.Generator().manual_seed(8)
+    vocab = 3000
+    scores = torch.cat([random_rows(generator, 140, vocab), model_like_rows(generator, 60, vocab)])
+    exponents = exponents_for(generator, 200)
+    weights = MinKLogitsProcessor(exponents).weights(200, vocab, scores.device)
+    finite = scores > -math.inf
+    low = torch.where(finite, scores, math.inf).amin(dim=-1, keepdim=True)
+    low = torch.where(low == math.inf, -math.inf, low)
+    ordered = scores.sort(dim=-1, descending=True).values
+    picks = torch.randint(0, vocab, (200, 1), generator=generator)
+    floor = ordered.gather(1, picks)
+    count = (scores > floor).sum(dim=-1, keepdim=True)
+    bound = histogram_bound(scores, weights, low, floor, count, bins)
+    drops = (ordered[:, :-1] - ordered[:, 1:]) / weights[:, : vocab - 1]
+    deeper = (ordered[:, :-1] <= floor) & (ordered[:, 1:] > -math.inf)
+    best = torch.where(deeper, drops, -math.inf).amax(dim=-1, keepdim=True)
+    assert (best <= bound).all()
+    usable = (low > -math.inf) & (ordered[:, :1] > low)
+    assert torch.isfinite(bound[usable]).all() and (bound[~usable] == math.inf).all()
+
+
+def test_rows_the_block_bound_cannot_certify_are_certified_by_their_histogram():
+    """Exponent 0.5 on spread rows of 49152 tokens: the block maxima certify few rows (deep cuts weigh much), the
+    histogram most of the rest, and every kept set is the description's."""
+    generator = torch.Generator().manual_seed(4)
+    scores = torch.randn(16, 49152, generator=generator) * 4
+    processor = MinKLogitsProcessor(0.5)
+    weights = processor.weights(16, 49152, scores.device)
+    by_blocks = certified_threshold(scores, weights, *STAGES[0])[1]
+    with_histogram = certified_threshold(scores, weights, *STAGES[1])[1]
+    assert int(by_blocks.sum()) <= 4 and int(with_histogram.sum()) >= 12
+    kept = torch.isfinite(processor(None, scores)).numpy()
+    rows = scores.double().numpy()
+    assert all(np.array_equal(kept[row], paper_keeps_array(rows[row], 0.5)) for row in range(16))
+
+
+def test_rows_an_earlier_filter_cut_to_a_few_tokens_sort_those_alone(monkeypatch):
+    """After a top-k (or any filter leaving at most FEW_LEFT tokens a row) on a real vocabulary, the finite logits are
+    sorted alone (the certified passes are not run): every kept set is the description's, with ties, one token left,
+    per-row exponents, float32 and bfloat16."""
+    import decodekit.logits_processors.min_k as min_k
+
+    monkeypatch.setattr(min_k, "certified_threshold", lambda *args: pytest.fail("the certified passes ran"))
+    generator = torch.Generator().manual_seed(12)
+    vocab = 2 * CERTIFIED_FROM_VOCAB
+    scores = torch.cat([random_rows(generator, 40, vocab), model_like_rows(generator, 24, vocab)])
+    best = scores.topk(50, dim=-1)  # (exactly 50 tokens a row: ties past the 50th removed too)
+    scores = torch.full_like(scores, -math.inf).scatter_(1, best.indices, best.values)
+    scores[:8] = torch.where(torch.rand(8, vocab, generator=generator) < 0.9, -math.inf, scores[:8])
+    scores[8] = -math.inf
+    scores[8, 17] = 2.0  # one token left
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = scores.to(dtype)
+        exponents = exponents_for(generator, 64)
+        kept = torch.isfinite(MinKLogitsProcessor(exponents)(None, rows)).numpy()
+        logits = rows.double().numpy()
+        for row in range(64):
+            assert np.array_equal(kept[row], paper_keeps_array(logits[row], float(exponents[row]))), (dtype, row)
 
 
 def test_a_long_flat_head_is_only_certified_by_the_full_sort_and_still_exact():

@@ -15,8 +15,15 @@ from decodekit.settings import MIN_K_EXPONENT_RANGE
 # Below this vocabulary a full sort costs little on a CPU, and the rows take the sorted path everywhere.
 CERTIFIED_FROM_VOCAB = 4096
 # The CPU's certified passes, tried in turn on the rows the previous one could not certify (block size, block
-# maxima per group of the bound, blocks gathered, head tokens kept); the rows left after both are sorted.
-STAGES = ((128, 4, 4, 16), (32, 1, 32, 256))
+# maxima per group of the bound, blocks gathered, head tokens kept, histogram bins: 0 for none); the rows left after
+# all of them are sorted.
+STAGES = ((128, 4, 4, 16, 0), (32, 1, 32, 256, 1024))
+# At most this many finite logits in every row (an earlier filter removed the others): those are sorted alone.
+FEW_LEFT = 1024
+# Rows binned at once by histogram_bound.
+HISTOGRAM_ROWS = 8
+# The relative error a bin's edges allow for: the rounding of a logit's bin (a subtraction and a product in float32).
+EDGE_SLACK = 1e-6
 
 
 class MinKLogitsProcessor(LogitsProcessor):
@@ -42,11 +49,13 @@ class MinKLogitsProcessor(LogitsProcessor):
     Ties are never split (a drop between equal logits scores 0), tokens an earlier filter removed (-inf)
     take no part, and the best token is always kept.
 
-    On a CPU the full sort (about 70 times min-p's cost on ``[32, 49152]`` scores) is avoided: each row's
-    cut is found among its head, the tokens of the blocks holding the highest logits, and certified
-    exactly by a bound on every deeper cut computed from block maxima; rows whose bound does not clear
-    the head's best cut (mostly small exponents, flat rows) take a larger head, then the full sort. The
-    result equals the sort's on every row. Other devices sort every row (no value is read back).
+    On a CPU the full sort (about 50 to 70 times min-p's cost on ``[32, 49152]`` scores) is avoided: each
+    row's cut is found among its head, the tokens of the blocks holding the highest logits, and certified
+    exactly by a bound on every deeper cut computed from block maxima; rows whose bound does not clear the
+    head's best cut (mostly exponents below 1, whose deep cuts weigh more) are bounded again by a histogram
+    of their logits (each bin's count gives the least rank of a cut in it), then with a larger head, then
+    sorted; rows an earlier filter left with at most ``FEW_LEFT`` tokens sort those alone. The result equals the
+    sort's on every row. Other devices sort every row (no value is read back).
 
     Args:
         exponent: the rank weighting ``i^-exponent``, in [0, 4]; 1 is the published weighting. One value or
@@ -89,10 +98,16 @@ class MinKLogitsProcessor(LogitsProcessor):
         weights = self.weights(rows, vocab, scores.device)
         if logits.device.type != "cpu" or vocab < CERTIFIED_FROM_VOCAB:
             return _filter(scores, logits, sorted_threshold(logits, weights), self.filter_value)
-        threshold, certified, head, index = certified_threshold(logits, weights, *STAGES[0])
-        pending = torch.arange(rows)[~certified.flatten()]  # on a CPU, reading the certificate waits for nothing
-        if len(pending):
-            threshold[pending] = _uncertified_threshold(logits[pending], _rows_of(weights, pending))
+        if bool(logits.amin() == -math.inf):  # an earlier filter removed tokens: few may be left
+            finite = int(torch.count_nonzero(logits > -math.inf, dim=-1).max())
+            if finite <= FEW_LEFT:  # (the cut needs only the finite logits, in order: sorted where they are few)
+                top, where = logits.topk(max(finite, 1), dim=-1)
+                threshold = sorted_threshold(top, weights[:, : top.shape[1]])
+                if self.filter_value != -math.inf:
+                    return _filter(scores, logits, threshold, self.filter_value)
+                kept = torch.where(top >= threshold, top, -math.inf).to(scores.dtype)
+                return torch.full_like(scores, -math.inf).scatter_(1, where, kept)
+        threshold, pending, head, index = _certified_thresholds(logits, weights)
         if self.filter_value != -math.inf or len(pending) == rows:
             return _filter(scores, logits, threshold, self.filter_value)
         # A certified row keeps head tokens only: written into a removed row instead of comparing every logit.
@@ -119,14 +134,24 @@ def cut_threshold(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         >>> cut_threshold(torch.tensor([[3.0, 2.5, 0.0, -0.5]]), torch.arange(1.0, 5.0)[None]).tolist()  # 2.5 / 2
         [[2.5]]
     """
-    rows, vocab = logits.shape
-    if logits.device.type != "cpu" or vocab < CERTIFIED_FROM_VOCAB:
+    if logits.device.type != "cpu" or logits.shape[1] < CERTIFIED_FROM_VOCAB:
         return sorted_threshold(logits, weights)
-    threshold, certified, _, _ = certified_threshold(logits, weights, *STAGES[0])
-    pending = torch.arange(rows)[~certified.flatten()]
-    if len(pending):
+    return _certified_thresholds(logits, weights)[0]
+
+
+def _certified_thresholds(
+    logits: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On a CPU: each row's threshold, the rows the first pass could not certify (their thresholds from the later
+    passes or the sort), and the first pass's head and its indices."""
+    rows = logits.shape[0]
+    threshold, certified, head, index = certified_threshold(logits, weights, *STAGES[0])
+    pending = torch.arange(rows)[~certified.flatten()]  # on a CPU, reading the certificate waits for nothing
+    if len(pending) == rows:
+        threshold = _uncertified_threshold(logits, weights)
+    elif len(pending):
         threshold[pending] = _uncertified_threshold(logits[pending], _rows_of(weights, pending))
-    return threshold
+    return threshold, pending, head, index
 
 
 def _uncertified_threshold(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -135,7 +160,9 @@ def _uncertified_threshold(logits: torch.Tensor, weights: torch.Tensor) -> torch
     threshold = torch.empty(rows, 1)
     pending = torch.arange(rows)
     for stage in STAGES[1:]:
-        found, certified, _, _ = certified_threshold(logits[pending], _rows_of(weights, pending), *stage)
+        every = len(pending) == rows  # (every row: no copy of them)
+        found, certified, _, _ = certified_threshold(logits if every else logits[pending],
+                                                     weights if every else _rows_of(weights, pending), *stage)
         threshold[pending] = found
         pending = pending[~certified.flatten()]
         if not len(pending):
@@ -165,7 +192,8 @@ def sorted_threshold(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
 
 
 def certified_threshold(
-    logits: torch.Tensor, weights: torch.Tensor, block: int, group: int, pool_blocks: int, pool_top: int
+    logits: torch.Tensor, weights: torch.Tensor, block: int, group: int, pool_blocks: int, pool_top: int,
+    bins: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The best cut among each row's head, whether it is provably the row's best cut, and the head (its
     logits and their indices in the row; indices past the row are padding).
@@ -177,9 +205,10 @@ def certified_threshold(
     least ``count + 1`` tokens; between two consecutive sorted maxima ``m_j > m_(j+1)`` of groups of
     ``group`` blocks it keeps at least ``j`` tokens and drops by at most ``min(m_j, floor) - m_(j+1)`` (the
     next logit below is at least ``m_(j+1)``), and below the last group maximum it drops to the row's
-    lowest finite logit at most, keeping at least as many tokens as blocks reach that maximum. The head's
-    best cut is certified when it scores strictly above all those bounds (rounding only lowers the
-    bounded scores: subtraction and division round monotonically).
+    lowest finite logit at most, keeping at least as many tokens as blocks reach that maximum. With ``bins``,
+    a second bound (``histogram_bound``) replaces it where lower. The head's best cut is certified when it
+    scores strictly above the bound (rounding only lowers the bounded scores: subtraction and division round
+    monotonically).
 
     Example:
         >>> logits = torch.cat([torch.tensor([10.0]), torch.linspace(0, -1, 4095)])[None]  # one clear cliff
@@ -188,6 +217,7 @@ def certified_threshold(
         (10.0, True, [0, 1])
     """
     rows, vocab = logits.shape
+    row_logits = logits
     low = logits.amin(dim=-1, keepdim=True)
     if not torch.isfinite(low).all():  # a removed token: the lowest finite logit instead (none: -inf)
         low = torch.where(logits > -math.inf, logits, math.inf).amin(dim=-1, keepdim=True)
@@ -216,8 +246,67 @@ def certified_threshold(
     ranks = torch.cat([ranks[:, :-1], torch.maximum(ranks[:, -1:], reaching)], dim=1)
     drops = (torch.minimum(ceilings, floor) - floors).clamp(min=0)
     bound = (drops / weights.expand(rows, -1).gather(1, ranks - 1)).amax(dim=-1, keepdim=True)
+    if bins:
+        bound = torch.minimum(bound, histogram_bound(row_logits, weights, low, floor, count, bins))
     index = chosen.gather(1, position // block) * block + position % block
     return head.gather(1, cut), best > bound, head, index
+
+
+def histogram_bound(
+    logits: torch.Tensor, weights: torch.Tensor, low: torch.Tensor, floor: torch.Tensor, count: torch.Tensor,
+    bins: int,
+) -> torch.Tensor:
+    """``[rows, 1]``: a bound on the score of every cut at or below ``floor`` (each row's head holds its ``count``
+    logits above it), from a histogram of the row's finite logits in ``bins`` equal bins from ``low`` (its lowest)
+    to its highest.
+
+    A cut's upper logit in bin ``b`` ranks below every logit of the bins above (bins follow the logits' order,
+    their rounding included) and below the head's ``count``; the next logit down lies in ``b`` or in the nearest
+    bin below that holds one, so the drop is at most from ``b``'s upper edge (or ``floor``) to that bin's lower
+    edge. Edges widened by ``EDGE_SLACK`` of the row's range hold every logit a bin's rounding put in it; the
+    bound is computed in float64 and widened alike, above every score the float32 sort path can compute for such
+    a cut.
+
+    Example:
+        >>> logits = torch.tensor([[9.0, 5.0, 4.9, 4.8, 0.0]])
+        >>> bound = histogram_bound(logits, torch.ones(1, 5), torch.tensor([[0.0]]), torch.tensor([[5.0]]),
+        ...                         torch.tensor([[1]]), 90)
+        >>> 4.8 - 0.1 < bound.item() < 4.8 + 0.2  # (the drop from 4.8 to 0, within a bin's width)
+        True
+    """
+    rows, vocab = logits.shape
+    high = logits.amax(dim=-1, keepdim=True)
+    usable = torch.isfinite(low) & torch.isfinite(high) & (high > low)
+    scale = torch.where(usable, bins / torch.where(usable, high - low, 1.0), 0.0)
+    removed = bool(logits.amin() == -math.inf)
+    counts = torch.empty(rows, bins + 1, dtype=torch.int64, device=logits.device)
+    for first in range(0, rows, HISTOGRAM_ROWS):  # (a few rows at a time: no row-sized temporaries to allocate)
+        part = slice(first, first + HISTOGRAM_ROWS)
+        chunk = logits[part]
+        index = (chunk - low[part]).mul_(scale[part]).clamp_(0, bins - 1).to(torch.int32)  # (truncation: floor)
+        if removed:  # removed tokens: a bin of their own, past the others
+            index.masked_fill_(chunk == -math.inf, bins)
+        index += torch.arange(chunk.shape[0], dtype=torch.int32, device=logits.device)[:, None] * (bins + 1)
+        counts[part] = torch.bincount(index.view(-1), minlength=index.numel() // vocab * (bins + 1)).view(-1, bins + 1)
+    counts = counts[:, :bins]
+    width = torch.where(usable, 1.0 / scale.double(), 0.0)
+    low64, high64 = low.double(), high.double()
+    edges = low64 + torch.arange(bins + 1, device=logits.device, dtype=torch.float64) * width
+    slack = EDGE_SLACK * torch.where(usable, high64 - low64, 0.0)  # (the rounding is relative to logit - low)
+    lower_edge = (edges[:, :-1] - slack).clamp(min=low64)
+    upper_edge = (edges[:, 1:] + slack).clamp(max=high64)
+    upper_edge[:, -1:] = high64
+    held = counts > 0
+    marked = torch.where(held, torch.arange(bins, device=logits.device), -1)
+    below = torch.cat([torch.full((rows, 1), -1, device=logits.device), marked[:, :-1].cummax(dim=-1).values], dim=1)
+    next_lower = torch.where(below >= 0, lower_edge.gather(1, below.clamp(min=0)), lower_edge)
+    drops = (torch.minimum(upper_edge, floor.double()) - next_lower).clamp(min=0)
+    above = counts.flip(-1).cumsum(-1).flip(-1) - counts  # logits in the bins above
+    ranks = torch.maximum(above + 1, count + 1).clamp(max=vocab)
+    scored = drops * (1 + EDGE_SLACK) / weights.expand(rows, -1).gather(1, ranks - 1).double()
+    scored = torch.where(held & (lower_edge <= floor.double()), scored, -math.inf)
+    bound = scored.amax(dim=-1, keepdim=True).float().nextafter(torch.tensor(math.inf))
+    return torch.where(usable, bound, math.inf)
 
 
 def from_strategy(values: Mapping[str, Any], context: Any) -> MinKLogitsProcessor:
