@@ -3,8 +3,9 @@
 - ``step_attention``: the CPU counterpart of ``_triton_attention.py``, with the same contract. Per (row, KV head),
   the stored keys are decoded eight at a time into a block and dotted with the query heads of their group, and the
   values likewise decoded and added times their probabilities (with AVX2 where the CPU has it and entries hold a
-  multiple of 64 channels): a step never writes a dense copy of the entries and launches one operator,
-  ``torch.ops.decodekit.step_attention``, where decoding then attending launches dozens.
+  multiple of eight channels), the residual window's tokens read exact: a step never writes a dense copy of the
+  entries and launches one operator, ``torch.ops.decodekit.step_attention``, where decoding then attending launches
+  dozens.
 - ``encode``: ``Quantizer``'s coding of entries (scales rounded up and offsets down in the stored dtype, codes
   packed), equal to the PyTorch code's bytes, in one operator where that launches about twenty.
 - ``append_coded``: a decoding step's key and value coded straight into the slots after each segment's entries.

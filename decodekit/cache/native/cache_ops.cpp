@@ -5,7 +5,8 @@
 // packs them, with a scale and an offset per group of channels) or plain (the stored dtype). Per (row, KV head),
 // each stored key is decoded into a buffer of one entry and dotted with the query heads of its group, the logits
 // (scaled, capped, biased, -inf outside a sliding window) get a softmax with the step's own token (read exact), and
-// each value is decoded and added times its probability. Nothing of the decoded size is ever written.
+// each value is decoded and added times its probability; the tokens a residual window holds are read exact from it.
+// Nothing of the decoded size is ever written.
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -331,7 +332,7 @@ DECODEKIT_AVX2 inline void add_weighed(float* out, const float* weights, const f
 
 // `attend_unit` with AVX2, eight slots at a time: their keys decoded into a block, each query head's eight logits
 // from one pass over the block; their values decoded into a block and added into each query head's output held in
-// registers, 64 channels at a time.
+// registers, 64 channels at a time (then eight at a time for the rest).
 template <typename Scale>
 DECODEKIT_AVX2 void attend_unit_avx2(const Step& step, const Part<Scale>& keys, const Part<Scale>& values,
                                      int64_t unit, std::vector<float>& logits, std::vector<float>& buffers) {
