@@ -14,13 +14,15 @@
   ``evict_one``: an eviction of one entry a segment (its priority, its victim, the last entry moved into its slot).
 
 The source (``native/cache_ops.cpp``) is built with PyTorch's C++ extension tools the first time it is needed (about
-half a minute; a C++ compiler and ninja are needed) and kept in PyTorch's extensions folder
-(``TORCH_EXTENSIONS_DIR``) for later processes. Where it cannot be built, or with ``DECODEKIT_NATIVE=0`` in the
-environment when they are first asked for, PyTorch does the same work instead (``available()`` says which).
+half a minute; a C++ compiler and ninja are needed) and kept in PyTorch's extensions folder (``TORCH_EXTENSIONS_DIR``,
+under a name of its source text's: ``extension_name``) for later processes. Where it cannot be built, or with
+``DECODEKIT_NATIVE=0`` in the environment when they are first asked for, PyTorch does the same work instead
+(``available()`` says which).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -60,7 +62,7 @@ def _build() -> bool:
             pass
     logging.getLogger("decodekit").info("decodekit: building the cache's CPU operators (once, about half a minute)")
     try:
-        cpp_extension.load(name="decodekit_cache_ops", sources=[str(SOURCE)], is_python_module=False,
+        cpp_extension.load(name=extension_name(), sources=[str(SOURCE)], is_python_module=False,
                            extra_cflags=["-O3", "-fopenmp-simd", "-fno-math-errno"], verbose=False)  # fmt: skip
         return True
     except Exception as error:  # (no compiler, no ninja, a failed build: PyTorch decoding takes over)
@@ -69,6 +71,17 @@ def _build() -> bool:
             "instead, more slowly", str(error).splitlines()[0] if str(error) else type(error).__name__,
         )  # fmt: skip
         return False
+
+
+def extension_name() -> str:
+    """The operators' build name: one per source text, so that processes running other versions of decodekit never
+    load each other's build from the shared extensions folder.
+
+    Example:
+        >>> extension_name().startswith("decodekit_cache_ops_")
+        True
+    """
+    return "decodekit_cache_ops_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def _part(storage, part: str, bits: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
