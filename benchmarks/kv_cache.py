@@ -381,7 +381,7 @@ def speed(model, tokenizer, args) -> None:
           f"({verdict(ratio >= 0.9)}; target: 0.9x DynamicCache)")  # fmt: skip
     for name in ("CompressedCache kv_bits=8", "CompressedCache kv_bits=4"):
         print(f"   {name}: {medians[name]:.2f} tok/s, {medians[name] / ours:.2f}x CompressedCache, "
-              f"{medians[name] / full:.2f}x DynamicCache (decoding every layer's codes at every step)")  # fmt: skip
+              f"{medians[name] / full:.2f}x DynamicCache (every layer's codes read at every step)")  # fmt: skip
     shares = {
         "CompressedCache scoring=reconstruction": "layers and KV heads share the budget, allocation='heads'",
         "CompressedCache scoring=reconstruction, layers": "layers share the budget, allocation='layers'",
