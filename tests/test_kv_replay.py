@@ -197,3 +197,25 @@ def test_each_head_stored_apart_scores_as_its_layer_does_under_every_replay_opti
         whole_scores, apart_scores = layer.scores(), heads.scores()
         for head in range(kv_heads):
             torch.testing.assert_close(apart_scores[0, head], whole_scores[0, head], atol=1e-6, rtol=1e-5)
+
+
+def test_a_replayed_piece_of_one_token_is_scored_as_the_pytorch_path_scores_it(fresh_tiny):
+    """A 33-token prompt replayed in chunks of 16 ends with a piece of one token: on a coded byte-sized cache its pass
+    is scored from the entries as attention reads them (no step read by the CPU operator, whose result would carry
+    no keys to score by). Oracle: the same cache decoding in PyTorch (``scoring_backend="torch"``): the same kept
+    positions and scores, and the next token's logits."""
+    model, tokenizer = fresh_tiny
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :33]
+    runs = []
+    for backend in ("auto", "torch"):
+        cache = CompressedCache(model, memory_fraction=0.25, scoring="reconstruction", reconstruction_chunk=16,
+                                replay="forward", scoring_backend=backend)  # fmt: skip
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            logits = model(ids[:, -1:], past_key_values=cache, position_ids=torch.tensor([[33]])).logits
+        runs.append((logits, [(layer.kept_positions(), layer.scores()) for layer in cache.layers]))
+    (ours, kept), (theirs, expected) = runs
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=2e-4)
+    for (positions, scores), (want_positions, want_scores) in zip(kept, expected, strict=True):
+        assert torch.equal(positions, want_positions)
+        torch.testing.assert_close(scores, want_scores, atol=1e-6, rtol=1e-5)

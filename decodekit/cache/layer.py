@@ -450,8 +450,9 @@ class CompressedLayer(CacheLayerMixin):
     def _reads_itself(self, step: Pass) -> bool:
         """Whether this decoding step's attention reads the entries where they lie (``attention.py``): entries that
         attention cannot read as they are (codes, 16-bit storage of a wider model, heads of their own lengths), and
-        an attention module whose calls reach decodekit's wrapper."""
-        if step.new != 1 or (self.coding.reads_in_place() and self.storage.rectangular):
+        an attention module whose calls reach decodekit's wrapper. Not a replayed token (``transient``): its scorer
+        reads every entry as attention read it."""
+        if step.new != 1 or self.transient or (self.coding.reads_in_place() and self.storage.rectangular):
             return False
         module = self.module() if self.module is not None else None
         return module is not None and attention.answers(module)
