@@ -138,8 +138,9 @@ def _sweeps(rows: list[dict], free: tuple[str, ...]) -> list[list[dict]]:
     return list(groups.values())
 
 
-# What a sweep appends to the name of its rows' recipe: ", T=0.7" (the built-in grids), ", temperature=0.7" (--sweep).
-SWEPT_SUFFIX = re.compile(r"(,\s*(T|temperature)=[0-9.e+-]+)+$")
+# What a sweep appends to the name of its rows' recipe: ", T=0.7" or " T=0.7" (the built-in grids), ", temperature=0.7"
+# (--sweep).
+SWEPT_SUFFIX = re.compile(r"(,?\s*(T|temperature)=[0-9.e+-]+)+$")
 
 
 def _shared_name(members: list[dict]) -> str | None:
