@@ -12,7 +12,13 @@ import torch
 
 from decodekit import Strategy
 from decodekit.logits_processors import MinKLogitsProcessor
-from decodekit.logits_processors.min_k import CERTIFIED_FROM_VOCAB, STAGES, certified_threshold, histogram_bound
+from decodekit.logits_processors.min_k import (
+    CERTIFIED_FROM_VOCAB,
+    STAGES,
+    certified_threshold,
+    histogram_bound,
+    sorted_threshold,
+)
 
 EXPONENTS = (0.0, 0.5, 1.0, 1.5, 2.0, 4.0)
 
@@ -210,6 +216,28 @@ def test_rows_an_earlier_filter_cut_to_a_few_tokens_sort_those_alone(monkeypatch
         logits = rows.double().numpy()
         for row in range(64):
             assert np.array_equal(kept[row], paper_keeps_array(logits[row], float(exponents[row]))), (dtype, row)
+
+
+@pytest.mark.parametrize("odd", ["nan", "tiny range", "huge range"])
+def test_a_row_the_histogram_cannot_bin_does_not_stop_the_batch(odd):
+    """A NaN logit, or a row whose range float32 bins cannot divide (1e-37 or 1e38 wide), at an exponent whose rows
+    reach the histogram pass: the call returns, the odd row cut as the sort cuts it, the other rows as the
+    description keeps."""
+    from decodekit.logits_processors.min_k import cut_threshold
+
+    generator = torch.Generator().manual_seed(13)
+    scores = torch.randn(3, 2 * CERTIFIED_FROM_VOCAB, generator=generator) * 3
+    if odd == "nan":
+        scores[1, 5] = math.nan
+    else:
+        scores[1] *= 1e-37 if odd == "tiny range" else 1e38
+    processor = MinKLogitsProcessor(0.5)
+    kept = torch.isfinite(processor(None, scores))
+    weights = processor.weights(3, scores.shape[1], scores.device)
+    if odd != "nan":
+        assert torch.equal(cut_threshold(scores, weights)[1], sorted_threshold(scores[1:2], weights)[0])
+    for row in (0, 2):
+        assert np.array_equal(kept[row].numpy(), paper_keeps_array(scores[row].double().numpy(), 0.5))
 
 
 def test_a_long_flat_head_is_only_certified_by_the_full_sort_and_still_exact():

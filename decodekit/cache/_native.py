@@ -149,7 +149,7 @@ def encodes(values: torch.Tensor) -> bool:
 
 def runs_on(device: torch.device) -> bool:
     """Whether the operators run for tensors on ``device``: a CPU, outside ``torch.compile``, where they are built."""
-    return device.type == "cpu" and available() and not torch.compiler.is_compiling()
+    return device.type == "cpu" and not torch.compiler.is_compiling() and available()
 
 
 def copy_rows(tensors: list[torch.Tensor], source: torch.Tensor, target: torch.Tensor) -> None:

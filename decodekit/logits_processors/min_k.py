@@ -278,12 +278,15 @@ def histogram_bound(
     high = logits.amax(dim=-1, keepdim=True)
     usable = torch.isfinite(low) & torch.isfinite(high) & (high > low)
     scale = torch.where(usable, bins / torch.where(usable, high - low, 1.0), 0.0)
+    usable &= torch.isfinite(scale) & (scale > 0)  # (a range too narrow or too wide for float32 bins: not bounded)
+    scale = torch.where(usable, scale, 0.0)
     removed = bool(logits.amin() == -math.inf)
     counts = torch.empty(rows, bins + 1, dtype=torch.int64, device=logits.device)
     for first in range(0, rows, HISTOGRAM_ROWS):  # (a few rows at a time: no row-sized temporaries to allocate)
         part = slice(first, first + HISTOGRAM_ROWS)
         chunk = logits[part]
         index = (chunk - low[part]).mul_(scale[part]).clamp_(0, bins - 1).to(torch.int32)  # (truncation: floor)
+        index.clamp_(0, bins - 1)  # (a NaN, in a row not bounded, casts to no bin)
         if removed:  # removed tokens: a bin of their own, past the others
             index.masked_fill_(chunk == -math.inf, bins)
         index += torch.arange(chunk.shape[0], dtype=torch.int32, device=logits.device)[:, None] * (bins + 1)
