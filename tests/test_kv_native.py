@@ -311,3 +311,16 @@ def test_coded_caches_code_their_steps_natively_as_they_do_in_pytorch(tiny, monk
         assert torch.equal(ours, theirs)
         for layer, other in zip(held, expected, strict=True):
             assert all(torch.equal(layer[name], other[name]) for name in layer)
+
+
+def test_the_coded_step_operator_refuses_a_full_segment_itself():
+    """Called directly (not through the storage, which checks its free slots first), the operator refuses a segment
+    whose length has reached its capacity, though the next segment's slots follow it: nothing is written."""
+    coded = [torch.zeros(9, 4, dtype=torch.uint8), torch.zeros(9, 1, dtype=torch.float16),
+             torch.zeros(9, 1, dtype=torch.float16)]  # fmt: skip
+    positions = torch.full((9,), -1, dtype=torch.int32)
+    starts, lengths, capacities = torch.tensor([[0, 4]]), torch.tensor([[4, 1]]), torch.tensor([[4, 4]])
+    with pytest.raises(RuntimeError, match="no free slot"):
+        _native.append_coded(coded, [torch.randn(1, 2, 1, 8)], [4], 8, positions, 7, [], [], [], starts, lengths,
+                             capacities)  # fmt: skip
+    assert (positions == -1).all() and all(not tensor.any() for tensor in coded)

@@ -199,15 +199,16 @@ def append_rows(
 def append_coded(
     coded: list[torch.Tensor], rows: list[torch.Tensor], bits: list[int], group_size: int, positions: torch.Tensor,
     position: int, written: list[torch.Tensor], values: list[torch.Tensor], zeroed: list[torch.Tensor],
-    starts: torch.Tensor, lengths: torch.Tensor,
+    starts: torch.Tensor, lengths: torch.Tensor, capacities: torch.Tensor,
 ) -> None:
     """One decoding step's entry after each segment's entries, coded: each of ``rows`` (float32 ``[batch, heads, 1,
     head_dim]``, keys rotated already) in its ``bits`` into the next three of ``coded`` (codes, scales, offsets), as
     ``encode`` codes it; ``positions`` set to ``position`` there, each of ``written`` given the row of the matching
-    ``values`` (``[batch, heads, 1, ...]``, its dtype) and those slots of ``zeroed`` zeroed."""
+    ``values`` (``[batch, heads, 1, ...]``, its dtype) and those slots of ``zeroed`` zeroed; refused (RuntimeError)
+    where a segment's length reaches its ``capacities`` (int64 ``[batch, heads]``)."""
     torch.ops.decodekit.append_coded(coded, [_float32(part) for part in rows], bits, group_size, positions, position,
-                                     written, [value.contiguous() for value in values], zeroed, starts,
-                                     lengths)  # fmt: skip
+                                     written, [value.contiguous() for value in values], zeroed, starts, lengths,
+                                     capacities)  # fmt: skip
 
 
 def copy_segments(

@@ -703,27 +703,32 @@ void append_rows(const std::vector<torch::Tensor>& tensors, const std::vector<to
 // One decoding step's entry coded after each segment's entries: for each part k, `rows[k]` (float32 [batch, heads,
 // 1, head_dim], contiguous; keys rotated already) coded in `bits[k]` bits in groups of `group_size` into the flat
 // tensors `coded[3k]` (codes), `coded[3k + 1]` (scales) and `coded[3k + 2]` (offsets) at the slot `starts + lengths`
-// (int64 [batch, heads]) of each segment, as encode_entries codes it; `positions` (int32) set to `position` there,
+// (int64 [batch, heads]; each below its segment's `capacities`) of each segment, as encode_entries codes it; `positions` (int32) set to `position` there,
 // each tensor of `written` given the matching row of `values` ([batch, heads, 1, ...], its dtype) there, and those
 // slots of each tensor of `zeroed` zeroed.
 void append_coded(const std::vector<torch::Tensor>& coded, const std::vector<torch::Tensor>& rows,
                   const std::vector<int64_t>& bits, int64_t group_size, const torch::Tensor& positions,
                   int64_t position, const std::vector<torch::Tensor>& written, const std::vector<torch::Tensor>& values,
-                  const std::vector<torch::Tensor>& zeroed, const torch::Tensor& starts, const torch::Tensor& lengths) {
+                  const std::vector<torch::Tensor>& zeroed, const torch::Tensor& starts, const torch::Tensor& lengths,
+                  const torch::Tensor& capacities) {
   TORCH_CHECK(coded.size() == 3 * rows.size() && bits.size() == rows.size(),
               "append_coded: codes, scales and offsets for each part, one width each");
   TORCH_CHECK(starts.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 &&
               starts.is_contiguous() && lengths.is_contiguous() && starts.numel() == lengths.numel(),
               "append_coded: int64 starts and lengths [batch, heads]");
+  TORCH_CHECK(capacities.scalar_type() == torch::kInt64 && capacities.is_contiguous() &&
+              capacities.numel() == starts.numel(), "append_coded: int64 capacities [batch, heads]");
   TORCH_CHECK(positions.scalar_type() == torch::kInt32 && positions.is_contiguous(), "append_coded: int32 positions");
   const int64_t units = starts.numel();
   const int64_t* start = starts.data_ptr<int64_t>();
   const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t* capacity = capacities.data_ptr<int64_t>();
   const int64_t slots = positions.size(0);
   std::vector<int64_t> targets(units);
   for (int64_t unit = 0; unit < units; ++unit) {
     targets[unit] = start[unit] + length[unit];
-    TORCH_CHECK(targets[unit] >= 0 && targets[unit] < slots, "append_coded: a segment has no free slot");
+    TORCH_CHECK(length[unit] >= 0 && length[unit] < capacity[unit] && targets[unit] < slots,
+                "append_coded: a segment has no free slot");
   }
   for (size_t k = 0; k < rows.size(); ++k) {
     const torch::Tensor& part = rows[k];
@@ -900,7 +905,7 @@ TORCH_LIBRARY(decodekit, library) {
   library.def("append_rows(Tensor(a!)[] tensors, Tensor[] values, Tensor(b!)[] zeroed, Tensor starts, Tensor lengths, int count) -> ()");
   library.def("copy_segments(Tensor[] sources, Tensor(a!)[] targets, Tensor old_starts, Tensor segments, Tensor new_starts, Tensor lengths) -> ()");
   library.def("evict_one(Tensor(a!)[] fields, Tensor scores, Tensor? value_norms, Tensor positions, Tensor starts, Tensor lengths, Tensor drops, int seen, int sink_tokens, int recent_tokens, Tensor? pads, int window, float protected_rank) -> ()");
-  library.def("append_coded(Tensor(a!)[] coded, Tensor[] rows, int[] bits, int group_size, Tensor(b!) positions, int position, Tensor(c!)[] written, Tensor[] values, Tensor(d!)[] zeroed, Tensor starts, Tensor lengths) -> ()");
+  library.def("append_coded(Tensor(a!)[] coded, Tensor[] rows, int[] bits, int group_size, Tensor(b!) positions, int position, Tensor(c!)[] written, Tensor[] values, Tensor(d!)[] zeroed, Tensor starts, Tensor lengths, Tensor capacities) -> ()");
   library.def("decay_add(Tensor(a!) flat, Tensor starts, Tensor lengths, Tensor added, float decay) -> ()");
 }
 
