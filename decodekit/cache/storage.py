@@ -148,7 +148,6 @@ class EntryStorage:
         old_starts = getattr(self, "starts", None)
         self.capacities = np.array(capacities, dtype=np.int64)
         self._free = None
-        self._capacities_host = torch.from_numpy(self.capacities)  # (for the C++ operators; the same memory)
         ends = self.capacities.reshape(-1).cumsum()
         starts_host = (ends - self.capacities.reshape(-1)).reshape(self.batch, self.heads)
         self.starts = torch.from_numpy(starts_host).to(self.device)
@@ -358,7 +357,7 @@ class EntryStorage:
                 raise ValueError(f"append_coded writes a field's values or zero; got {value!r} for {name!r}")
         _native.append_coded(coded, [rows for _, rows, _ in parts], [bits for _, _, bits in parts], group_size,
                              flat["positions"], position, written, values, zeroed, self.starts, self.lengths,
-                             self._capacities_host)  # fmt: skip
+                             torch.from_numpy(self.capacities))  # fmt: skip
         self._add_to_lengths(1)
 
     def _as_field(self, name: str, entry: torch.Tensor, full: tuple[int, int, int]) -> torch.Tensor:
