@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -32,3 +34,17 @@ def decode_by_hand(model, cache, batch, steps: int, recorder: TorchDispatchMode 
                 with recorder:
                     logits = model(**step).logits[:, -1]
     return chosen
+
+
+def greedy_steps(model, cache, batch, steps: int, record: Callable) -> list[tuple[torch.Tensor, object]]:
+    """Greedy steps by hand after the prompt's pass: each step's last logits and ``record(cache)`` after it."""
+    mask, taken = batch["attention_mask"], []
+    with torch.no_grad():
+        last = model(**batch, past_key_values=cache).logits[:, -1]
+        for _ in range(steps):
+            token = last.argmax(dim=-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+            positions = mask.sum(dim=-1, keepdim=True) - 1
+            last = model(token, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
+            taken.append((last, record(cache)))
+    return taken

@@ -169,7 +169,7 @@ def test_evicting_one_entry_a_segment_natively_keeps_what_pytorch_keeps(tiny, mo
     scores times value norms on a sliding-window model, alone and in a left-padded batch."""
     from decodekit.cache import CompressedCache
     from decodekit.cache.layer import CompressedLayer
-    from tests.decode_steps import prompt_batch
+    from tests.decode_steps import greedy_steps, prompt_batch
     from tests.families import build_family_model
     from tests.tiny import build_model
 
@@ -190,17 +190,8 @@ def test_evicting_one_entry_a_segment_natively_keeps_what_pytorch_keeps(tiny, mo
         options = {"budget": 20, "sink_tokens": 2, "recent_tokens": 4, "eviction_interval": 1}
 
     def run():
-        cache = CompressedCache(model, **options)
-        mask, steps = batch["attention_mask"], []
-        with torch.no_grad():
-            last = model(**batch, past_key_values=cache).logits[:, -1]
-            for _ in range(12):
-                token = last.argmax(dim=-1, keepdim=True)
-                mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-                positions = mask.sum(dim=-1, keepdim=True) - 1
-                last = model(token, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
-                steps.append((last, [layer.storage.read("positions").clone() for layer in cache.layers]))
-        return steps
+        return greedy_steps(model, CompressedCache(model, **options), batch, 12,
+                            lambda cache: [layer.storage.read("positions").clone() for layer in cache.layers])
 
     native = run()
     assert calls, "the operator evicted nothing"
@@ -278,7 +269,7 @@ def test_coded_caches_code_their_steps_natively_as_they_do_in_pytorch(tiny, monk
     at once)."""
     from decodekit.cache import CompressedCache
     from decodekit.cache.coding import QuantizedCoding
-    from tests.decode_steps import prompt_batch
+    from tests.decode_steps import greedy_steps, prompt_batch
     from tests.tiny import build_model
 
     model = build_model(tiny[1])
@@ -287,22 +278,14 @@ def test_coded_caches_code_their_steps_natively_as_they_do_in_pytorch(tiny, monk
     original = _native.append_coded
     monkeypatch.setattr(_native, "append_coded", lambda *args: calls.append(1) or original(*args))
 
+    def held(cache) -> list[dict[str, torch.Tensor]]:
+        return [{**{name: layer.storage.read(name)[layer.storage.valid(layer.storage.length_range[1])]
+                    for name in layer.storage.fields},
+                 **{name: tensor.clone() for name, tensor in layer.coding.state().items()}}
+                for layer in cache.layers]  # fmt: skip
+
     def run():
-        cache = CompressedCache(model, **options)
-        mask, steps = batch["attention_mask"], []
-        with torch.no_grad():
-            last = model(**batch, past_key_values=cache).logits[:, -1]
-            for _ in range(12):
-                token = last.argmax(dim=-1, keepdim=True)
-                mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-                positions = mask.sum(dim=-1, keepdim=True) - 1
-                last = model(token, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
-                held = [{**{name: layer.storage.read(name)[layer.storage.valid(layer.storage.length_range[1])]
-                            for name in layer.storage.fields},
-                         **{name: tensor.clone() for name, tensor in layer.coding.state().items()}}
-                        for layer in cache.layers]  # fmt: skip
-                steps.append((last, held))
-        return steps
+        return greedy_steps(model, CompressedCache(model, **options), batch, 12, held)
 
     native = run()
     assert calls, "no step was coded by the operator"

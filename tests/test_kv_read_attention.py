@@ -14,7 +14,7 @@ import decodekit.cache.attention as attention
 from decodekit.cache import CompressedCache
 from decodekit.cache.coding import PlainCoding, QuantizedCoding
 from decodekit.cache.storage import EntryStorage, Field
-from tests.decode_steps import prompt_batch
+from tests.decode_steps import greedy_steps, prompt_batch
 from tests.families import build_family_model
 from tests.tiny import build_model
 
@@ -35,18 +35,8 @@ def fresh(tiny):
 
 def _decode(model, cache, batch, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Greedy steps by hand after the prompt's pass: each step's logits and the kept positions after it."""
-    mask = batch["attention_mask"]
-    logits, kept = [], []
-    with torch.no_grad():
-        last = model(**batch, past_key_values=cache).logits[:, -1]
-        for _ in range(steps):
-            token = last.argmax(dim=-1, keepdim=True)
-            mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
-            positions = mask.sum(dim=-1, keepdim=True) - 1
-            last = model(token, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
-            logits.append(last)
-            kept.append([layer.kept_positions() for layer in cache.layers])
-    return logits, kept
+    taken = greedy_steps(model, cache, batch, steps, lambda cache: [layer.kept_positions() for layer in cache.layers])
+    return [logits for logits, _ in taken], [kept for _, kept in taken]
 
 
 @pytest.mark.parametrize("case", list(SETTINGS))
