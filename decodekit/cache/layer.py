@@ -357,8 +357,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.storage is None:
             self._start(key_states)
         storage = self.storage
+        step.waits = self.scorer.may_wait(self, step)
         if step.reads_itself:  # (a decoding step)
-            step.waits = self.scorer.may_wait(self, step)
             step.kernel = self._step_kernel()
             if self._codes_step_natively(step):  # its key and value coded into the storage by one C++ operator
                 if storage.free_slots < 1:
@@ -376,7 +376,6 @@ class CompressedLayer(CacheLayerMixin):
         seen = self.seen
         equal = storage.equal_lengths
         step.new_slots = storage.length_range[0] if equal else storage.lengths.clone()
-        step.waits = self.scorer.may_wait(self, step)
         entries = fields
         prepared = new == 1 and equal and self._is_prepared(step.new_slots)
         quantized = self.coding.quantized and not self.transient
