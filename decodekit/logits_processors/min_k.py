@@ -105,18 +105,24 @@ class MinKLogitsProcessor(LogitsProcessor):
                 threshold = sorted_threshold(top, weights[:, : top.shape[1]])
                 if self.filter_value != -math.inf:
                     return _filter(scores, logits, threshold, self.filter_value)
-                kept = torch.where(top >= threshold, top, -math.inf).to(scores.dtype)
-                return torch.full_like(scores, -math.inf).scatter_(1, where, kept)
+                return _head_kept(scores, top, where, threshold)
         threshold, pending, head, index = _certified_thresholds(logits, weights)
         if self.filter_value != -math.inf or len(pending) == rows:
             return _filter(scores, logits, threshold, self.filter_value)
-        # A certified row keeps head tokens only: written into a removed row instead of comparing every logit.
-        kept = torch.where(head >= threshold, head, -math.inf).to(scores.dtype)
-        out = torch.full((rows, max(vocab, int(index.max()) + 1)), -math.inf, dtype=scores.dtype)
-        out = out.scatter_(1, index, kept)[:, :vocab]
+        out = _head_kept(scores, head, index, threshold)  # (a certified row keeps head tokens only)
         if len(pending):
             out[pending] = _filter(scores[pending], logits[pending], threshold[pending], self.filter_value)
         return out
+
+
+def _head_kept(scores: torch.Tensor, head: torch.Tensor, index: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Rows of -inf in ``scores``' shape and dtype holding the ``head`` logits at or above ``threshold`` at their
+    ``index`` (indices past the row are padding): what filtering keeps where every kept token is in the head,
+    without comparing every logit."""
+    rows, vocab = scores.shape
+    kept = torch.where(head >= threshold, head, -math.inf).to(scores.dtype)
+    out = torch.full((rows, max(vocab, int(index.max()) + 1)), -math.inf, dtype=scores.dtype, device=scores.device)
+    return out.scatter_(1, index, kept)[:, :vocab]
 
 
 def _filter(scores: torch.Tensor, logits: torch.Tensor, threshold: torch.Tensor, filter_value: float) -> torch.Tensor:
