@@ -14,7 +14,7 @@ import argparse
 import csv
 from pathlib import Path
 
-from decodekit.eval.matching import matched_at_diversity
+from decodekit.eval.matching import matched_at_diversity, matched_lines
 from decodekit.eval.reports import EvaluationReport, matched_figure, read_report
 
 TEXT_COLUMNS = ("strategy", "name", "length_normalization")
@@ -36,11 +36,6 @@ def _number(text: str) -> float | str:
         return text
 
 
-def shown(entry: dict, metric: str, spec: str) -> str:
-    value, low, high = entry.get(metric), entry.get(f"{metric}_low"), entry.get(f"{metric}_high")
-    return f"{value:{spec}}" + (f" [{low:{spec}}, {high:{spec}}]" if low is not None and high is not None else "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report", type=Path, help="a report.csv or report.json written by decodekit eval")
@@ -49,14 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = read_rows(args.report)
     matched = matched_at_diversity(rows, args.target)
-    print(f"at matched diversity (each sampler's row nearest distinct-2 = {args.target:g}):")
-    for entry in matched:
-        outside = "" if entry["within"] else "  (target outside its sweep)"
-        if not entry["compared"]:
-            outside = "  (target outside its sweep and its interval: not compared)"
-        clear = f"  clear of: {', '.join(entry['clear_of'])}" if entry["clear_of"] else ""
-        print(f"  {entry['sampler']:24s} {entry['strategy']:32s} distinct-2 {shown(entry, 'distinct_2', '.3f')}  "
-              f"perplexity {shown(entry, 'perplexity', '.2f')}{outside}{clear}")  # fmt: skip
+    print("\n".join(matched_lines(matched, args.target)))
     if args.plot is not None:
         report = EvaluationReport(strategies=rows, settings={"match_diversity": args.target}, matched=matched)
         matched_figure(report).savefig(args.plot, dpi=120)

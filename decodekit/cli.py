@@ -350,6 +350,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     from accelerate import PartialState
 
     from decodekit.eval.data_sources import load_prompts, load_reference
+    from decodekit.eval.matching import matched_lines, with_interval
     from decodekit.eval.reports import check_output_dir, write_reports
     from decodekit.eval.runner import evaluate_strategies
     from decodekit.models import load_model
@@ -376,30 +377,14 @@ def _run_eval(args: argparse.Namespace) -> int:
         return 130
     if paths is not None:
         for row in report.strategies:
-            print(f"{row['strategy']:32s} distinct-2 {_with_interval(row, 'distinct_2', '.3f')}  "
-                  f"perplexity {_with_interval(row, 'perplexity', '.2f')}")  # fmt: skip
+            print(f"{row['strategy']:32s} distinct-2 {with_interval(row, 'distinct_2', '.3f')}  "
+                  f"perplexity {with_interval(row, 'perplexity', '.2f')}")  # fmt: skip
         if report.matched:
-            print(f"at matched diversity (each sampler's row nearest distinct-2 = {args.match_diversity:g}):")
-            for entry in report.matched:
-                outside = "" if entry["within"] else "  (target outside its sweep)"
-                if not entry.get("compared", True):
-                    outside = "  (target outside its sweep and its interval: not compared)"
-                clear = f"  clear of: {', '.join(entry['clear_of'])}" if entry["clear_of"] else ""
-                print(f"  {entry['sampler']:24s} {entry['strategy']:32s} distinct-2 "
-                      f"{_with_interval(entry, 'distinct_2', '.3f')}  perplexity "
-                      f"{_with_interval(entry, 'perplexity', '.2f')}{outside}{clear}")  # fmt: skip
+            print("\n".join(matched_lines(report.matched, args.match_diversity)))
         phases = ", ".join(f"{phase} {value:.0f} s" for phase, value in report.settings["seconds"].items())
         print(f"time: {phases}")
         print("reports: " + ", ".join(str(path) for path in paths.values()))
     return 0
-
-
-def _with_interval(row: dict, metric: str, spec: str) -> str:
-    """``0.875 [0.861, 0.890]``: a metric with its 95% interval (n/a when it could not be computed)."""
-    value, low, high = row.get(metric), row.get(f"{metric}_low"), row.get(f"{metric}_high")
-    if value is None:
-        return "n/a"
-    return f"{value:{spec}}" + (f" [{low:{spec}}, {high:{spec}}]" if low is not None and high is not None else "")
 
 
 def _temperatures(text: str) -> tuple[float, ...]:

@@ -112,3 +112,32 @@ def matched_at_diversity(
             and other.get(f"{quality}_low") is not None and other[f"{quality}_low"] > high
         ]  # fmt: skip
     return matched
+
+
+def with_interval(row: dict[str, Any], metric: str, spec: str) -> str:
+    """``0.875 [0.861, 0.890]``: a metric with its 95% interval (n/a when it could not be computed).
+
+    Example:
+        >>> with_interval({"ppl": 9.0, "ppl_low": 8.5, "ppl_high": 9.6}, "ppl", ".2f")
+        '9.00 [8.50, 9.60]'
+    """
+    value, low, high = row.get(metric), row.get(f"{metric}_low"), row.get(f"{metric}_high")
+    if value is None:
+        return "n/a"
+    return f"{value:{spec}}" + (f" [{low:{spec}}, {high:{spec}}]" if low is not None and high is not None else "")
+
+
+def matched_lines(matched: Sequence[dict[str, Any]], target: float) -> list[str]:
+    """``matched_at_diversity``'s entries as ``decodekit eval`` prints them: a heading, then a line per sampler
+    with its row, distinct-2 and perplexity with intervals, whether the target lies outside its sweep (and is not
+    compared), and the samplers it is clear of."""
+    lines = [f"at matched diversity (each sampler's row nearest distinct-2 = {target:g}):"]
+    for entry in matched:
+        outside = "" if entry["within"] else "  (target outside its sweep)"
+        if not entry.get("compared", True):
+            outside = "  (target outside its sweep and its interval: not compared)"
+        clear = f"  clear of: {', '.join(entry['clear_of'])}" if entry["clear_of"] else ""
+        lines.append(f"  {entry['sampler']:24s} {entry['strategy']:32s} distinct-2 "
+                     f"{with_interval(entry, 'distinct_2', '.3f')}  perplexity "
+                     f"{with_interval(entry, 'perplexity', '.2f')}{outside}{clear}")  # fmt: skip
+    return lines
