@@ -131,40 +131,45 @@ def attention_received(
         return logits.softmax(dim=-1).sum(dim=2)
     if kernels and visibility.appended and plain:
         return triton_kernels().attention_received(queries.to(keys.dtype), keys, scaling)
-    grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, window, head_dim)
-    keys_t = keys.float().transpose(-1, -2)[:, :, None]  # [batch, kv_heads, 1, head_dim, slots]
+    # Queries token-major, ``[batch, kv_heads, window, group, head_dim]``: a block of queries is one matrix of
+    # ``queries * group`` rows against its KV head's keys (no copy of the keys per query head).
+    grouped = (queries.float() * scaling).view(batch, kv_heads, group, window, head_dim).transpose(2, 3).contiguous()
+    keys_t = keys.float().transpose(-1, -2).contiguous()  # [batch, kv_heads, head_dim, slots]
     first_slot = slots - window
     received = grouped.new_zeros((batch, kv_heads, slots))
     query_weights = output_norms = None
     if weights is not None:
         query_weights, output_norms = weights
+        output_norms = output_norms.transpose(2, 3)  # [batch, kv_heads, 1, group, slots]
     block = max(1, min(QUERY_BLOCK, LOGIT_ELEMENTS // max(batch * kv_heads * group * slots, 1)))
     for start in range(0, window, block):
         stop = min(start + block, window)
         visible = first_slot + stop if visibility.appended else slots
-        logits = torch.matmul(grouped[:, :, :, start:stop], keys_t[..., :visible])  # [b, h, g, w, t]
+        rows = grouped[:, :, start:stop].flatten(2, 3)  # [b, h, w * g, d]
+        logits = torch.matmul(rows, keys_t[..., :visible]).view(batch, kv_heads, stop - start, group, visible)
         if softcap is not None:
             logits.div_(softcap).tanh_().mul_(softcap)
         if biases is not None:
             logits += biases[:, :, None, None, :visible].float()
         if visibility.appended:
             diagonal = logits[..., first_slot + start : visible]
-            diagonal += torch.full(diagonal.shape[-2:], -math.inf, device=logits.device).triu_(1)
+            above = torch.full((stop - start, visible - first_slot - start), -math.inf, device=logits.device)
+            diagonal += above.triu_(1)[:, None]  # [w, 1, t]: each query's later tokens
         else:
-            logits.masked_fill_(visibility.hidden(start, stop - start, visible), -math.inf)
+            logits.masked_fill_(visibility.hidden(start, stop - start, visible).transpose(2, 3), -math.inf)
         if outside is not None:
             logits.masked_fill_(outside[..., :visible], -math.inf)
         logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
         if most:  # the most attention any query pays each entry
             logits.div_(logits.sum(dim=-1, keepdim=True))
             if query_weights is not None:
-                logits.mul_(query_weights[:, None, None, start:stop, None]).mul_(output_norms[..., :visible])
+                logits.mul_(query_weights[:, None, start:stop, None, None]).mul_(output_norms[..., :visible])
             received[..., :visible] = torch.maximum(received[..., :visible], logits.amax(dim=(2, 3)))
             continue
         # Normalize each query's row and sum over the queries in one product: (1 / row sums) @ exp.
         inverse = logits.sum(dim=-1).reciprocal_().reshape(batch, kv_heads, 1, -1)
-        rows = logits.reshape(batch, kv_heads, -1, visible)
-        received[..., :visible] += torch.matmul(inverse, rows).squeeze(2)
+        flat = logits.view(batch, kv_heads, -1, visible)
+        received[..., :visible] += torch.matmul(inverse, flat).squeeze(2)
     return received
 
 

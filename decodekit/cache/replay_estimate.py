@@ -86,7 +86,6 @@ def replay_scores(
     """
     batch, kv_heads, length, head_dim = keys.shape
     group = queries.shape[1] // kv_heads
-    grouped = (queries.float() * scaling).reshape(batch, kv_heads, group, length, head_dim)
     keys = keys.float()
     shift_cos, shift_sin = rotation_past(cos, sin)
     moved = moved_back(keys, shift_cos, shift_sin, rotated)
@@ -94,20 +93,24 @@ def replay_scores(
         from decodekit.cache._triton_replay import replay_scores as with_kernels
 
         return with_kernels(queries, moved, keys, scaling, chunk)
-    earlier = moved.transpose(-1, -2)[:, :, None]
-    own = keys.transpose(-1, -2)[:, :, None]
+    # Queries token-major, ``[batch, kv_heads, tokens, group, head_dim]``: a block of tokens is one matrix of
+    # ``tokens * group`` rows against its KV head's keys (no copy of the keys per query head).
+    grouped = (queries.float() * scaling).view(batch, kv_heads, group, length, head_dim).transpose(2, 3).contiguous()
+    earlier = moved.transpose(-1, -2).contiguous()  # [batch, kv_heads, head_dim, tokens]
+    own = keys.transpose(-1, -2).contiguous()
     received = grouped.new_zeros((batch, kv_heads, length))
     elements = CPU_LOGIT_ELEMENTS if keys.device.type == "cpu" else GPU_LOGIT_ELEMENTS
     block = max(1, min(chunk, elements // (batch * kv_heads * group * 2 * length)))
     for start, stop in _blocks(length, chunk, block):
         first_own = (start // chunk) * chunk
-        queries_here = grouped[:, :, :, start:stop]
-        prompt = torch.matmul(queries_here, earlier)  # [batch, kv_heads, group, queries, length]
-        replayed = torch.matmul(queries_here, own[..., first_own:stop])  # [..., queries, stop - first_own]
+        queries_here = grouped[:, :, start:stop].flatten(2, 3)  # [batch, kv_heads, queries * group, head_dim]
+        shape = (batch, kv_heads, stop - start, group, -1)
+        prompt = torch.matmul(queries_here, earlier).view(shape)  # [batch, kv_heads, queries, group, length]
+        replayed = torch.matmul(queries_here, own[..., first_own:stop]).view(shape)  # [..., stop - first_own]
         if softcap is not None:
             for logits in (prompt, replayed):
                 logits.div_(softcap).tanh_().mul_(softcap)
-        query_position = torch.arange(start, stop, device=keys.device)[:, None]
+        query_position = torch.arange(start, stop, device=keys.device)[:, None, None]
         own_position = torch.arange(first_own, stop, device=keys.device)
         hidden = own_position > query_position
         if sliding_window is not None:  # a window follows the cache's count, in which each chunk follows the prompt
