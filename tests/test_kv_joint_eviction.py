@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from decodekit.cache import CompressedCache, CompressedLayer, joint
 from decodekit.cache import layer as layer_module
+from decodekit.cache.scorers import attention as attention_scorer
 from decodekit.cache.scorers.attention import AttentionScorer
 from tests.families import VOCAB, build_family_model
 from tests.tiny import build_model
@@ -299,6 +300,9 @@ def test_layers_evicted_together_hold_what_each_layer_holds_evicting_alone(fresh
         evict_together(layers, eviction, flat)
 
     monkeypatch.setattr(joint, "_evict_together", counted)
+    made, queries_together = [], attention_scorer._queries_together  # (every layer's waiting queries at once)
+    monkeypatch.setattr(attention_scorer, "_queries_together", lambda layers: made.append(queries_together(layers))
+                        or made[-1])  # fmt: skip
     grouped = CompressedCache(model, **options)
     grouped_tokens = _decode_ids(model, ids, grouped, 40)
     alone = CompressedCache(model, **options)
@@ -306,6 +310,8 @@ def test_layers_evicted_together_hold_what_each_layer_holds_evicting_alone(fresh
         layer.group = None
     alone_tokens = _decode_ids(model, ids, alone, 40)
     assert together and set(together) == {model.config.num_hidden_layers}
+    if options.get("eviction_interval") != 1:  # (steps that wait: the queries of every layer were made at once)
+        assert made and all(queries is not None for queries in made)
     assert torch.equal(grouped_tokens, alone_tokens)
     for mine, theirs in zip(grouped.layers, alone.layers, strict=True):
         held, expected = _by_position(mine), _by_position(theirs)

@@ -97,9 +97,9 @@ class EntryStorage:
         copied = object.__new__(type(self))
         memo[id(self)] = copied
         for name, value in vars(self).items():
-            if name not in ("_views", "_padded"):
+            if name not in ("_views", "_slices", "_padded"):
                 setattr(copied, name, copy.deepcopy(value, memo))
-        copied._views, copied._padded = {}, None
+        copied._views, copied._slices, copied._padded = {}, {}, None
         if self.device.type == "cpu":
             copied.lengths = torch.from_numpy(copied._lengths_host)
         return copied
@@ -159,6 +159,7 @@ class EntryStorage:
         self.flat = {name: allocate(name, (total + 1, *field.trailing), field.dtype, self.device)
                      for name, field in self.fields.items()}  # fmt: skip
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (its flat tensor, the view of it)
+        self._slices: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first slot, slots): ``slots``' view
         self._padded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (starts, stop, padded_index(stop))
         if old is None or source is None:
             return
@@ -246,9 +247,31 @@ class EntryStorage:
             return flat[:-1].view(self.batch, self.heads, self.capacity, *self.fields[name].trailing)
         made = self._views.get(name)  # (an eager step reads each field's view several times: made once per layout)
         if made is None or made[0] is not flat:
+            self._slices.clear()  # (views of the tensor replaced)
             made = self._views[name] = (flat, flat[:-1].view(self.batch, self.heads, self.capacity,
                                                              *self.fields[name].trailing))  # fmt: skip
         return made[1]
+
+    def slots(self, name: str, start: int, count: int) -> torch.Tensor:
+        """Field ``name`` of each segment's ``count`` slots from ``start``, ``[batch, heads, count, ...]``: a view
+        (rectangular layouts only). Eager steps between evictions read and write the same slots again and again:
+        each view is made once per layout.
+
+        Example:
+            >>> storage = EntryStorage({"scores": Field((), torch.float32)}, batch=1, heads=2, capacity=4, device="cpu")
+            >>> storage.slots("scores", 1, 2).fill_(1.0).shape, storage.tensor("scores")[0, 0].tolist()
+            (torch.Size([1, 2, 2]), [0.0, 1.0, 1.0, 0.0])
+        """
+        whole = self.tensor(name)
+        if torch.compiler.is_compiling():
+            return whole.narrow(2, start, count)
+        key = (name, start, count)
+        view = self._slices.get(key)
+        if view is None:
+            if len(self._slices) >= 256:
+                self._slices.clear()
+            view = self._slices[key] = whole.narrow(2, start, count)
+        return view
 
     def read(self, name: str, stop: int | None = None) -> torch.Tensor:
         """Field ``name`` of each segment's first ``stop`` slots (default: the longest length), ``[batch, heads,
@@ -256,7 +279,7 @@ class EntryStorage:
         segment's capacity hold another segment's entries (a length mask hides them)."""
         stop = self.length_range[1] if stop is None else stop
         if self.rectangular and stop <= self.capacity:
-            return self.tensor(name)[:, :, :stop]
+            return self.slots(name, 0, stop)
         return self.flat[name].index_select(0, self.padded_index(stop).flatten()).view(
             self.batch, self.heads, stop, *self.fields[name].trailing
         )
@@ -314,7 +337,7 @@ class EntryStorage:
         least, most = self.length_range
         if self.rectangular and least == most:
             for name, entry in entries.items():
-                target = self.tensor(name).narrow(2, least, count)
+                target = self.slots(name, least, count)
                 target.copy_(entry) if isinstance(entry, torch.Tensor) else target.fill_(entry)
         elif _native.runs_on(self.device) and all(isinstance(entry, torch.Tensor) or entry == 0
                                                  for entry in entries.values()):

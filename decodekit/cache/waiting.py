@@ -46,6 +46,10 @@ class WaitingSteps:
             return steps[0]
         return tuple(torch.cat(parts, dim=1) for parts in zip(*steps, strict=True))
 
+    def clear(self) -> None:
+        """Forget the waiting steps (their caller took them as they are, ``steps``)."""
+        self.steps = []
+
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor held for the waiting steps."""
         return [part for step in self.steps for part in step]

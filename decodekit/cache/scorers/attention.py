@@ -137,13 +137,17 @@ class AttentionScorer:
             return
         steps, start = first.waiting_state()
         scaling, decay = first.waiting.scaling, first.decay
-        queries = []
-        for layer, scorer in zip(layers, scorers, strict=True):
-            columns, cos, sin = (part.to(layer.dtype) for part in scorer.waiting.take())
-            queries.append(layer.rotated_queries(scorer.to_queries(columns), cos, sin))
+        queries = _queries_together(layers)
+        if queries is None:
+            made = []
+            for layer, scorer in zip(layers, scorers, strict=True):
+                columns, cos, sin = (part.to(layer.dtype) for part in scorer.waiting.take())
+                made.append(layer.rotated_queries(scorer.to_queries(columns), cos, sin))
+            queries = torch.stack(made)
+        for scorer in scorers:
             scorer.waiting_from = None
         stop = start + steps
-        received = waiting_attention(torch.stack(queries), grids["keys"][..., :stop, :], start, scaling, decay)
+        received = waiting_attention(queries, grids["keys"][..., :stop, :], start, scaling, decay)
         grids["scores"][..., :stop].mul_(decay**steps).add_(received)
         if "value_norms" in grids:  # the waiting steps' own tokens: their value norms
             values = grids["values"][..., start:stop, :]
@@ -183,3 +187,30 @@ class AttentionScorer:
         if isinstance(self.waiting_from, torch.Tensor):
             held.append(self.waiting_from)
         return held
+
+
+def _queries_together(layers: list) -> torch.Tensor | None:
+    """The waiting steps' rotated queries of every layer, ``[layers, batch, heads, steps, head_dim]``, made at once
+    where the layers share one query maker, one dtype and each step's rotary embedding (the same tensors: one model
+    pass gave them to every layer); None elsewhere (each layer makes its own)."""
+    scorers = [layer.scorer for layer in layers]
+    first = scorers[0]
+    dtype = layers[0].dtype
+    steps = first.waiting.steps
+    if any(scorer.to_queries is not first.to_queries or layer.dtype != dtype
+           or len(scorer.waiting) != len(steps) for layer, scorer in zip(layers, scorers, strict=True)):  # fmt: skip
+        return None
+    for scorer in scorers[1:]:
+        pairs = zip(scorer.waiting.steps, steps, strict=True)
+        if any(own[1] is not shared[1] or own[2] is not shared[2] for own, shared in pairs):
+            return None
+    count = len(layers)
+    columns = torch.cat([step[0] for scorer in scorers for step in scorer.waiting.steps], dim=1).to(dtype)
+    cos, sin = (torch.cat([step[part] for step in steps], dim=1).to(dtype) for part in (1, 2))
+    for scorer in scorers:
+        scorer.waiting.clear()
+    queries = first.to_queries(columns)  # [batch, heads, layers * steps, head_dim], layer by layer
+    batch, heads, _, head_dim = queries.shape
+    repeat = (1, count, 1)
+    rotated = layers[0].rotated_queries(queries, cos.repeat(repeat), sin.repeat(repeat))
+    return rotated.view(batch, heads, count, -1, head_dim).permute(2, 0, 1, 3, 4)
