@@ -189,16 +189,25 @@ def _check_evictions(monkeypatch) -> list[str]:
     def before(layer, eviction):
         layer.scorer.flush(layer)  # (the eviction scores the waiting steps first: so do the ranks)
         longest, storage = layer.longest, layer.storage
-        priority = torch.where(storage.valid(longest), layer.priority(longest), -torch.inf)
-        return priority, storage.read("positions", longest).clone(), _by_position(layer)
+        valid = storage.valid(longest)
+        priority = torch.where(valid, layer.priority(longest), -torch.inf)
+        positions = torch.where(valid, storage.read("positions", longest), -1)  # (-1: an empty slot)
+        return priority, positions, _by_position(layer)
 
     def compare(layer, eviction, taken):
         priority, positions, held = taken
         after = _by_position(layer)
         for row in range(layer.storage.batch):
             for head in range(layer.storage.heads):
-                best = priority[row, head].topk(int(eviction.keep[row, head])).indices
-                assert set(after[row][head]) == set(positions[row, head, best].tolist())
+                # The kept entries are a best-ranked set: as many as the eviction keeps, none ranked below an entry
+                # that went (entries of equal rank, such as the zero scores of a zero value, may go either way).
+                pairs = zip(positions[row, head].tolist(), priority[row, head].tolist(), strict=True)
+                ranks = {position: rank for position, rank in pairs if position >= 0}
+                kept = set(after[row][head])
+                assert kept <= set(ranks) and len(kept) == int(eviction.keep[row, head])
+                gone = set(ranks) - kept
+                if gone:
+                    assert min(ranks[position] for position in kept) >= max(ranks[position] for position in gone)
                 for position, entry in after[row][head].items():
                     for name, value in entry.items():
                         assert torch.equal(value, held[row][head][position][name]), name
