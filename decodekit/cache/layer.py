@@ -388,14 +388,14 @@ class CompressedLayer(CacheLayerMixin):
                 entries["biases"] = 0.0
         if not step.waits:  # (a waiting step's value norm is taken when it is scored)
             entries = {**entries, **self.scorer.new_entries(value_states)}
-        if new == 1:
-            if storage.free_slots < 1:  # (some segment grows)
-                storage.append(entries, 1, room=self._room(), allocate=self._allocator())
-            else:
-                storage.append(entries, 1)
+        grows = new == 1 and storage.free_slots < 1  # (some segment grows)
+        if grows:
+            storage.append(entries, 1, room=self._room(), allocate=self._allocator())
         else:
             storage.append(entries, new)
         self._seen += new
+        if grows and not self.transient:
+            self._prepare_steps()  # (the steps into the new room write their keys and values alone)
         if self.seen_device is not None and self.seen_device.device.type != "cpu":
             self.seen_device.add_(new)
         if quantized:
@@ -428,9 +428,9 @@ class CompressedLayer(CacheLayerMixin):
         return prepared is not None and prepared[0] == id(self.storage.flat["keys"]) and slot < prepared[1]
 
     def _prepare_steps(self) -> None:
-        """Write the position, score 0 (and bias 0) of the next ``eviction_interval`` tokens into the slots after
+        """Write the position, score 0 (and bias 0) of the next ``eviction_interval`` tokens into the free slots after
         every segment's entries (all of one length), so that the decoding steps until the next eviction write their
-        keys and values alone."""
+        keys and values alone: after an eviction, a pass of several tokens, or a step that grew the storage."""
         storage = self.storage
         self._prepared = None
         if not (storage.rectangular and storage.equal_lengths) or self.padding_held:
@@ -608,6 +608,7 @@ class CompressedLayer(CacheLayerMixin):
                 if self.padding_held and self.policy.keeps_one_room():
                     self._drop_padding()  # (compiled steps need it gone: their capacity holds real entries only)
                 self.fit_capacity()
+                self._prepare_steps()
 
     def _drop_padding(self) -> None:
         """Drop each row's held left padding (its first ``held_pads`` slots, before any eviction)."""
