@@ -134,7 +134,7 @@ def attention_received(
     # Queries token-major, ``[batch, kv_heads, window, group, head_dim]``: a block of queries is one matrix of
     # ``queries * group`` rows against its KV head's keys (no copy of the keys per query head).
     grouped = (queries.float() * scaling).view(batch, kv_heads, group, window, head_dim).transpose(2, 3).contiguous()
-    keys_t = keys.float().transpose(-1, -2).contiguous()  # [batch, kv_heads, head_dim, slots]
+    keys_t = keys.float().transpose(-1, -2)  # [batch, kv_heads, head_dim, slots] (a view where keys are float32)
     first_slot = slots - window
     received = grouped.new_zeros((batch, kv_heads, slots))
     query_weights = output_norms = None

@@ -96,8 +96,8 @@ def replay_scores(
     # Queries token-major, ``[batch, kv_heads, tokens, group, head_dim]``: a block of tokens is one matrix of
     # ``tokens * group`` rows against its KV head's keys (no copy of the keys per query head).
     grouped = (queries.float() * scaling).view(batch, kv_heads, group, length, head_dim).transpose(2, 3).contiguous()
-    earlier = moved.transpose(-1, -2).contiguous()  # [batch, kv_heads, head_dim, tokens]
-    own = keys.transpose(-1, -2).contiguous()
+    earlier = moved.transpose(-1, -2)  # [batch, kv_heads, head_dim, tokens] (a view: matmul reads it transposed)
+    own = keys.transpose(-1, -2)
     received = grouped.new_zeros((batch, kv_heads, length))
     elements = CPU_LOGIT_ELEMENTS if keys.device.type == "cpu" else GPU_LOGIT_ELEMENTS
     block = max(1, min(chunk, elements // (batch * kv_heads * group * 2 * length)))
