@@ -103,8 +103,7 @@ class AttentionScorer:
         if not self.waiting:
             return
         scaling = self.waiting.scaling
-        columns, cos, sin = (part.to(layer.dtype) for part in self.waiting.take())
-        queries = layer.rotated_queries(self.to_queries(columns), cos, sin)  # [batch, heads, steps, dim]
+        queries = self.take_queries(layer)  # [batch, heads, steps, dim]
         steps = queries.shape[2]
         keys, _ = layer.decoded()
         first = self.waiting_from
@@ -118,6 +117,12 @@ class AttentionScorer:
             norms = torch.linalg.vector_norm(values.float(), dim=-1)
             slots = slots.expand(*values.shape[:2], steps) if isinstance(first, int) else slots
             layer.storage.write_slots(slots, {"value_norms": norms.gather(-1, slots)})
+
+    def take_queries(self, layer) -> torch.Tensor:
+        """The waiting steps' queries, rotated to their positions, ``[batch, heads, steps, head_dim]``; the queue is
+        emptied."""
+        columns, cos, sin = (part.to(layer.dtype) for part in self.waiting.take())
+        return layer.rotated_queries(self.to_queries(columns), cos, sin)
 
     def waiting_state(self) -> tuple[int, int] | None:
         """(steps waiting, the first one's slot in every segment), or None where segments wait from other slots."""
@@ -138,12 +143,8 @@ class AttentionScorer:
         steps, start = first.waiting_state()
         scaling, decay = first.waiting.scaling, first.decay
         queries = _queries_together(layers)
-        if queries is None:
-            made = []
-            for layer, scorer in zip(layers, scorers, strict=True):
-                columns, cos, sin = (part.to(layer.dtype) for part in scorer.waiting.take())
-                made.append(layer.rotated_queries(scorer.to_queries(columns), cos, sin))
-            queries = torch.stack(made)
+        if queries is None:  # (each layer makes its own)
+            queries = torch.stack([scorer.take_queries(layer) for layer, scorer in zip(layers, scorers, strict=True)])
         for scorer in scorers:
             scorer.waiting_from = None
         stop = start + steps
