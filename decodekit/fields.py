@@ -273,8 +273,8 @@ CORE_FIELDS = (
         "choice",
         "cache",
         "how kv_scoring=reconstruction scores the prompt: auto (the default: prompt_queries where a head keeps half "
-        "the prompt or more, else forward), forward (the prompt fed again) or prompt_queries (estimated in the "
-        "prompt's own pass: about half the prefill time)",
+        "the prompt or more or the model has sliding windows, else forward), forward (the prompt fed again) or "
+        "prompt_queries (estimated in the prompt's own pass: about half the prefill time)",
         choices=KV_REPLAYS,
         requires="kv_scoring",
         widget=None,

@@ -53,7 +53,8 @@ KV_SCORERS = {
 KV_SCORINGS = tuple(KV_SCORERS)
 # How reconstruction scores are had: a replay pass over the prompt ("forward"), estimated in the prompt's own pass
 # ("prompt_queries"), or ("auto") the estimate where a head keeps on average at least ESTIMATE_FROM_SHARE of the
-# prompt's tokens and the replay pass below (where the estimate's allocation across layers loses).
+# prompt's tokens or the model has sliding-window layers, and the replay pass below (where the estimate's allocation
+# across layers loses).
 KV_REPLAYS = ("auto", "forward", "prompt_queries")
 ESTIMATE_FROM_SHARE = 0.5
 

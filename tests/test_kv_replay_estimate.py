@@ -36,10 +36,13 @@ def _scores(model, replay: str, **options) -> list[torch.Tensor]:
 def test_in_a_first_layer_the_estimate_is_the_replay(family):
     """A first layer's queries and keys depend on their token alone, so a replayed token's query is the prompt's
     own: there the estimate must give what replaying the prompt through the model gives (sliding windows, query
-    norms, partial rotary, biased projections included), and deeper layers differ. Chunks of 16 of the 40 tokens: a
-    sliding window places a later chunk by the cache's count of tokens, in which each chunk follows the prompt."""
+    norms, partial rotary, biased projections included), and deeper layers differ. Chunks of 16 of the 40 tokens;
+    on a model with sliding windows the estimate stands for a replay of the whole prompt in one chunk (a window
+    places the chunk by the cache's count of tokens, after the prompt)."""
     model = build_family_model(family)
-    replayed, estimated = _scores(model, "forward"), _scores(model, "prompt_queries")
+    windowed = CompressedCache(model, compression_ratio=0.5).options.sliding_windows
+    replayed = _scores(model, "forward", chunk=64 if windowed else 16)
+    estimated = _scores(model, "prompt_queries")
     torch.testing.assert_close(estimated[0], replayed[0], atol=1e-6, rtol=1e-4)
     assert (estimated[-1] - replayed[-1]).abs().max() > 1e-4  # the replay's own hidden states
 
@@ -312,6 +315,30 @@ def test_auto_estimates_where_a_head_keeps_half_the_prompt_and_replays_elsewhere
     if len(kept) == 2:
         (auto, named) = kept.values()
         assert all(torch.equal(a, b) for a, b in zip(auto, named, strict=True))
+
+
+@pytest.mark.parametrize("family", ["mistral-sliding", "gemma3"])
+def test_auto_estimates_at_every_size_on_a_model_with_sliding_windows(family):
+    """On a model with sliding-window layers ``replay="auto"`` keeps what ``"prompt_queries"`` keeps even where a head
+    keeps a quarter of the prompt, and the model runs once: a replay pass would feed its second chunk with no window
+    of context."""
+    model = build_family_model(family)
+    calls = []
+    model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    ids = torch.randint(3, 384, (1, 120), generator=torch.Generator().manual_seed(1))
+    kept = {}
+    for replay in ("auto", "prompt_queries"):
+        calls.clear()
+        cache = CompressedCache(model, compression_ratio=0.75, scoring="reconstruction", replay=replay,
+                                reconstruction_chunk=48, sink_tokens=2, recent_tokens=4)  # fmt: skip
+        assert cache.options.sliding_windows
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        assert len(calls) == 1
+        kept[replay] = [layer.kept_positions() for layer in cache.layers]
+    assert all(torch.equal(a, b) for a, b in zip(kept["auto"], kept["prompt_queries"], strict=True))
+    plain = CompressedCache(build_family_model("llama"), compression_ratio=0.75, scoring="reconstruction")
+    assert not plain.options.sliding_windows
 
 
 @torch.no_grad()

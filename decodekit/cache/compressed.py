@@ -7,6 +7,7 @@ import math
 import os
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Self
 
@@ -92,6 +93,8 @@ class CompressedCache(Cache):
         scorer_class = SCORERS[resolved.scoring.method]
         modules = bind(model, replays=scorer_class.replays)
         windows = [sliding_window(module) for module in modules]
+        if any(window is not None for window in windows):
+            self.options = resolved = replace(resolved, sliding_windows=True)
         by_bytes = None
         if size.in_bytes:
             by_bytes = entry_bytes(

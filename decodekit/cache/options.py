@@ -218,7 +218,8 @@ class ReplayOptions:
     """How reconstruction scores are had: ``mode`` "forward" (the prompt fed again in chunks of ``chunk`` tokens,
     each after ``prefix`` token ids and the previous chunk's last ``overlap`` tokens, its attention spread over
     ``scope`` "prompt" or "chunk", weighed by output norms with ``output_norms``), "prompt_queries" (estimated in
-    the prompt's own pass) or "auto" (the estimate where heads keep at least half the prompt).
+    the prompt's own pass) or "auto" (the estimate where heads keep at least half the prompt, or on a model with
+    sliding-window layers, as a replay of the whole prompt in one chunk).
 
     Example:
         >>> ReplayOptions(chunk=512, overlap=8).overlap
@@ -401,12 +402,14 @@ def default_eviction_interval(budget: int | None) -> int:
 
 @dataclass(frozen=True)
 class ResolvedOptions:
-    """The four groups with every default resolved for one model (what a cache's parts read)."""
+    """The four groups with every default resolved for one model (what a cache's parts read), and whether that model
+    has sliding-window layers (``sliding_windows``, set by ``CompressedCache``)."""
 
     size: SizeOptions
     scoring: ScoringOptions
     storage: StorageOptions
     replay: ReplayOptions
+    sliding_windows: bool = False
 
     @property
     def estimate_applies(self) -> list[str]:

@@ -99,7 +99,7 @@ class ReconstructionScorer(AttentionScorer):
         if queries.shape[2] < 2:  # one token: nothing a replay could rank
             return
         scores = replay_scores(
-            queries, keys, step.scaling, step.cos, step.sin, chunk=self.options.replay.chunk,
+            queries, keys, step.scaling, step.cos, step.sin, chunk=estimate_chunk(self.options, keys.shape[2]),
             rotated=layer.coding.rotated_reads, sliding_window=layer.window, softcap=layer.softcap,
             kernels=layer.scores_on_triton,
         )  # fmt: skip
@@ -109,13 +109,31 @@ class ReconstructionScorer(AttentionScorer):
 def estimates_replay(options, policy, length: int, rows: int = 1) -> bool:
     """Whether a prompt of ``length`` tokens in each of ``rows`` rows is scored by the estimate instead of a replay
     pass: always under ``replay="prompt_queries"``, never under ``"forward"``; under ``"auto"`` where the estimate
-    applies and the heads keep on average at least ``ESTIMATE_FROM_SHARE`` of the prompt."""
+    applies and, on a model with sliding-window layers, always (a replay pass feeds each chunk after the first with
+    no window of context: nothing before it in the replay, the prompt out of reach), else where the heads keep on
+    average at least ``ESTIMATE_FROM_SHARE`` of the prompt."""
     mode = options.replay.mode
     if mode != "auto":
         return mode == "prompt_queries"
     if options.estimate_applies:
         return False
-    return policy.target(length, rows) >= ESTIMATE_FROM_SHARE * length
+    return options.sliding_windows or policy.target(length, rows) >= ESTIMATE_FROM_SHARE * length
+
+
+def estimate_chunk(options, length: int) -> int:
+    """The replay chunk an estimate of a ``length``-token prompt stands for: ``reconstruction_chunk``, or on a model
+    with sliding-window layers the whole prompt (each replayed token sees every earlier one, as the prompt's own
+    queries did).
+
+    Example:
+        >>> from dataclasses import replace
+        >>> from decodekit.cache.options import ReplayOptions, ResolvedOptions, ScoringOptions, SizeOptions
+        >>> from decodekit.cache.options import StorageOptions
+        >>> plain = ResolvedOptions(SizeOptions(budget=64), ScoringOptions(), StorageOptions(), ReplayOptions())
+        >>> estimate_chunk(plain, 3072), estimate_chunk(replace(plain, sliding_windows=True), 3072)
+        (2048, 3072)
+    """
+    return max(options.replay.chunk, length) if options.sliding_windows else options.replay.chunk
 
 
 def _output_weights(replay_weights, values: torch.Tensor, window: int, heads: int):
