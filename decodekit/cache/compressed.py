@@ -119,7 +119,7 @@ class CompressedCache(Cache):
             layer.module = weakref.ref(module)
             layers.append(layer)
         alike = size.allocation == "uniform" and resolved.scoring.matched_layers == 0  # (fields and shapes alike)
-        if alike and all(window is None for window in windows):  # (the layers evict together: joint.py)
+        if alike and not resolved.sliding_windows:  # (the layers evict together: joint.py)
             group = LayerGroup(layers)
             for layer in layers:
                 layer.join(group)
