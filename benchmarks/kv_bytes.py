@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--replay", help="how reconstruction scoring replays the prompt: a row of kv_replay.py")
     parser.add_argument("--residual-length", type=int, help="last tokens also held exact (default: recent_tokens)")
     parser.add_argument("--group-size", type=int, help="channels per scale group at 8 and 4 bits (default: 32)")
+    parser.add_argument("--no-smooth-keys", action="store_true", help="code keys whole, without their mean taken out")
     parser.add_argument("--eviction-interval", type=int, help="tokens evicted at once (default: the cache's)")
     parser.add_argument("--matched-layers", type=int, help="first layers refit after eviction (default: the cache's)")
     parser.add_argument("--prefill-chunk", type=int, help="read each context in passes of this many tokens")
@@ -117,6 +118,7 @@ def main() -> None:
           f" scoring={args.scoring}{f', replay: {args.replay}' if args.replay else ''}"
           f"{f', residual_length={args.residual_length}' if args.residual_length is not None else ''}"
           f"{f', kv_group_size={args.group_size}' if args.group_size else ''}"
+          f"{', smooth_keys=False' if args.no_smooth_keys else ''}"
           f"{f', eviction_interval={args.eviction_interval}' if args.eviction_interval else ''}"
           f"{f', matched_layers={args.matched_layers}' if args.matched_layers is not None else ''}"
           f"{f', the context in chunks of {args.prefill_chunk}' if args.prefill_chunk else ''};"
@@ -128,6 +130,8 @@ def main() -> None:
         options["residual_length"] = args.residual_length
     if args.group_size:
         options["kv_group_size"] = args.group_size
+    if args.no_smooth_keys:
+        options["smooth_keys"] = False
     if args.eviction_interval:
         options["eviction_interval"] = args.eviction_interval
     if args.matched_layers is not None:

@@ -1,5 +1,5 @@
-"""The saved-cache file of the current format version that ``tests/test_kv_reuse.py`` loads: a change to what a cache
-saves must raise ``persist.VERSION`` and write this file anew (``python -m tests.kv_format_file``).
+"""The saved-cache files that ``tests/test_kv_reuse.py`` loads, one per format version read: a change to what a cache
+saves must raise ``persist.VERSION`` and write its file (``python -m tests.kv_format_file``), keeping the others.
 
 The model's weights come from integer arithmetic, the same on every machine and torch version (a random
 initialization is not), so that the file's weights' fingerprint matches wherever the test runs.
@@ -16,6 +16,15 @@ from decodekit.cache import CompressedCache
 from decodekit.cache.persist import VERSION
 
 FILE = Path(__file__).resolve().parent / "data" / f"kv_cache_format_v{VERSION}.kv"
+
+
+def file_of(version: int) -> Path:
+    """The file written by format ``version``."""
+    return FILE.with_name(f"kv_cache_format_v{version}.kv")
+
+
+# What each version's file was compressed with beyond ``OPTIONS``: version 1 coded keys whole.
+VERSION_OPTIONS = {1: {"smooth_keys": False}, 2: {}}
 # Coded keys and values with a residual window, a shared allocation per KV head, a refit (biased) first layer: what
 # the storage holds in its most varied form.
 OPTIONS = {"budget": 12, "sink_tokens": 2, "recent_tokens": 6, "scoring": "reconstruction", "allocation": "heads",
@@ -42,9 +51,9 @@ def integer_model() -> LlamaForCausalLM:
     return model
 
 
-def compressed(model: LlamaForCausalLM) -> CompressedCache:
-    """``DOCUMENT`` compressed with ``OPTIONS``."""
-    cache = CompressedCache(model, **OPTIONS)
+def compressed(model: LlamaForCausalLM, version: int = VERSION) -> CompressedCache:
+    """``DOCUMENT`` compressed with ``OPTIONS``, as format ``version``'s file was."""
+    cache = CompressedCache(model, **OPTIONS, **VERSION_OPTIONS[version])
     with torch.no_grad():
         model(torch.tensor([DOCUMENT]), past_key_values=cache)
     return cache

@@ -112,19 +112,20 @@ def _storage(coding, batch: int, heads: int, head_dim: int, seed: int, dtype: to
     one step's token each; returns it, the step's exact key and value, and every entry decoded (the step's own
     exact)."""
     generator = torch.Generator().manual_seed(seed)
-    first = torch.randn(batch, heads, 7, head_dim, generator=generator)
+    common = 3.0 * torch.randn(head_dim, generator=generator)  # a part every key shares, which smoothing takes out
+    first = torch.randn(batch, heads, 7, head_dim, generator=generator) + common
     coding.start(first.to(dtype))
     fields = {**coding.fields(head_dim), "positions": Field((), torch.int32), "biases": Field((), torch.float16)}
     storage = EntryStorage(fields, batch, heads, 4, "cpu")
     for count in (7, 6):
         keys, values = (torch.randn(batch, heads, count, head_dim, generator=generator) for _ in range(2))
-        entries, _ = coding.encode(keys, values)
+        entries, _ = coding.encode(keys + common, values)
         positions = storage.length_range[1] + torch.arange(count, dtype=torch.int32)
         biases = torch.randn(batch, heads, count, generator=generator).half()
         storage.append({**entries, "positions": positions.expand(batch, heads, count), "biases": biases}, count)
     storage.keep(torch.arange(13).expand(batch, heads, 13), np.array([[13, 9], [11, 13]])[:batch, :heads])
     own_keys, own_values = (torch.randn(batch, heads, 1, head_dim, generator=generator) for _ in range(2))
-    entries, read_keys = coding.encode(own_keys, own_values)
+    entries, read_keys = coding.encode(own_keys + common, own_values)
     storage.append({**entries, "positions": torch.full((batch, heads, 1), 20, dtype=torch.int32), "biases": 0.0}, 1)
     keys, values = coding.decode(storage, storage.length_range[1], dtype=torch.float32)
     last = (storage.lengths - 1)[..., None, None].expand(-1, -1, 1, head_dim)
@@ -151,7 +152,8 @@ def test_the_kernels_read_codes_as_decoded_entries_read_them(
     AVX2 blocks where entries hold a multiple of eight channels in groups of a multiple of eight, where the CPU has
     AVX2 — 64 channels at a time, then eight at a time for the rest, as 80 channels read; its scalar loop for groups
     of four), over segments of different lengths, every width of keys and values, with biases, a logit cap or a
-    sliding window, for float32 and bfloat16 models (scales and plain entries in float16, bfloat16 or float32)."""
+    sliding window, for float32 and bfloat16 models (scales and plain entries in float16, bfloat16 or float32).
+    Keys share a large common part, which smoothed keys take out before coding and the kernels give back."""
     step_attention = importlib.import_module(KERNELS[kernel]).step_attention
 
     batch, heads, query_heads = 2, 2, 4
@@ -177,10 +179,18 @@ def test_the_kernels_read_codes_as_decoded_entries_read_them(
         mask = torch.where(mask, biases[:, :, None, :].repeat_interleave(2, dim=1), -torch.inf)
         options = {"biased": True}
     expected, expected_received = attention.read_decoded(query, keys, values, 0.25, mask, options.get("softcap"))
+    smoothed = coding.quantized and coding.smoothing
+    if smoothed:
+        options["key_means"] = coding.read_key_means()
     output, received = step_attention(query, storage, (key_bits, value_bits), group_size, read_keys, own_values,
                                       0.25, **options)  # fmt: skip
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(received, expected_received, atol=1e-6, rtol=1e-5)
+    if smoothed and extras != "window":  # (the mean matters where stored keys are seen: without it, other weights)
+        del options["key_means"]
+        _, unsmoothed = step_attention(query, storage, (key_bits, value_bits), group_size, read_keys, own_values,
+                                       0.25, **options)  # fmt: skip
+        assert not torch.allclose(unsmoothed, expected_received, atol=1e-3)
 
 
 def test_a_cache_told_to_read_with_triton_decodes_as_the_torch_path(fresh):
@@ -254,9 +264,10 @@ def test_the_cpu_operator_reads_the_residual_windows_tokens_exact(key_bits, valu
     query = torch.randn(batch, query_heads, 1, head_dim, generator=generator)
     expected, expected_received = attention.read_decoded(query, expected_keys, expected_values, 0.25, None)
     output, received = native.step_attention(query, storage, (key_bits, value_bits), group_size, own_read.float(),
-                                             own_values.float(), 0.25, residual=coding.residual_window())  # fmt: skip
+                                             own_values.float(), 0.25, residual=coding.residual_window(),
+                                             key_means=coding.read_key_means())  # fmt: skip
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(received, expected_received, atol=1e-6, rtol=1e-5)
     without, _ = native.step_attention(query, storage, (key_bits, value_bits), group_size, own_read.float(),
-                                       own_values.float(), 0.25)  # fmt: skip
+                                       own_values.float(), 0.25, key_means=coding.read_key_means())  # fmt: skip
     assert not torch.allclose(without, expected, atol=1e-5, rtol=1e-5)  # (the window's exact entries were read)

@@ -278,7 +278,7 @@ def test_a_newer_or_older_format_version_is_refused(saved):
     _rewrite_header(path, lambda header: header.update(version=persist.VERSION + 1))
     _refused(path, model, f"written in format version {persist.VERSION + 1}; this decodekit reads version "
                           f"{persist.VERSION}: upgrade decodekit")  # fmt: skip
-    _rewrite_header(path, lambda header: header.update(version=persist.VERSION - 1))
+    _rewrite_header(path, lambda header: header.update(version=min(persist.READS) - 1))
     _refused(path, model, "which this decodekit no longer reads")
     _rewrite_header(path, lambda header: header.update(format="something-else"))
     _refused(path, model, "is not a decodekit cache file")
@@ -365,14 +365,17 @@ def test_saving_to_a_missing_folder_or_a_folder_is_refused(fresh, tmp_path):
 # -- the format --------------------------------------------------------------------------------------------------
 
 
-def test_the_file_of_this_format_version_loads_and_continues_as_the_cache_compressed_anew():
-    """``tests/data``'s file (``tests/kv_format_file.py``) was written by this format version: it must load, hold
-    the fields, dtypes and shapes a cache holds now, and answer as the same document compressed anew. A change to
-    what a cache saves fails here: raise ``persist.VERSION`` and write the file again."""
+@pytest.mark.parametrize("version", persist.READS)
+def test_the_file_of_each_format_version_read_loads_and_continues_as_the_cache_compressed_anew(version):
+    """``tests/data``'s file of each version read (``tests/kv_format_file.py``): it must load, hold the fields, dtypes
+    and shapes a cache compressed anew as that version's was holds now, and answer as that cache. A change to what a
+    cache saves fails here: raise ``persist.VERSION`` and write its file."""
     model = kv_format_file.integer_model()
-    assert kv_format_file.FILE.exists(), "raise persist.VERSION's file: python -m tests.kv_format_file"
-    loaded = CompressedCache.load(kv_format_file.FILE, model)
-    anew = kv_format_file.compressed(model)
+    path = kv_format_file.file_of(version)
+    assert path.exists(), "write persist.VERSION's file: python -m tests.kv_format_file"
+    loaded = CompressedCache.load(path, model)
+    anew = kv_format_file.compressed(model, version)
+    assert loaded.options.storage.smooth_keys is (version > 1)
     for old, new in zip(loaded.layers, anew.layers, strict=True):
         (old_tensors, old_numbers), (new_tensors, new_numbers) = old.state(), new.state()
         assert old_numbers.keys() == new_numbers.keys()

@@ -108,11 +108,14 @@ def step_attention(
     window: int | None = None,
     query_position: int = 0,
     residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    key_means: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``_triton_attention.step_attention`` on a CPU: the same arguments, the same results (the output ``[batch, 1,
     heads, head_dim]`` in the query's dtype, each slot's probability summed over its KV head's query heads); and a
     ``residual`` window: its exact keys (as attention reads them) and values ``[batch, heads, ring, head_dim]`` (in
-    the scales' dtype) and their positions ``[ring]`` (int32), read instead of the codes of the tokens it holds."""
+    the scales' dtype) and their positions ``[ring]`` (int32), read instead of the codes of the tokens it holds.
+    ``key_means``: smoothed keys' mean per row and KV head, float32 ``[batch, heads, 1, head_dim]``, added to each
+    key decoded from its codes."""
     if not available():
         raise RuntimeError("the cache's CPU operators are not available (see _native.available())")
     key_codes, key_scales, key_offsets, key_bits = _part(storage, "keys", widths[0])
@@ -124,7 +127,7 @@ def step_attention(
         _float32(query), key_codes, key_scales, key_offsets, key_bits, value_codes, value_scales, value_offsets,
         value_bits, group_size, storage.starts, storage.lengths, _float32(own_keys), _float32(own_values), biases,
         positions, storage.length_range[1], scaling, softcap or 0.0, query_position, window or 0, ring_keys,
-        ring_values, ring_positions,
+        ring_values, ring_positions, None if key_means is None else key_means.contiguous(),
     )  # fmt: skip
     return (output if query.dtype == torch.float32 else output.to(query.dtype)), received
 

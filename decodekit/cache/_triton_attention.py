@@ -1,8 +1,8 @@
 """A decoding step's attention over coded entries, read where they lie: two Triton kernels.
 
 1. ``_step_logits``: per (row, KV head, block of slots), each slot's key is decoded in registers from its codes, group
-   scales and offsets, and each query head of the group gets its logit (scaled, capped, biased; -inf past the
-   segment's stored entries and outside a sliding window).
+   scales and offsets (its row and head's mean key added where keys are smoothed), and each query head of the group
+   gets its logit (scaled, capped, biased; -inf past the segment's stored entries and outside a sliding window).
 2. ``_weighted_values``: per (row, KV head), the values are decoded block by block and each slot's value is added
    times its probability.
 
@@ -49,10 +49,11 @@ def _decoded(codes, scales, offsets, row, channel, code_bytes, groups,
 
 @triton.jit
 def _step_logits(
-    queries, codes, scales, offsets, starts, counts, biases, positions, logits,
+    queries, codes, scales, offsets, starts, counts, biases, positions, means, logits,
     kv_heads, group, slots, code_bytes, groups, scaling, softcap, query_position, window,
     BITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr, GROUP_HEADS: tl.constexpr,
     BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_MEAN: tl.constexpr,
 ):  # fmt: skip
     block, unit = tl.program_id(0), tl.program_id(1)  # unit: row * kv_heads + head
     start = tl.load(starts + unit)
@@ -62,6 +63,8 @@ def _step_logits(
     row = start + tl.where(live, slot, 0)
     channel = tl.arange(0, DIM)
     keys = _decoded(codes, scales, offsets, row, channel, code_bytes, groups, BITS, GROUP, HEAD_DIM)
+    if HAS_MEAN:  # smoothed keys: their mean back
+        keys += tl.load(means + unit * HEAD_DIM + channel, mask=channel < HEAD_DIM, other=0.0)[None, :]
     head = tl.arange(0, GROUP_HEADS)
     first_head = unit * group  # (query heads of a row follow its KV heads, each ``group`` of them)
     query = tl.load(queries + (first_head + head)[:, None] * HEAD_DIM + channel[None, :],
@@ -129,13 +132,15 @@ def step_attention(
     biased: bool = False,
     window: int | None = None,
     query_position: int = 0,
+    key_means: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoding step's attention for ``query`` ``[batch, heads, 1, head_dim]`` over every entry each segment of
     ``storage`` stored before the step (its last entry is the step's own, read exact from ``own_keys`` and
     ``own_values``, ``[batch, kv_heads, 1, head_dim]``). ``widths``: the key and value bits (None: stored as they
     are); ``group_size``: channels per scale. Returns the output ``[batch, 1, heads, head_dim]`` in the query's dtype
     and each slot's probability summed over the query heads of its KV head, ``[batch, kv_heads, slots]`` (the step's
-    own token at each segment's last slot)."""
+    own token at each segment's last slot). ``key_means``: smoothed keys' mean per row and KV head, float32
+    ``[batch, kv_heads, 1, head_dim]``, added to each key decoded from its codes."""
     batch, heads, _, head_dim = query.shape
     kv_heads = storage.heads
     group = heads // kv_heads
@@ -149,10 +154,12 @@ def step_attention(
     codes, scales, offsets, code_bytes, groups, bits = _part(storage, "keys", widths[0])
     biases = storage.flat["biases"] if biased else codes
     positions = storage.flat["positions"]
+    means = codes if key_means is None else key_means.float().contiguous()
     _step_logits[(triton.cdiv(slots, BLOCK), batch * kv_heads)](
-        flat_query, codes, scales, offsets, starts, counts, biases, positions, logits,
+        flat_query, codes, scales, offsets, starts, counts, biases, positions, means, logits,
         kv_heads, group, slots, code_bytes, groups, scaling, softcap or 1.0, query_position, window or 0,
-        BITS=bits, HAS_BIAS=biased, HAS_CAP=softcap is not None, HAS_WINDOW=window is not None, **shapes,
+        BITS=bits, HAS_BIAS=biased, HAS_CAP=softcap is not None, HAS_WINDOW=window is not None,
+        HAS_MEAN=key_means is not None, **shapes,
     )  # fmt: skip
     # The step's own token, exact, at each segment's last slot (its bias is 0; it sees itself in any window).
     own = torch.matmul(query.float().reshape(batch, kv_heads, group, head_dim), own_keys.float().transpose(-1, -2))

@@ -6,10 +6,16 @@ for attention. Quantized keys are coded after a Hadamard rotation (``quantize.py
 queries can be rotated alike (``rotated_reads``), attention reads the keys as coded, never rotated back. The last
 ``residual_length`` tokens are also held exact in a residual window (KIVI's full-precision recent tokens), and
 attention reads them exact.
+
+Coded keys are smoothed first (SageAttention's smooth K): each row and KV head's mean key over the first pass's tokens
+is subtracted before coding and added back when decoding, except where that would move the first key (the attention
+sink) farther from zero (``mean_keys``). A model whose keys share a large common part (Gemma 3's hold 20-70% of their
+energy in it) then spends its codes on what tells tokens apart (``benchmarks/results/kv_key_smoothing_cpu.txt``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from decodekit.cache import _native
@@ -53,7 +59,7 @@ class PlainCoding:
         self.kv_bits = kv_bits
         self.model_dtype = self.stored_dtype = None
 
-    def start(self, key_states: torch.Tensor) -> None:
+    def start(self, key_states: torch.Tensor, pads: np.ndarray | None = None) -> None:
         """The first pass: store in its dtype, or in 16 bits (``kv_bits=16``)."""
         self.model_dtype = key_states.dtype
         self.stored_dtype = storage_dtype(key_states.dtype, self.kv_bits)
@@ -109,7 +115,10 @@ class QuantizedCoding:
     ``residual_length`` tokens held exact. ``rotated_reads``: attention reads coded keys Hadamard-rotated (set
     where the attention module's queries are rotated alike)."""
 
-    def __init__(self, key_bits: int | None, value_bits: int | None, group_size: int, residual_length: int) -> None:
+    def __init__(
+        self, key_bits: int | None, value_bits: int | None, group_size: int, residual_length: int,
+        smooth_keys: bool = True,
+    ) -> None:
         self.model_dtype = self.stored_dtype = None
         self.quantizers = {
             "keys": Quantizer(key_bits, group_size, rotated=True) if key_bits in (8, 5, 4) else None,
@@ -118,6 +127,10 @@ class QuantizedCoding:
         self.residual_length = residual_length
         self.rotated_reads = False
         self.residual_keys = self.residual_values = self.residual_positions = None
+        self.smooth_keys = smooth_keys and self.quantizers["keys"] is not None
+        # Where keys are smoothed, each row and KV head's mean key, float32 [batch, heads, 1, head_dim], and the same
+        # Hadamard-rotated (as keys are coded): set by the first pass; None where keys are coded whole.
+        self.key_means = self.coded_key_means = None
 
     quantized = True
 
@@ -136,8 +149,9 @@ class QuantizedCoding:
     def reads_in_place(self) -> bool:
         return False
 
-    def start(self, key_states: torch.Tensor) -> None:
-        """The first pass: scales (and parts not coded) in 16 bits, and the residual window for its rows and heads."""
+    def start(self, key_states: torch.Tensor, pads: np.ndarray | None = None) -> None:
+        """The first pass: scales (and parts not coded) in 16 bits, the residual window for its rows and heads, and
+        under ``smooth_keys`` each row and head's mean key over its tokens (after its left padding, ``pads``)."""
         self.model_dtype = key_states.dtype
         self.stored_dtype = storage_dtype(key_states.dtype, 16)
         batch, heads, _, head_dim = key_states.shape
@@ -147,6 +161,34 @@ class QuantizedCoding:
         self.residual_positions = torch.full((ring,), -1, dtype=torch.int32, device=device)
         for tensor in (self.residual_keys, self.residual_values, self.residual_positions):
             mark_static(tensor)
+        if self.smooth_keys:
+            means = mean_keys(key_states, pads)
+            if bool(means.any()):  # (else every head codes its keys whole: nothing to take out or add back)
+                self.set_key_means(means)
+
+    @property
+    def smoothing(self) -> bool:
+        """Whether keys are coded less their mean key (``smooth_keys``, where the first pass gave a mean to take)."""
+        return self.key_means is not None
+
+    def set_key_means(self, means: torch.Tensor) -> None:
+        """Smooth keys by ``means``, float32 ``[batch, heads, 1, head_dim]`` (what ``start`` takes from a first
+        pass)."""
+        self.key_means = means
+        self.coded_key_means = hadamard_rotate(means)
+        mark_static(self.key_means)
+        mark_static(self.coded_key_means)
+
+    def smoothed(self, coded_keys: torch.Tensor) -> torch.Tensor:
+        """Keys as coded (float32, rotated), less their row and head's mean where keys are smoothed."""
+        return coded_keys - self.coded_key_means if self.smoothing else coded_keys
+
+    def read_key_means(self) -> torch.Tensor | None:
+        """What decoded keys get back (their mean, rotated where reads are rotated), float32 ``[batch, heads, 1,
+        head_dim]``; None where keys are not smoothed."""
+        if not self.smoothing:
+            return None
+        return self.coded_key_means if self.rotated_reads else self.key_means
 
     def as_read(self, keys: torch.Tensor) -> torch.Tensor:
         """Exact keys as attention reads them: Hadamard-rotated like their codes where reads are rotated."""
@@ -159,13 +201,15 @@ class QuantizedCoding:
         keys as attention reads them (rotated as coded where reads are rotated, from the coding's own rotation)."""
         fields, read_keys = {}, keys
         key_coding, value_coding = self.quantizers["keys"], self.quantizers["values"]
+        rotated = [None if quantizer is None else quantizer.as_coded(states)
+                   for quantizer, states in ((key_coding, keys), (value_coding, values))]  # fmt: skip
+        to_code = rotated if rotated[0] is None else [self.smoothed(rotated[0]), rotated[1]]
         if key_coding is not None and value_coding is not None and key_coding.groups_like(value_coding):
-            rotated = [key_coding.as_coded(keys), value_coding.as_coded(values)]
-            coded = value_coding.encode_together(rotated, self.stored_dtype, [key_coding, value_coding])
-            encoded = list(zip(coded, rotated, strict=True))
+            coded = value_coding.encode_together(to_code, self.stored_dtype, [key_coding, value_coding])
         else:
-            encoded = [None if quantizer is None else quantizer.encode_rotated(states, self.stored_dtype)
-                       for quantizer, states in ((key_coding, keys), (value_coding, values))]  # fmt: skip
+            coded = [None if quantizer is None else quantizer.encode_together([states], self.stored_dtype)[0]
+                     for quantizer, states in zip((key_coding, value_coding), to_code, strict=True)]  # fmt: skip
+        encoded = [None if codes is None else (codes, exact) for codes, exact in zip(coded, rotated, strict=True)]
         for part, states, pair in zip(PARTS, (keys, values), encoded, strict=True):
             if pair is None:
                 fields[part] = in_dtype(states, self.stored_dtype)
@@ -202,7 +246,7 @@ class QuantizedCoding:
         them. The bytes ``encode`` then ``storage.append`` write."""
         key_coding, value_coding = self.quantizers["keys"], self.quantizers["values"]
         rotated = key_coding.as_coded(keys)
-        parts = [("keys", rotated, key_coding.bits), ("values", values, value_coding.bits)]
+        parts = [("keys", self.smoothed(rotated), key_coding.bits), ("values", values, value_coding.bits)]
         storage.append_coded(parts, value_coding.group_size, position, others)
         read_keys = rotated.to(keys.dtype) if self.rotated_reads else keys
         if self.residual_length:
@@ -228,7 +272,10 @@ class QuantizedCoding:
             prefix = part[:-1]
             coded = {"codes": read[part], "scales": read[f"{prefix}_scales"], "offsets": read[f"{prefix}_offsets"]}
             rotated = part == "keys" and self.rotated_reads
-            decoded.append(quantizer.decode(coded, dtype, rotate_back=not rotated))
+            states = quantizer.decode(coded, dtype, rotate_back=not rotated)
+            if part == "keys" and self.smoothing:
+                states = (states.float() + self.read_key_means()).to(dtype)
+            decoded.append(states)
         keys, values = decoded
         if self.residual_length:
             positions = read["positions"]
@@ -289,9 +336,12 @@ class QuantizedCoding:
             self.residual_values[rows, heads, ring_slots[rows, heads, lanes_held]] = exact
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The residual window, to be saved (``persist.py``)."""
-        return {"residual_keys": self.residual_keys, "residual_values": self.residual_values,
-                "residual_positions": self.residual_positions}  # fmt: skip
+        """The residual window and the mean keys, to be saved (``persist.py``)."""
+        state = {"residual_keys": self.residual_keys, "residual_values": self.residual_values,
+                 "residual_positions": self.residual_positions}  # fmt: skip
+        if self.smoothing:
+            state["key_means"] = self.key_means
+        return state
 
     def restore(self, model_dtype: torch.dtype, tensors: dict[str, torch.Tensor], device) -> None:
         """Take up a saved cache's dtypes and residual window (``state``)."""
@@ -299,6 +349,10 @@ class QuantizedCoding:
         self.residual_keys = tensors["residual_keys"].to(device)
         self.residual_values = tensors["residual_values"].to(device)
         self.residual_positions = tensors["residual_positions"].to(device)
+        means = tensors.get("key_means")  # (none where keys were coded whole)
+        self.key_means = self.coded_key_means = None
+        if means is not None:
+            self.set_key_means(means.to(device))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the residual window's rows ``rows``."""
@@ -306,10 +360,42 @@ class QuantizedCoding:
             rows = rows.to(self.residual_keys.device)
             self.residual_keys = self.residual_keys.index_select(0, rows)
             self.residual_values = self.residual_values.index_select(0, rows)
+        if self.key_means is not None:
+            self.set_key_means(self.key_means.index_select(0, rows.to(self.key_means.device)))
 
     def reset(self) -> None:
         self.residual_keys = self.residual_values = self.residual_positions = None
+        self.key_means = self.coded_key_means = None
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return [tensor for tensor in (self.residual_keys, self.residual_values, self.residual_positions)
-                if tensor is not None]  # fmt: skip
+        held = (self.residual_keys, self.residual_values, self.residual_positions, self.key_means, self.coded_key_means)
+        return [tensor for tensor in held if tensor is not None]
+
+
+def mean_keys(keys: torch.Tensor, pads: np.ndarray | None = None) -> torch.Tensor:
+    """What smoothing takes out of each row and KV head's keys: the mean of ``keys`` ``[batch, heads, tokens,
+    head_dim]`` over the row's tokens after its left padding (``pads``, host ``[batch]``), float32 ``[batch, heads,
+    1, head_dim]``; zeros (keys coded whole) where that mean lies farther from the row's first key than the first key
+    lies from zero. The first token is the attention sink, where much of a head's attention goes: moved away from zero
+    it would be coded coarser (SmolLM2's deep layers, whose first key is a third of the mean's length), while every
+    first key of Gemma 3's heads lies nearer its mean.
+
+    Example:
+        >>> keys = torch.tensor([[[[3.0], [1.0], [5.0]]]])
+        >>> mean_keys(keys).flatten().tolist(), mean_keys(keys, np.array([1])).flatten().tolist()
+        ([3.0], [0.0])
+    """
+    keys = keys.float()
+    batch, _, tokens, _ = keys.shape
+    pads = np.zeros(batch, dtype=np.int64) if pads is None else pads
+    first = torch.from_numpy(pads).long().clamp(max=tokens - 1)  # each row's first token: its attention sink
+    if not pads.any():
+        means = keys.mean(dim=2, keepdim=True)
+    else:
+        after = torch.arange(tokens)[None, :] >= torch.from_numpy(pads)[:, None]  # [batch, tokens]
+        weights = after.to(keys.device, torch.float32)[:, None, :, None]
+        means = (keys * weights).sum(dim=2, keepdim=True) / weights.sum(dim=2, keepdim=True).clamp(min=1)
+    index = first.to(keys.device)[:, None, None, None].expand(-1, keys.shape[1], 1, keys.shape[-1])
+    sink = keys.gather(2, index)
+    nearer = (sink - means).norm(dim=-1, keepdim=True) <= sink.norm(dim=-1, keepdim=True)
+    return torch.where(nearer, means, 0.0)

@@ -53,7 +53,7 @@ class CompressedCache(Cache):
       replay of the prompt pays it: query-agnostic, as KVzip) or "attention+novelty"; ``observation_window``,
       ``pool_kernel``, ``value_norm``, ``scoring_backend``, ``matched_layers``.
     - ``storage`` (:class:`StorageOptions`): ``kv_bits`` (16, 8, 5 or 4), ``key_bits``, ``kv_group_size``,
-      ``residual_length``.
+      ``residual_length``, ``smooth_keys`` (coded keys less their mean key: True).
     - ``replay`` (:class:`ReplayOptions` or its mode's name): how reconstruction scores are had.
 
     The cache is bound to ``model``, whose attention modules it observes through wrapped forwards that do nothing
@@ -102,6 +102,7 @@ class CompressedCache(Cache):
                 residual_length=stored.residual_length, eviction_interval=size.eviction_interval,
                 value_norms=resolved.ranks_by_value_norm, matched_layers=resolved.scoring.matched_layers,
                 caps=tuple(math.inf if window is None else window - 1 for window in windows),
+                smooth_keys=stored.smooth_keys,
             )  # fmt: skip
         self.policy = EvictionPolicy(size, by_bytes)
         if by_bytes is not None:
@@ -238,4 +239,4 @@ def _coding(stored: StorageOptions):
     key_bits = stored.key_bits or stored.kv_bits
     return QuantizedCoding(key_bits if key_bits in CODED_BITS else None,
                            stored.kv_bits if stored.kv_bits in CODED_BITS else None,
-                           stored.group_size, stored.residual_length)  # fmt: skip
+                           stored.group_size, stored.residual_length, stored.smooth_keys)  # fmt: skip

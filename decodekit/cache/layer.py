@@ -483,10 +483,12 @@ class CompressedLayer(CacheLayerMixin):
             coding = self.coding
             widths = tuple(None if q is None else q.bits for q in coding.quantizers.values()) if coding.quantized \
                 else (None, None)  # fmt: skip
-            residual = {"residual": coding.residual_window()} if coding.quantized and coding.residual_length else {}
+            extra = {"residual": coding.residual_window()} if coding.quantized and coding.residual_length else {}
+            if coding.quantized and coding.smoothing:
+                extra["key_means"] = coding.read_key_means()
             output, step.received = step_attention(
                 query, self.storage, widths, self.options.storage.group_size, read_keys, value_states, scaling,
-                softcap=self.softcap, biased=self.biased, window=self.window, query_position=self.seen - 1, **residual,
+                softcap=self.softcap, biased=self.biased, window=self.window, query_position=self.seen - 1, **extra,
             )  # fmt: skip
             step.group = query.shape[1] // self.storage.heads
             return output
@@ -558,7 +560,7 @@ class CompressedLayer(CacheLayerMixin):
         """The first pass: make the storage for its rows and heads."""
         batch, heads, new, head_dim = key_states.shape
         self.dtype, self.head_dim = key_states.dtype, head_dim
-        self.coding.start(key_states)
+        self.coding.start(key_states, self.pads)
         if self.static_capacity:
             device_count = torch.from_numpy(self._seen)
             self.seen_device = device_count if key_states.is_cuda is False else device_count.to(key_states.device)

@@ -176,7 +176,8 @@ class ScoringOptions:
 class StorageOptions:
     """How kept entries are stored: ``kv_bits`` per value (16, 8, 5 or 4; None: the model's dtype), keys in
     ``key_bits`` when given, coded in groups of ``group_size`` channels (None: 32, or the head size if smaller),
-    with the last ``residual_length`` tokens also held exact (None: ``recent_tokens``, or by size).
+    with the last ``residual_length`` tokens also held exact (None: ``recent_tokens``, or by size); coded keys
+    less their mean key (``smooth_keys``, SageAttention's smooth K).
 
     Example:
         >>> StorageOptions(kv_bits=4, key_bits=8).key_bits
@@ -191,9 +192,12 @@ class StorageOptions:
     key_bits: int | None = None
     group_size: int | None = None
     residual_length: int | None = None
+    smooth_keys: bool = True
 
     def __post_init__(self) -> None:
         widths = ", ".join(map(str, KV_BITS))
+        if not isinstance(self.smooth_keys, bool):
+            raise ValueError(f"smooth_keys must be True or False; got {self.smooth_keys!r}")
         if self.kv_bits is not None and (self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool)):
             raise ValueError(f"kv_bits must be one of {widths} or None (the model's dtype); got {self.kv_bits!r}")
         if self.key_bits is not None:
@@ -278,6 +282,7 @@ KEYWORDS = {
     "key_bits": ("storage", "key_bits"),
     "kv_group_size": ("storage", "group_size"),
     "residual_length": ("storage", "residual_length"),
+    "smooth_keys": ("storage", "smooth_keys"),
     "reconstruction_chunk": ("replay", "chunk"),
     "replay_prefix": ("replay", "prefix"),
     "replay_overlap": ("replay", "overlap"),

@@ -8,8 +8,9 @@ the caller gave them, the caller's own notes (``metadata``), and a checksum of t
 corrupted file is refused rather than read. ``load`` refuses a file that does not fit, with one line naming what
 does not match.
 
-One format version is read: ``VERSION``. A change to what a layer saves (``CompressedLayer.state``) changes the
-format: raise ``VERSION`` with it (``tests/test_kv_reuse.py`` holds a file of the current version and checks that it
+The versions in ``READS`` are read: ``VERSION``, and version 1, written before coded keys were smoothed, which loads
+with its keys coded whole (``smooth_keys=False``). A change to what a layer saves (``CompressedLayer.state``) changes
+the format: raise ``VERSION`` with it (``tests/test_kv_reuse.py`` holds a file of each version read and checks that it
 still loads and answers as the cache it was saved from).
 """
 
@@ -29,7 +30,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 FORMAT = "decodekit-kv-cache"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the versions read (1: coded keys whole, without their mean keys)
 # The config fields a saved cache depends on: the attention's shape and the positions' embedding.
 IDENTITY_FIELDS = (
     "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -286,10 +288,10 @@ def read_header(path: str | os.PathLike) -> dict:
         raise ValueError(
             f"{path} was written in format version {version}; this decodekit reads version {VERSION}: upgrade decodekit"
         )
-    if version != VERSION:
+    if version not in READS:
         raise ValueError(
             f"{path} was written in format version {version}, which this decodekit no longer reads (it reads "
-            f"{VERSION}): compress the document again"
+            f"{', '.join(map(str, READS))}): compress the document again"
         )
     return header
 
@@ -346,6 +348,8 @@ def load(cache_class, path: str | os.PathLike, model: nn.Module, device: torch.d
     if header.get("checksum", {}).get(HASH) != _checksum(header, tensors):
         raise ValueError(f"{path} is corrupted: its contents do not match the checksum written with them")
     options = header["options"]
+    if header["version"] == 1:  # (written before coded keys were smoothed)
+        options["storage"].setdefault("smooth_keys", False)
     replay = dict(options["replay"], prefix=tuple(options["replay"]["prefix"]))
     cache = cache_class(
         model, size=SizeOptions(**options["size"]), scoring=ScoringOptions(**options["scoring"]),

@@ -164,12 +164,14 @@ def entry_bytes(
     value_norms: bool = True,
     matched_layers: int = 0,
     caps: tuple[float, ...] = (math.inf,),
+    smooth_keys: bool = False,
 ) -> EntryBytes:
     """The :class:`EntryBytes` of a compressed cache for ``model`` storing ``kv_bits`` per value (None: the
     model's dtype; keys in ``key_bits`` when given) in groups of ``group_size`` channels, holding the last
     ``residual_length`` tokens exact besides (quantized storage) and scoring the decoding steps every
     ``eviction_interval``, with each entry's value norm when ``value_norms`` (eviction ranks by it) and a bias
-    per entry in the first ``matched_layers`` layers; ``caps``: per layer, the most tokens it holds (``EntryBytes``)."""
+    per entry in the first ``matched_layers`` layers; ``caps``: per layer, the most tokens it holds (``EntryBytes``);
+    ``smooth_keys``: coded keys less their mean key (held per row and KV head in float32, as read and as coded)."""
     config = model.config.get_text_config()
     head_dim = attention_head_size(config)
     kv_heads, query_heads = config.num_key_value_heads, config.num_attention_heads
@@ -186,6 +188,8 @@ def entry_bytes(
         ring = 2 * residual_length * head_dim * stored + residual_length * 4 / kv_heads
     if widths[0] in CODED_BITS:  # the Hadamard matrix that rotates coded keys, one for the whole cache
         ring += rotation_block(head_dim) ** 2 * 4 / units
+        if smooth_keys:
+            ring += 2 * head_dim * 4
     bookkeeping = 4 + (4 if value_norms else 0) + 4  # score, value norm, position
     # The queries of the steps waiting to be scored, with their rotation (held in 16 bits when keys and values are
     # stored in 16 bits or fewer), and the reserved slots.

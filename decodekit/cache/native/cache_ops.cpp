@@ -204,7 +204,18 @@ struct Step {
   const void* ring_values = nullptr;
   const int32_t* ring_positions = nullptr;
   int64_t ring = 0;
+  // Smoothed keys: each unit's mean key (float32 [units, head_dim], as attention reads keys), added to every key
+  // decoded from its codes; null where keys are not smoothed.
+  const float* key_means = nullptr;
 };
+
+// A decoded key of unit `unit` given back its mean where keys are smoothed.
+inline void add_key_mean(const Step& step, int64_t unit, float* __restrict__ entry) {
+  if (step.key_means == nullptr) return;
+  const float* __restrict__ mean = step.key_means + unit * step.head_dim;
+#pragma omp simd
+  for (int64_t c = 0; c < step.head_dim; ++c) entry[c] += mean[c];
+}
 
 // The exact entry the residual window holds for the token at flat slot `flat` of unit `unit`, copied into `out` as
 // floats: true where it holds it (the entry is then not decoded).
@@ -282,7 +293,10 @@ void attend_unit(const Step& step, const Part<Scale>& keys, const Part<Scale>& v
   for (int64_t slot = 0; slot < count; ++slot) {
     const int64_t flat = start + slot;
     if (step.window > 0 && step.query_position - step.positions[flat] >= step.window) continue;
-    if (!from_ring<Scale>(step, step.ring_keys, unit, flat, entry)) decode(keys, flat, head_dim, entry);
+    if (!from_ring<Scale>(step, step.ring_keys, unit, flat, entry)) {
+      decode(keys, flat, head_dim, entry);
+      add_key_mean(step, unit, entry);
+    }
     const float bias = step.biases != nullptr ? step.biases[flat] : 0.f;
     for (int64_t g = 0; g < group; ++g) {
       float value = dot(queries + g * head_dim, entry, head_dim) * step.scaling;
@@ -350,8 +364,10 @@ DECODEKIT_AVX2 void attend_unit_avx2(const Step& step, const Part<Scale>& keys, 
   for (int64_t first = 0; first < count; first += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, count - first);
     for (int64_t j = 0; j < n; ++j)
-      if (!from_ring<Scale>(step, step.ring_keys, unit, start + first + j, block + j * head_dim))
+      if (!from_ring<Scale>(step, step.ring_keys, unit, start + first + j, block + j * head_dim)) {
         decode_avx2(keys, start + first + j, head_dim, block + j * head_dim);
+        add_key_mean(step, unit, block + j * head_dim);
+      }
     for (int64_t g = 0; g < group; ++g) {
       const float* query = queries + g * head_dim;
       __m256 partial[kBlock];
@@ -428,7 +444,8 @@ std::tuple<torch::Tensor, torch::Tensor> step_attention(
     const torch::Tensor& own_values, const c10::optional<torch::Tensor>& biases,
     const c10::optional<torch::Tensor>& positions, int64_t slots, double scaling,
     double softcap, int64_t query_position, int64_t window, const c10::optional<torch::Tensor>& ring_keys,
-    const c10::optional<torch::Tensor>& ring_values, const c10::optional<torch::Tensor>& ring_positions) {
+    const c10::optional<torch::Tensor>& ring_values, const c10::optional<torch::Tensor>& ring_positions,
+    const c10::optional<torch::Tensor>& key_means) {
   const int64_t batch = starts.size(0), kv_heads = starts.size(1), head_dim = query.size(-1);
   const int64_t group = query.size(1) / kv_heads;
   TORCH_CHECK(query.is_contiguous() && query.scalar_type() == torch::kFloat32 && query.numel() == batch * kv_heads *
@@ -461,6 +478,12 @@ std::tuple<torch::Tensor, torch::Tensor> step_attention(
     step.ring_keys = ring_keys->data_ptr();
     step.ring_values = ring_values->data_ptr();
     step.ring_positions = ring_positions->data_ptr<int32_t>();
+  }
+  if (key_means.has_value()) {
+    TORCH_CHECK(key_means->is_contiguous() && key_means->scalar_type() == torch::kFloat32 &&
+                key_means->numel() == batch * kv_heads * head_dim,
+                "step_attention: the mean keys: contiguous float32 [batch, heads, 1, head_dim]");
+    step.key_means = key_means->data_ptr<float>();
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, typed.scalar_type(), "step_attention", [&] {
     const auto keys = part_of<scalar_t>(key_codes, key_scales, key_offsets, key_bits, group_size);
@@ -897,7 +920,7 @@ TORCH_LIBRARY(decodekit, library) {
       "Tensor value_codes, Tensor value_scales, Tensor value_offsets, int value_bits, int group_size, Tensor starts, "
       "Tensor lengths, Tensor own_keys, Tensor own_values, Tensor? biases, Tensor? positions, int slots, "
       "float scaling, float softcap, int query_position, int window, Tensor? ring_keys, Tensor? ring_values, "
-      "Tensor? ring_positions) -> (Tensor, Tensor)");
+      "Tensor? ring_positions, Tensor? key_means) -> (Tensor, Tensor)");
   library.def("encode_entries(Tensor values, int bits, int group_size, ScalarType dtype) -> (Tensor, Tensor, Tensor)");
   library.def("copy_rows(Tensor(a!)[] tensors, Tensor source, Tensor target) -> ()");
   library.def("write_rows(Tensor(a!)[] tensors, Tensor index, Tensor[] values) -> ()");
