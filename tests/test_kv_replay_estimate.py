@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from decodekit.cache import CompressedCache
 from decodekit.cache.replay_estimate import rotation_past
+from decodekit.cache.scorers.reconstruction import ReconstructionScorer
 from decodekit.cache.size import full_cache_bytes
 from tests.families import FAMILIES, build_family_model
 
@@ -357,3 +358,46 @@ def test_auto_takes_a_prompt_given_as_embeddings_only_where_it_estimates():
         else:
             with pytest.raises(ValueError, match="needs each forward pass of several tokens to receive"):
                 model(inputs_embeds=embeddings, past_key_values=cache)
+
+
+def _attention_paid(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """``[kv_heads, tokens]``: the attention each prompt entry of ``layer`` received in a plain forward, from eager
+    attention's weights: the mean over the queries that see it and the query heads of its KV head."""
+    model.set_attn_implementation("eager")
+    try:
+        weights = model(ids, output_attentions=True).attentions[layer][0]  # [heads, queries, keys]
+    finally:
+        model.set_attn_implementation("sdpa")
+    heads, length, _ = weights.shape
+    kv_heads = model.config.num_key_value_heads
+    group = heads // kv_heads
+    seen_by = torch.arange(length, 0, -1)  # (causal: entry j is seen by the length - j queries from j on)
+    return weights.view(kv_heads, group, length, length).sum(dim=(1, 2)) / (group * seen_by)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@torch.no_grad()
+def test_a_global_layer_of_a_windowed_model_keeps_the_prompts_most_attended_entries(monkeypatch, seed):
+    """On a model with sliding-window layers, reconstruction shares the size by replay scores, then each global
+    layer keeps its share by the better of an entry's replay rank and its prompt-attention rank: so each KV head
+    keeps the quarter of its share that the prompt's queries attended most (the oracle: eager attention's weights).
+    Ranked by replay scores alone (as a model without windows ranks) it does not."""
+    model = build_family_model("gemma3", seed=seed)  # layer 1 is global, layer 0 slides a window of 10
+    ids = torch.randint(3, 384, (1, 120), generator=torch.Generator().manual_seed(seed))
+    paid = _attention_paid(model, ids, layer=1)
+
+    def top_quarter_kept() -> list[bool]:
+        cache = CompressedCache(model, compression_ratio=0.75, scoring="reconstruction", sink_tokens=2,
+                                recent_tokens=4)  # fmt: skip
+        model(ids, past_key_values=cache)
+        kept = cache.layers[1].kept_positions()[0]
+        answers = []
+        for head, positions in enumerate(kept):
+            held = set(positions[positions >= 0].tolist())
+            ranked = (paid[head, 2:116].argsort(descending=True) + 2).tolist()  # (sinks and recent tokens aside)
+            answers.append(set(ranked[: (len(held) - 6) // 4]) <= held)
+        return answers
+
+    assert all(top_quarter_kept())
+    monkeypatch.setattr(ReconstructionScorer, "joins_attention", lambda self, layer: False)
+    assert not any(top_quarter_kept())

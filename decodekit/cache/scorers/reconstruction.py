@@ -4,8 +4,11 @@ any replayed query pays it. A fact that nothing later in the prompt refers to (a
 
 Where a head keeps much of the prompt the replay is estimated in the prompt's own pass instead
 (``replay_estimate.py``). The scores are probabilities, the same in every layer and head, so one ranking can share
-the size among layers or heads (``allocation.py``). Decoding steps are then scored as ``AttentionScorer`` scores
-them.
+the size among layers or heads (``allocation.py``). On a model with sliding-window layers, each global layer then
+keeps, within its share, the entries ranked by the better of their replay rank and the rank of the attention the
+prompt's own queries paid them: the continuation needs the prompt's latest tokens, which replay scores alone spread
+thin there (``benchmarks/results/kv_gemma3_protocol_cpu.txt``). Decoding steps are then scored as
+``AttentionScorer`` scores them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class ReconstructionScorer(AttentionScorer):
         # Under replay_output_norms, the coming replay pass's 1 / hidden-state norm per query [batch, tokens] and each
         # query head's output-projection Gram matrix [heads, head_dim, head_dim].
         self.replay_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Where the layer's share is kept by rank under both scores (``joins_attention``): the attention the prompt's
+        # queries paid each entry, [batch, heads, slots], until the prompt's eviction.
+        self.prompt_attention: torch.Tensor | None = None
 
     @staticmethod
     def after_prompt(cache, model: nn.Module, input_ids: torch.Tensor | None) -> None:
@@ -58,10 +64,36 @@ class ReconstructionScorer(AttentionScorer):
             self.score_replay(layer, step)
             return
         if layer.waits_for_prompt_scores and self.ranks_by_replay_alone:
+            if self.joins_attention(layer):
+                self.prompt_attention = self.received(layer, step)
             if step.first and estimates_replay(self.options, layer.policy, layer.seen, layer.rows):
                 self._estimate(layer, step)
             return  # the replay's scores replace anything this pass's queries would give
         super().after_pass(layer, step)
+
+    def joins_attention(self, layer) -> bool:
+        """Whether ``layer`` keeps its share of a shared allocation by the better of its replay and attention ranks:
+        a global layer of a model with sliding-window layers."""
+        return self.options.sliding_windows and layer.window is None
+
+    def rank_with_attention(self, layer) -> None:
+        """After the size is shared: where the prompt's attention was kept (``joins_attention``), rank the layer's
+        entries by the better of their replay and attention ranks (``union_of_ranks``)."""
+        paid, self.prompt_attention = self.prompt_attention, None
+        if paid is None:
+            return
+        stop = layer.longest
+        union = union_of_ranks(paid[..., :stop], layer.storage.read("scores", stop), layer.storage.valid(stop))
+        layer.storage.write_prefix("scores", union)
+
+    def reset(self) -> None:
+        super().reset()
+        self.prompt_attention = None
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The waiting steps' queries, and the prompt's attention until the prompt's eviction."""
+        held = super().held_tensors()
+        return held if self.prompt_attention is None else [*held, self.prompt_attention]
 
     def score_replay(self, layer, step) -> None:
         """A replayed chunk: each entry keeps the most attention any of its queries pays it."""
@@ -195,6 +227,8 @@ def replay_prompt(cache, model: nn.Module, input_ids: torch.Tensor | None) -> No
             layer.storage.write_prefix("scores", union)
     else:
         ALLOCATIONS[options.size.allocation](layers)
+        for layer in layers:
+            layer.scorer.rank_with_attention(layer)
     for layer in layers:
         layer.waits_for_prompt_scores = False
         layer.evict(length)
