@@ -23,8 +23,8 @@ def file_of(version: int) -> Path:
     return FILE.with_name(f"kv_cache_format_v{version}.kv")
 
 
-# What each version's file was compressed with beyond ``OPTIONS``: version 1 coded keys whole.
-VERSION_OPTIONS = {1: {"smooth_keys": False}, 2: {}}
+# What each version's file was compressed with beyond ``OPTIONS``: version 1 coded keys whole, version 2 smooths them.
+VERSION_OPTIONS = {1: {"smooth_keys": False}, 2: {"smooth_keys": True}}
 # Coded keys and values with a residual window, a shared allocation per KV head, a refit (biased) first layer: what
 # the storage holds in its most varied form.
 OPTIONS = {"budget": 12, "sink_tokens": 2, "recent_tokens": 6, "scoring": "reconstruction", "allocation": "heads",

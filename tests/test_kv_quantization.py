@@ -20,6 +20,7 @@ from decodekit.cache.coding import QuantizedCoding, mean_keys
 from decodekit.cache.quantize import Quantizer, hadamard, rotate, rotation_block
 from decodekit.cache.size import full_cache_bytes
 from decodekit.cache.storage import EntryStorage, Field
+from tests.families import build_family_model
 from tests.tiny import build_model
 
 PROMPT = " ".join(["The class statement creates a new class object and binds it to a name"] * 4)
@@ -221,24 +222,19 @@ def test_a_rows_mean_key_counts_its_tokens_after_its_left_padding():
         torch.testing.assert_close(means[row], keys[row, :, pads:].mean(dim=1, keepdim=True))
 
 
-def test_keys_whose_first_key_the_mean_would_move_from_zero_are_coded_whole():
-    """The attention sink: a head whose first key is short and far from its mean (SmolLM2's deep layers) keeps its
-    keys whole (a zero mean), so that smoothing never codes the sink coarser; the other head is smoothed."""
-    keys = torch.randn(1, 2, 30, 16, generator=torch.Generator().manual_seed(4)) + 5
-    keys[0, 0, 0] = 0.5  # head 0's first key: short, far from the others
-    means = mean_keys(keys)
-    assert torch.equal(means[0, 0], torch.zeros(1, 16))
-    torch.testing.assert_close(means[0, 1], keys[0, 1].mean(dim=0, keepdim=True))
-    errors = {}
-    for taken_out in ("by the rule", "always"):
-        coding = QuantizedCoding(4, 4, 16, 0)
-        storage = _coded(coding, keys)
-        if taken_out == "always":  # (the same keys coded again less every head's mean)
-            coding.set_key_means(keys.mean(dim=2, keepdim=True))
-            entries, _ = coding.encode(keys, torch.zeros_like(keys))
-            storage.write_slots(torch.arange(30).expand(1, 2, 30), entries)
-        errors[taken_out] = (_decoded_keys(coding, storage) - keys)[0, 0, 0].norm()
-    assert errors["by the rule"] < errors["always"] / 3
+@pytest.mark.parametrize(("family", "smooths"), [("gemma3", True), ("qwen3", True), ("llama", False),
+                                                 ("mistral", False)])  # fmt: skip
+def test_keys_are_smoothed_by_default_where_the_model_normalizes_them(family, smooths):
+    """``smooth_keys=None`` (the default) smooths coded keys where the attention modules normalize keys (Gemma 3 and
+    Qwen3 have a key norm), and codes them whole elsewhere; True or False is taken as given."""
+    model = build_family_model(family)
+    ids = torch.randint(3, 300, (1, 50), generator=torch.Generator().manual_seed(0))
+    for given, expected in ((None, smooths), (True, True), (False, False)):
+        cache = CompressedCache(model, budget=40, kv_bits=4, smooth_keys=given)
+        assert cache.options.storage.smooth_keys is expected
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        assert all(layer.coding.smoothing is expected for layer in cache.layers)
 
 
 @pytest.mark.parametrize("smooth", [True, False])
@@ -256,7 +252,7 @@ def test_a_restored_coding_decodes_its_keys_as_the_saved_one(smooth):
 
 def test_bad_quantization_settings_are_refused_by_name(fresh):
     model, _ = fresh
-    with pytest.raises(ValueError, match="smooth_keys must be True or False; got 'yes'"):
+    with pytest.raises(ValueError, match=r"smooth_keys must be True, False or None \(where .*\); got 'yes'"):
         CompressedCache(model, budget=40, kv_bits=4, smooth_keys="yes")
     with pytest.raises(ValueError, match="kv_bits must be one of 16, 8, 5, 4 or None"):
         CompressedCache(model, budget=40, kv_bits=2)

@@ -7,10 +7,9 @@ queries can be rotated alike (``rotated_reads``), attention reads the keys as co
 ``residual_length`` tokens are also held exact in a residual window (KIVI's full-precision recent tokens), and
 attention reads them exact.
 
-Coded keys are smoothed first (SageAttention's smooth K): each row and KV head's mean key over the first pass's tokens
-is subtracted before coding and added back when decoding, except where that would move the first key (the attention
-sink) farther from zero (``mean_keys``). A model whose keys share a large common part (Gemma 3's hold 20-70% of their
-energy in it) then spends its codes on what tells tokens apart (``benchmarks/results/kv_key_smoothing_cpu.txt``).
+Coded keys may be smoothed first (SageAttention's smooth K; ``smooth_keys``): each row and KV head's mean key over the
+first pass's tokens is subtracted before coding and added back when decoding, so that the codes spend their range on
+what tells keys apart (``benchmarks/results/kv_key_smoothing_cpu.txt``).
 """
 
 from __future__ import annotations
@@ -162,13 +161,11 @@ class QuantizedCoding:
         for tensor in (self.residual_keys, self.residual_values, self.residual_positions):
             mark_static(tensor)
         if self.smooth_keys:
-            means = mean_keys(key_states, pads)
-            if bool(means.any()):  # (else every head codes its keys whole: nothing to take out or add back)
-                self.set_key_means(means)
+            self.set_key_means(mean_keys(key_states, pads))
 
     @property
     def smoothing(self) -> bool:
-        """Whether keys are coded less their mean key (``smooth_keys``, where the first pass gave a mean to take)."""
+        """Whether keys are coded less their mean key (``smooth_keys``, once the first pass gave the mean)."""
         return self.key_means is not None
 
     def set_key_means(self, means: torch.Tensor) -> None:
@@ -373,29 +370,18 @@ class QuantizedCoding:
 
 
 def mean_keys(keys: torch.Tensor, pads: np.ndarray | None = None) -> torch.Tensor:
-    """What smoothing takes out of each row and KV head's keys: the mean of ``keys`` ``[batch, heads, tokens,
-    head_dim]`` over the row's tokens after its left padding (``pads``, host ``[batch]``), float32 ``[batch, heads,
-    1, head_dim]``; zeros (keys coded whole) where that mean lies farther from the row's first key than the first key
-    lies from zero. The first token is the attention sink, where much of a head's attention goes: moved away from zero
-    it would be coded coarser (SmolLM2's deep layers, whose first key is a third of the mean's length), while every
-    first key of Gemma 3's heads lies nearer its mean.
+    """Each row and KV head's mean of ``keys`` ``[batch, heads, tokens, head_dim]`` over its tokens after its left
+    padding (``pads``, host ``[batch]``; a row of padding alone: zeros), float32 ``[batch, heads, 1, head_dim]``.
 
     Example:
-        >>> keys = torch.tensor([[[[3.0], [1.0], [5.0]]]])
+        >>> keys = torch.tensor([[[[9.0], [1.0], [3.0]]]])
         >>> mean_keys(keys).flatten().tolist(), mean_keys(keys, np.array([1])).flatten().tolist()
-        ([3.0], [0.0])
+        ([4.333333492279053], [2.0])
     """
     keys = keys.float()
-    batch, _, tokens, _ = keys.shape
-    pads = np.zeros(batch, dtype=np.int64) if pads is None else pads
-    first = torch.from_numpy(pads).long().clamp(max=tokens - 1)  # each row's first token: its attention sink
-    if not pads.any():
-        means = keys.mean(dim=2, keepdim=True)
-    else:
-        after = torch.arange(tokens)[None, :] >= torch.from_numpy(pads)[:, None]  # [batch, tokens]
-        weights = after.to(keys.device, torch.float32)[:, None, :, None]
-        means = (keys * weights).sum(dim=2, keepdim=True) / weights.sum(dim=2, keepdim=True).clamp(min=1)
-    index = first.to(keys.device)[:, None, None, None].expand(-1, keys.shape[1], 1, keys.shape[-1])
-    sink = keys.gather(2, index)
-    nearer = (sink - means).norm(dim=-1, keepdim=True) <= sink.norm(dim=-1, keepdim=True)
-    return torch.where(nearer, means, 0.0)
+    if pads is None or not pads.any():
+        return keys.mean(dim=2, keepdim=True)
+    tokens = keys.shape[2]
+    after = torch.arange(tokens)[None, :] >= torch.from_numpy(pads)[:, None]  # [batch, tokens]
+    weights = after.to(keys.device, torch.float32)[:, None, :, None]
+    return (keys * weights).sum(dim=2, keepdim=True) / weights.sum(dim=2, keepdim=True).clamp(min=1)

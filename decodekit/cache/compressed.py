@@ -20,7 +20,7 @@ import decodekit.cache.persist as persist
 from decodekit.cache.coding import PlainCoding, QuantizedCoding
 from decodekit.cache.joint import LayerGroup
 from decodekit.cache.layer import CompressedLayer
-from decodekit.cache.observer import bind, logit_softcap, queries_can_rotate, sliding_window
+from decodekit.cache.observer import bind, logit_softcap, normalizes_keys, queries_can_rotate, sliding_window
 from decodekit.cache.options import ReplayOptions, ScoringOptions, SizeOptions, StorageOptions, group_options, resolve
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.scorers import SCORERS
@@ -53,7 +53,8 @@ class CompressedCache(Cache):
       replay of the prompt pays it: query-agnostic, as KVzip) or "attention+novelty"; ``observation_window``,
       ``pool_kernel``, ``value_norm``, ``scoring_backend``, ``matched_layers``.
     - ``storage`` (:class:`StorageOptions`): ``kv_bits`` (16, 8, 5 or 4), ``key_bits``, ``kv_group_size``,
-      ``residual_length``, ``smooth_keys`` (coded keys less their mean key: True).
+      ``residual_length``, ``smooth_keys`` (coded keys less their mean key; by default where the model normalizes
+      its keys).
     - ``replay`` (:class:`ReplayOptions` or its mode's name): how reconstruction scores are had.
 
     The cache is bound to ``model``, whose attention modules it observes through wrapped forwards that do nothing
@@ -89,12 +90,15 @@ class CompressedCache(Cache):
             raise ValueError(_naming_windows(str(error), model)) from None
         head_dim = _head_dim(model)
         self.options = resolved = resolve(grouped, head_dim)
-        size, stored = resolved.size, resolved.storage
         scorer_class = SCORERS[resolved.scoring.method]
         modules = bind(model, replays=scorer_class.replays)
         windows = [sliding_window(module) for module in modules]
         if any(window is not None for window in windows):
             self.options = resolved = replace(resolved, sliding_windows=True)
+        if resolved.storage.smooth_keys is None:  # (by the model: where it normalizes its keys)
+            smooth = any(normalizes_keys(module) for module in modules)
+            self.options = resolved = replace(resolved, storage=replace(resolved.storage, smooth_keys=smooth))
+        size, stored = resolved.size, resolved.storage
         by_bytes = None
         if size.in_bytes:
             by_bytes = entry_bytes(

@@ -182,6 +182,12 @@ def queries_can_rotate(module: nn.Module) -> bool:
     return not isinstance(getattr(module, "q_norm", None), nn.Module)
 
 
+def normalizes_keys(module: nn.Module) -> bool:
+    """Whether ``module`` normalizes its keys after their projection (a key norm: Gemma 3, Qwen3), whose keys then
+    share a large common part that smoothing takes out before coding (``StorageOptions.smooth_keys``)."""
+    return isinstance(getattr(module, "k_norm", None), nn.Module)
+
+
 def _queries_maker(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """What makes ``module``'s queries of its query columns (``queries_from_projection``)."""
     if isinstance(getattr(module, "q_norm", None), nn.Module):

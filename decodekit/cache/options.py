@@ -177,7 +177,7 @@ class StorageOptions:
     """How kept entries are stored: ``kv_bits`` per value (16, 8, 5 or 4; None: the model's dtype), keys in
     ``key_bits`` when given, coded in groups of ``group_size`` channels (None: 32, or the head size if smaller),
     with the last ``residual_length`` tokens also held exact (None: ``recent_tokens``, or by size); coded keys
-    less their mean key (``smooth_keys``, SageAttention's smooth K).
+    less their mean key (``smooth_keys``, SageAttention's smooth K; None: where the model normalizes its keys).
 
     Example:
         >>> StorageOptions(kv_bits=4, key_bits=8).key_bits
@@ -192,12 +192,13 @@ class StorageOptions:
     key_bits: int | None = None
     group_size: int | None = None
     residual_length: int | None = None
-    smooth_keys: bool = True
+    smooth_keys: bool | None = None
 
     def __post_init__(self) -> None:
         widths = ", ".join(map(str, KV_BITS))
-        if not isinstance(self.smooth_keys, bool):
-            raise ValueError(f"smooth_keys must be True or False; got {self.smooth_keys!r}")
+        if self.smooth_keys is not None and not isinstance(self.smooth_keys, bool):
+            raise ValueError(f"smooth_keys must be True, False or None (where the model normalizes its keys); got "
+                             f"{self.smooth_keys!r}")
         if self.kv_bits is not None and (self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool)):
             raise ValueError(f"kv_bits must be one of {widths} or None (the model's dtype); got {self.kv_bits!r}")
         if self.key_bits is not None:
