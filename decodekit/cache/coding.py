@@ -111,8 +111,9 @@ class PlainCoding:
 class QuantizedCoding:
     """Keys and values stored as codes of ``key_bits`` and ``value_bits`` bits (8, 5 or 4; None: that part stored
     as it is, in 16 bits) in groups of ``group_size`` channels, with a residual window of the last
-    ``residual_length`` tokens held exact. ``rotated_reads``: attention reads coded keys Hadamard-rotated (set
-    where the attention module's queries are rotated alike)."""
+    ``residual_length`` tokens held exact, coded keys less each row and head's mean key where ``smooth_keys``.
+    ``rotated_reads``: attention reads coded keys Hadamard-rotated (set where the attention module's queries are
+    rotated alike)."""
 
     def __init__(
         self, key_bits: int | None, value_bits: int | None, group_size: int, residual_length: int,
