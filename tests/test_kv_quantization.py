@@ -215,11 +215,30 @@ def test_smoothed_keys_code_what_tells_keys_apart():
 
 
 def test_a_rows_mean_key_counts_its_tokens_after_its_left_padding():
-    """Oracle: the mean of each row's own tokens, taken by hand; padding never moves a row's mean."""
-    keys = torch.randn(3, 2, 6, 8, generator=torch.Generator().manual_seed(1)) + 4  # (every first key near the mean)
-    means = mean_keys(keys, np.array([0, 2, 5]))
+    """Oracle: the mean of each row's own tokens, taken by hand; padding never moves a row's mean, and a row of
+    padding alone takes out nothing (zeros)."""
+    keys = torch.randn(4, 2, 6, 8, generator=torch.Generator().manual_seed(1)) + 4
+    means = mean_keys(keys, np.array([0, 2, 5, 6]))
     for row, pads in enumerate((0, 2, 5)):
         torch.testing.assert_close(means[row], keys[row, :, pads:].mean(dim=1, keepdim=True))
+    assert torch.equal(means[3], torch.zeros(2, 1, 8))
+
+
+def test_a_first_pass_of_one_token_smooths_by_that_key_and_later_keys_read_within_their_steps():
+    """The edge of a first pass: one token, whose key is its own mean, so it is coded as zeros and read back exact;
+    keys coded later read within their half steps' length (the oracle: the exact keys)."""
+    generator = torch.Generator().manual_seed(6)
+    first = torch.randn(1, 2, 1, 32, generator=generator) + 3
+    coding = QuantizedCoding(4, 4, 32, 0)
+    storage = _coded(coding, first)
+    assert coding.smoothing and torch.equal(coding.key_means, first)
+    torch.testing.assert_close(_decoded_keys(coding, storage), first, atol=1e-6, rtol=0)
+    later = torch.randn(1, 2, 5, 32, generator=generator) + 3
+    entries, _ = coding.encode(later, torch.zeros_like(later))
+    storage.append({**entries, "positions": torch.arange(1, 6, dtype=torch.int32).expand(1, 2, 5)}, 5)
+    error = (_decoded_keys(coding, storage)[:, :, 1:] - later).norm(dim=-1)
+    steps = storage.read("key_scales", 6)[:, :, 1:].float().repeat_interleave(32, -1)
+    assert (error <= (steps / 2).norm(dim=-1) + 1e-3).all()
 
 
 @pytest.mark.parametrize(("family", "smooths"), [("gemma3", True), ("qwen3", True), ("llama", False),
