@@ -114,10 +114,9 @@ def test_heads_stored_apart_score_each_token_as_the_whole_layer_does(family):
         assert torch.equal(apart.positions(), whole.positions())
         for head in range(apart.storage.heads):
             torch.testing.assert_close(apart_scores[:, head], whole_scores[:, head], atol=1e-6, rtol=1e-5)
-    cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", sink_tokens=2, recent_tokens=4,
-                            eviction_interval=1)  # fmt: skip
+    cache = CompressedCache(model, compression_ratio=0.5, scoring="reconstruction", allocation="heads",
+                            sink_tokens=2, recent_tokens=4, eviction_interval=1)  # fmt: skip
     output = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=2)
     assert output.shape[1] == 46  # 45 tokens seen: the heads keep half of them in all, each its own number
-    assert cache.options.size.allocation == "heads"  # reconstruction scoring's default
     kept = [int(count) for layer in cache.layers for count in layer.storage.lengths_host[0]]  # per (layer, KV head)
     assert sum(kept) <= len(kept) * 23 and len(set(kept)) > 1

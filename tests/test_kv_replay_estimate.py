@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from decodekit.cache import CompressedCache
 from decodekit.cache.replay_estimate import rotation_past
@@ -378,17 +378,18 @@ def _attention_paid(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @torch.no_grad()
 def test_a_global_layer_of_a_windowed_model_keeps_the_prompts_most_attended_entries(monkeypatch, seed):
-    """On a model with sliding-window layers, reconstruction shares the size by replay scores, then each global
-    layer keeps its share by the better of an entry's replay rank and its prompt-attention rank: so each KV head
-    keeps the quarter of its share that the prompt's queries attended most (the oracle: eager attention's weights).
-    Ranked by replay scores alone (as a model without windows ranks) it does not."""
+    """On a model with sliding-window layers, where reconstruction shares the size by replay scores
+    (``allocation="heads"``), each global layer then keeps its share by the better of an entry's replay rank and
+    its prompt-attention rank: so each KV head keeps the quarter of its share that the prompt's queries attended most
+    (the oracle: eager attention's weights). Ranked by replay scores alone (as a model without windows ranks) it
+    does not."""
     model = build_family_model("gemma3", seed=seed)  # layer 1 is global, layer 0 slides a window of 10
     ids = torch.randint(3, 384, (1, 120), generator=torch.Generator().manual_seed(seed))
     paid = _attention_paid(model, ids, layer=1)
 
     def top_quarter_kept() -> list[bool]:
-        cache = CompressedCache(model, compression_ratio=0.75, scoring="reconstruction", sink_tokens=2,
-                                recent_tokens=4)  # fmt: skip
+        cache = CompressedCache(model, compression_ratio=0.75, scoring="reconstruction", allocation="heads",
+                                sink_tokens=2, recent_tokens=4)  # fmt: skip
         model(ids, past_key_values=cache)
         kept = cache.layers[1].kept_positions()[0]
         answers = []
@@ -401,3 +402,27 @@ def test_a_global_layer_of_a_windowed_model_keeps_the_prompts_most_attended_entr
     assert all(top_quarter_kept())
     monkeypatch.setattr(ReconstructionScorer, "joins_attention", lambda self, layer: False)
     assert not any(top_quarter_kept())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@torch.no_grad()
+def test_by_default_a_global_layer_of_a_windowed_model_keeps_what_the_prompt_attended_most(seed):
+    """By default on a model with sliding-window layers every layer keeps its even share, and a global layer ranks
+    its prompt by the attention the prompt's queries paid each entry times its value's norm, as attention scoring
+    ranks: each KV head keeps its sinks, its recent tokens and exactly the entries that rank highest by that (the
+    oracle: eager attention's weights and the values of a plain forward)."""
+    model = build_family_model("gemma3", seed=seed)  # layer 1 is global, layer 0 slides a window of 10
+    ids = torch.randint(3, 384, (1, 120), generator=torch.Generator().manual_seed(seed))
+    paid = _attention_paid(model, ids, layer=1)
+    full = DynamicCache(config=model.config)
+    model(ids, past_key_values=full)
+    value_norms = full.layers[1].values[0].float().norm(dim=-1)  # [kv_heads, tokens]
+    cache = CompressedCache(model, compression_ratio=0.75, scoring="reconstruction", sink_tokens=2, recent_tokens=4)
+    model(ids, past_key_values=cache)
+    assert cache.options.size.allocation == "uniform"
+    kept = cache.layers[1].kept_positions()[0]
+    for head, positions in enumerate(kept):
+        held = set(positions[positions >= 0].tolist())
+        assert len(held) == 30  # (a quarter of 120)
+        ranked = ((paid[head] * value_norms[head])[2:116].argsort(descending=True) + 2).tolist()
+        assert held == {0, 1, 116, 117, 118, 119} | set(ranked[: len(held) - 6])

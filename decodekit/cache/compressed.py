@@ -89,12 +89,11 @@ class CompressedCache(Cache):
         except ValueError as error:
             raise ValueError(_naming_windows(str(error), model)) from None
         head_dim = _head_dim(model)
-        self.options = resolved = resolve(grouped, head_dim)
-        scorer_class = SCORERS[resolved.scoring.method]
+        scorer_class = SCORERS[grouped["scoring"].method]
         modules = bind(model, replays=scorer_class.replays)
         windows = [sliding_window(module) for module in modules]
-        if any(window is not None for window in windows):
-            self.options = resolved = replace(resolved, sliding_windows=True)
+        sliding_windows = any(window is not None for window in windows)
+        self.options = resolved = resolve(grouped, head_dim, sliding_windows)
         if resolved.storage.smooth_keys is None:  # (by the model: where it normalizes its keys)
             smooth = any(normalizes_keys(module) for module in modules)
             self.options = resolved = replace(resolved, storage=replace(resolved.storage, smooth_keys=smooth))
