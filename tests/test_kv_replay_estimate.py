@@ -407,22 +407,37 @@ def test_a_global_layer_of_a_windowed_model_keeps_the_prompts_most_attended_entr
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @torch.no_grad()
 def test_by_default_a_global_layer_of_a_windowed_model_keeps_what_the_prompt_attended_most(seed):
-    """By default on a model with sliding-window layers every layer keeps its even share, and a global layer ranks
-    its prompt by the attention the prompt's queries paid each entry times its value's norm, as attention scoring
-    ranks: each KV head keeps its sinks, its recent tokens and exactly the entries that rank highest by that (the
-    oracle: eager attention's weights and the values of a plain forward)."""
+    """By default on a model with sliding-window layers, with most of the tokens evicted, every layer keeps its even
+    share, and a global layer ranks its prompt by the attention the prompt's queries paid each entry times its
+    value's norm, as attention scoring ranks: each KV head keeps its sinks, its recent tokens and exactly the entries
+    that rank highest by that (the oracle: eager attention's weights and the values of a plain forward)."""
     model = build_family_model("gemma3", seed=seed)  # layer 1 is global, layer 0 slides a window of 10
     ids = torch.randint(3, 384, (1, 120), generator=torch.Generator().manual_seed(seed))
     paid = _attention_paid(model, ids, layer=1)
     full = DynamicCache(config=model.config)
     model(ids, past_key_values=full)
     value_norms = full.layers[1].values[0].float().norm(dim=-1)  # [kv_heads, tokens]
-    cache = CompressedCache(model, compression_ratio=0.75, scoring="reconstruction", sink_tokens=2, recent_tokens=4)
+    cache = CompressedCache(model, compression_ratio=0.9, scoring="reconstruction", sink_tokens=2, recent_tokens=4)
     model(ids, past_key_values=cache)
     assert cache.options.size.allocation == "uniform"
     kept = cache.layers[1].kept_positions()[0]
     for head, positions in enumerate(kept):
         held = set(positions[positions >= 0].tolist())
-        assert len(held) == 30  # (a quarter of 120)
+        assert len(held) == 12  # (a tenth of 120)
         ranked = ((paid[head] * value_norms[head])[2:116].argsort(descending=True) + 2).tolist()
         assert held == {0, 1, 116, 117, 118, 119} | set(ranked[: len(held) - 6])
+
+
+@pytest.mark.parametrize(("family", "size", "allocation"), [
+    ("gemma3", {"compression_ratio": 0.9}, "uniform"), ("gemma3", {"compression_ratio": 0.75}, "uniform"),
+    ("gemma3", {"compression_ratio": 0.7}, "heads"), ("gemma3", {"memory_fraction": 0.05}, "heads"),
+    ("gemma3", {"budget": 40}, "heads"), ("mistral-sliding", {"compression_ratio": 0.9}, "uniform"),
+    ("llama", {"compression_ratio": 0.9}, "heads"),
+])  # fmt: skip
+def test_reconstructions_default_allocation_on_models_with_and_without_windows(family, size, allocation):
+    """Reconstruction shares the size among KV heads by default, but keeps every layer's even share on a model with
+    sliding-window layers told to evict 75% of the tokens or more; an allocation given is kept."""
+    model = build_family_model(family)
+    assert CompressedCache(model, scoring="reconstruction", **size).options.size.allocation == allocation
+    given = CompressedCache(model, scoring="reconstruction", allocation="layers", **size)
+    assert given.options.size.allocation == "layers"
