@@ -429,14 +429,14 @@ def test_by_default_a_global_layer_of_a_windowed_model_keeps_what_the_prompt_att
 
 
 @pytest.mark.parametrize(("family", "size", "allocation"), [
-    ("gemma3", {"compression_ratio": 0.9}, "uniform"), ("gemma3", {"compression_ratio": 0.75}, "uniform"),
-    ("gemma3", {"compression_ratio": 0.7}, "heads"), ("gemma3", {"memory_fraction": 0.05}, "heads"),
+    ("gemma3", {"compression_ratio": 0.9}, "uniform"), ("gemma3", {"compression_ratio": 0.85}, "uniform"),
+    ("gemma3", {"compression_ratio": 0.8}, "heads"), ("gemma3", {"memory_fraction": 0.05}, "heads"),
     ("gemma3", {"budget": 40}, "heads"), ("mistral-sliding", {"compression_ratio": 0.9}, "uniform"),
     ("llama", {"compression_ratio": 0.9}, "heads"),
 ])  # fmt: skip
 def test_reconstructions_default_allocation_on_models_with_and_without_windows(family, size, allocation):
     """Reconstruction shares the size among KV heads by default, but keeps every layer's even share on a model with
-    sliding-window layers told to evict 75% of the tokens or more; an allocation given is kept."""
+    sliding-window layers told to evict 85% of the tokens or more; an allocation given is kept."""
     model = build_family_model(family)
     assert CompressedCache(model, scoring="reconstruction", **size).options.size.allocation == allocation
     given = CompressedCache(model, scoring="reconstruction", allocation="layers", **size)
