@@ -441,3 +441,21 @@ def test_reconstructions_default_allocation_on_models_with_and_without_windows(f
     assert CompressedCache(model, scoring="reconstruction", **size).options.size.allocation == allocation
     given = CompressedCache(model, scoring="reconstruction", allocation="layers", **size)
     assert given.options.size.allocation == "layers"
+
+
+@pytest.mark.parametrize(("tokens", "chunk"), [(1, None), (2, None), (60, 16)])
+@torch.no_grad()
+def test_even_shares_on_a_windowed_model_take_a_one_token_prompt_and_a_prompt_in_chunks(tokens, chunk):
+    """Even shares with the replay estimated (a windowed model, 90% evicted) at their edges: a one-token prompt
+    (nothing to estimate), two tokens, and a prompt read in chunks (the first estimated, the later ones replayed):
+    generate runs, every row and head stays within its target, and no estimate is left held after the prompt."""
+    model = build_family_model("gemma3")
+    ids = torch.randint(3, 384, (1, tokens), generator=torch.Generator().manual_seed(0))
+    cache = CompressedCache(model, compression_ratio=0.9, scoring="reconstruction", sink_tokens=2, recent_tokens=4)
+    chunked = {"prefill_chunk_size": chunk} if chunk else {}
+    output = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=2, **chunked)
+    assert output.shape[1] == tokens + 5
+    assert cache.options.size.allocation == "uniform"
+    for layer in cache.layers:
+        assert (layer.storage.lengths_host <= layer.targets()).all()
+        assert layer.scorer.estimated is None and layer.scorer.prompt_attention is None

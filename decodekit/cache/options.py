@@ -437,7 +437,7 @@ def default_eviction_interval(budget: int | None) -> int:
 @dataclass(frozen=True)
 class ResolvedOptions:
     """The four groups with every default resolved for one model (what a cache's parts read), and whether that model
-    has sliding-window layers (``sliding_windows``, set by ``CompressedCache``)."""
+    has sliding-window layers (``sliding_windows``, which ``resolve`` is told)."""
 
     size: SizeOptions
     scoring: ScoringOptions

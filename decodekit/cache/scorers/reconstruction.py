@@ -83,7 +83,11 @@ class ReconstructionScorer(AttentionScorer):
         """Whether ``layer``'s prompt ranking reads replay scores: everywhere but, under a uniform allocation on a
         model with sliding-window layers, the global layers, which rank by the prompt's attention alone
         (``prompt_ranks``)."""
-        return not (self.options.sliding_windows and layer.window is None and not self.ranks_by_replay_alone)
+        return self.ranks_by_replay_alone or not self.is_global_beside_windows(layer)
+
+    def is_global_beside_windows(self, layer) -> bool:
+        """Whether ``layer`` is a global layer of a model with sliding-window layers."""
+        return self.options.sliding_windows and layer.window is None
 
     def prompt_ranks(self, layer, attention: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
         """Under a uniform allocation, what a layer's prompt entries are ranked by (on the scale of ``attention``,
@@ -99,7 +103,7 @@ class ReconstructionScorer(AttentionScorer):
     def joins_attention(self, layer) -> bool:
         """Whether ``layer`` keeps its share of a shared allocation (``allocation`` "heads" or "layers" given) by the
         better of its replay and attention ranks: a global layer of a model with sliding-window layers."""
-        return self.options.sliding_windows and layer.window is None
+        return self.is_global_beside_windows(layer)
 
     def rank_with_attention(self, layer) -> None:
         """After the size is shared: where the prompt's attention was kept (``joins_attention``), rank the layer's
