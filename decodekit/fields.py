@@ -255,7 +255,7 @@ CORE_FIELDS = (
         "kv_bits",
         "choice",
         "cache",
-        "compressed KV cache storing keys and values in 16, 8, 5 or 4 bits (alone: every token kept)",
+        "compressed KV cache storing keys and values in 16, 8, 5, 4, 3 or 2 bits (alone: every token kept)",
         choices=KV_BITS,
         widget="choice",
     ),
@@ -311,7 +311,7 @@ CORE_FIELDS = (
         "kv_residual_length",
         "integer",
         "cache",
-        "compressed KV cache in 8, 5 or 4 bits also holding this many of the last tokens exact (by default the "
+        "compressed KV cache in 8, 5, 4, 3 or 2 bits also holding this many of the last tokens exact (by default the "
         "recent window; none with kv_scoring=reconstruction and kv_memory_fraction)",
         0,
         widget=None,

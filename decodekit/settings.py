@@ -41,8 +41,8 @@ EARLY_STOPPING = (True, False, "never")
 # The compressed cache always keeps its first (sink) tokens and a recent window.
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_RECENT_TOKENS = 32
-KV_BITS = (16, 8, 5, 4)  # a compressed cache's storage widths (None: the model's dtype)
-CODED_BITS = (8, 5, 4)  # the widths stored as integer codes with group scales (16: the entries themselves)
+KV_BITS = (16, 8, 5, 4, 3, 2)  # a compressed cache's storage widths (None: the model's dtype)
+CODED_BITS = (8, 5, 4, 3, 2)  # the widths stored as integer codes with group scales (16: the entries themselves)
 # How a compressed cache ranks its tokens: each scorer's name and its class (one file each in decodekit/cache/scorers/).
 # A new scorer is its file and one row here.
 KV_SCORERS = {

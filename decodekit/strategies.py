@@ -116,13 +116,13 @@ class Strategy:
         for name in ("kv_replay", "kv_matched_layers"):
             if name in values and values.get("kv_scoring") != "reconstruction":
                 raise ValueError(f"{name} applies to kv_scoring=reconstruction: set kv_scoring to reconstruction")
-        # A size in bytes with no width stores 8, 5 or 4 bits (``byte_sized_widths``).
+        # A size in bytes with no width stores coded widths (``byte_sized_widths``).
         bits = values.get("kv_bits")
         quantized = bits in CODED_BITS or (bits is None and "kv_memory_fraction" in values)
         if "kv_residual_length" in values and not quantized:
             raise ValueError(
-                "kv_residual_length applies to keys and values stored in 8, 5 or 4 bits: set kv_bits to 8, 5 or 4, "
-                "or size the cache with kv_memory_fraction"
+                "kv_residual_length applies to keys and values stored in 8, 5, 4, 3 or 2 bits: set kv_bits to one of "
+                "them, or size the cache with kv_memory_fraction"
             )
         if self._do_sample is False and self._sampling_fields():
             names = ", ".join(self._sampling_fields())

@@ -129,7 +129,7 @@ def test_beam_search_flags_print_the_library_result(tiny, tiny_model_dir, capsys
         ),
         (
             ["generate", "Hi", "--kv-budget", "64", "--kv-residual-length", "4"],
-            "--kv-residual-length applies to keys and values stored in 8, 5 or 4 bits: set --kv-bits",
+            "--kv-residual-length applies to keys and values stored in 8, 5, 4, 3 or 2 bits: set --kv-bits",
         ),
         (["generate", "Hi", "--model", "nobody-here/no-such-model"], "--model DIR"),
     ],

@@ -114,7 +114,7 @@ def test_a_document_from_standard_input_and_raw_framing(tiny, tiny_model_dir, tm
          "--kv-memory/--memory-fraction: must be in (0, 1]"),
         (["compress", "{tmp}/report.txt", "--kv-ratio", "0.5", "--kv-budget", "64"], "not allowed with argument"),
         (["compress", "{tmp}/report.txt", "--kv-budget", "64", "--kv-bits", "16", "--kv-residual-length", "4"],
-         "--kv-residual-length applies to keys and values stored in 8, 5 or 4 bits"),
+         "--kv-residual-length applies to keys and values stored in 8, 5, 4, 3 or 2 bits"),
         (["generate", "Q?", "--context", "{tmp}/missing.kv"], "missing.kv: no such file"),
         (["generate", "Q?", "--context", "{tmp}/report.txt"], "report.txt is not a readable decodekit cache file"),
         (["generate", "Q?", "--context", "{tmp}/x.kv", "--kv-budget", "64"],

@@ -30,7 +30,7 @@ def _values(head_dim: int, seed: int) -> torch.Tensor:
     return values
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("head_dim", "group_size"), [(64, 32), (16, 8), (256, 16)])
 def test_the_operator_codes_entries_as_pytorch_does_byte_for_byte(monkeypatch, bits, dtype, head_dim, group_size):
@@ -202,7 +202,8 @@ def test_evicting_one_entry_a_segment_natively_keeps_what_pytorch_keeps(tiny, mo
 
 
 @pytest.mark.parametrize(("key_bits", "value_bits", "dtype"), [(5, 4, torch.float32), (8, 8, torch.bfloat16),
-                                                                (4, 5, torch.float16)])
+                                                                (4, 5, torch.float16), (3, 2, torch.float32),
+                                                                (2, 3, torch.bfloat16)])
 def test_a_step_coded_into_the_storage_writes_the_bytes_of_encode_then_append(key_bits, value_bits, dtype):
     """Oracle: ``QuantizedCoding.encode`` of the step's key and value, then ``EntryStorage.append`` with its position,
     a zero score and its value norm, on a copy of the same storage (segments of different lengths and capacities):

@@ -54,6 +54,19 @@ def test_four_bit_codes_are_packed_two_per_byte_low_first():
     ]
 
 
+def test_two_and_three_bit_codes_are_four_a_byte_then_third_bits_eight_per_byte():
+    """Values 0..3 (2 bits) and 0..7 (3 bits) in one group are their own codes (offset 0, scale 1): channel 4i + j in
+    bits 2j and 2j + 1 of byte i; at 3 bits the third bits follow, channel 8i + j in bit j of their byte i."""
+    two = Quantizer(bits=2, group_size=8).encode(torch.tensor([0.0, 1, 2, 3, 3, 2, 1, 0]))
+    assert two["codes"].tolist() == [0 + 1 * 4 + 2 * 16 + 3 * 64, 3 + 2 * 4 + 1 * 16 + 0 * 64]
+    values = torch.tensor([7.0, 0, 5, 2, 4, 1, 6, 3])
+    three = Quantizer(bits=3, group_size=8).encode(values)
+    low = [code % 4 for code in values.int().tolist()]
+    assert three["codes"].tolist() == [low[0] + 4 * low[1] + 16 * low[2] + 64 * low[3],
+                                       low[4] + 4 * low[5] + 16 * low[6] + 64 * low[7], 0b01010101]
+    assert Quantizer(bits=3, group_size=8).decode(three, torch.float32).tolist() == values.tolist()
+
+
 def test_five_bit_codes_are_nibbles_then_fifth_bits_eight_per_byte():
     """Values 0..31 in one 32-channel group are their own codes (offset 0, scale 1): bytes 0-15 hold the low 4
     bits two per byte (low half first), bytes 16-19 the fifth bits: channel 8i + 2j in bit j of byte 16 + i, channel
@@ -70,7 +83,7 @@ def test_five_bit_codes_are_nibbles_then_fifth_bits_eight_per_byte():
     assert Quantizer(bits=5, group_size=8).decode(odd, torch.float32).tolist() == [16.0, 0, 0, 16, 0, 0, 0, 31]
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_decoding_errs_by_at_most_half_a_step(bits, dtype):
     generator = torch.Generator().manual_seed(bits)
@@ -86,7 +99,7 @@ def test_decoding_errs_by_at_most_half_a_step(bits, dtype):
     assert torch.isfinite(decoded).all()
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("little_endian", [True, False])
 def test_every_decoding_path_gives_offset_plus_code_times_scale(monkeypatch, bits, dtype, little_endian):
@@ -106,6 +119,11 @@ def test_every_decoding_path_gives_offset_plus_code_times_scale(monkeypatch, bit
             fifth = torch.stack([(codes[..., 32:] >> bit) & 1 for bit in bit_of_channel], dim=-1).flatten(-2)
             low = low + 16 * fifth
         codes = low
+    if bits in (2, 3):  # channel 4i + j in bits 2j, 2j + 1 of byte i; then channel 8i + j's third bit in bit j
+        low = torch.stack([(codes[..., :16] >> (2 * j)) & 3 for j in range(4)], dim=-1).flatten(-2)
+        if bits == 3:
+            low = low + 4 * torch.stack([(codes[..., 16:] >> j) & 1 for j in range(8)], dim=-1).flatten(-2)
+        codes = low
     expected = coded["offsets"].repeat_interleave(16, -1) + codes * coded["scales"].repeat_interleave(16, -1)
     expected = expected.to(dtype)
     wider = torch.full((2, 5, 24, 64), float("nan"), dtype=dtype)
@@ -122,7 +140,7 @@ def test_a_constant_group_decodes_exactly():
     assert torch.equal(quantizer.decode(quantizer.encode(values), torch.float32), values)
 
 
-@pytest.mark.parametrize("widths", [(5, 4), (4, 5), (8, 4), (5, 8), (4, 4)])
+@pytest.mark.parametrize("widths", [(5, 4), (4, 5), (8, 4), (5, 8), (4, 4), (3, 2), (2, 3), (4, 2), (8, 3), (2, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_parts_coded_together_in_other_widths_get_what_each_codes_alone(widths, dtype):
     """Keys and values coded in one pass (``encode_together``) store exactly what each quantizer codes alone: the
@@ -273,8 +291,8 @@ def test_bad_quantization_settings_are_refused_by_name(fresh):
     model, _ = fresh
     with pytest.raises(ValueError, match=r"smooth_keys must be True, False or None \(where .*\); got 'yes'"):
         CompressedCache(model, budget=40, kv_bits=4, smooth_keys="yes")
-    with pytest.raises(ValueError, match="kv_bits must be one of 16, 8, 5, 4 or None"):
-        CompressedCache(model, budget=40, kv_bits=2)
+    with pytest.raises(ValueError, match="kv_bits must be one of 16, 8, 5, 4, 3, 2 or None"):
+        CompressedCache(model, budget=40, kv_bits=1)
     with pytest.raises(ValueError, match="kv_bits must be one of"):
         CompressedCache(model, budget=40, kv_bits=True)
     with pytest.raises(ValueError, match=r"kv_group_size must divide the model's head_dim \(16\)"):
@@ -347,7 +365,7 @@ def _decode_checking_each_pass(model, tokenizer, cache, steps: int, seed: int, c
             check(cache.layers[0], exact_keys, exact_values)
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("interval", [1, 8])
 def test_stored_entries_read_within_a_step_of_the_exact_ones_while_decoding(fresh, bits, interval):
     model, tokenizer = fresh
@@ -390,7 +408,7 @@ def test_rows_reordered_by_beam_search_keep_their_codes_and_rings(fresh):
         assert torch.equal(after_keys, keys.flip(0)) and torch.equal(after_values, values.flip(0))
 
 
-@pytest.mark.parametrize("bits", [16, 8, 5, 4])
+@pytest.mark.parametrize("bits", [16, 8, 5, 4, 3])
 def test_generation_over_a_quantized_cache_stays_close_to_the_full_cache(fresh, bits):
     """Logits of a greedy continuation with every token kept: 16 bits match closely, 8 and 4 bits less so,
     and each width errs more than the wider one."""
@@ -407,7 +425,7 @@ def test_generation_over_a_quantized_cache_stays_close_to_the_full_cache(fresh, 
     full, full_tokens = logits(None)
     quantized, tokens = logits(bits)
     error = (quantized - full).abs().max().item()
-    assert error <= {16: 1e-3, 8: 3e-2, 5: 0.1, 4: 0.3}[bits], error
+    assert error <= {16: 1e-3, 8: 3e-2, 5: 0.1, 4: 0.3, 3: 0.5}[bits], error
     if bits == 16:
         assert torch.equal(tokens, full_tokens)
 
@@ -431,7 +449,7 @@ class _Bytes(LogitsProcessor):
 LONG = " ".join([PROMPT] * 6)
 
 
-@pytest.mark.parametrize("bits", [None, 16, 8, 5, 4])
+@pytest.mark.parametrize("bits", [None, 16, 8, 5, 4, 3, 2])
 @pytest.mark.parametrize("interval", [1, 8])
 @pytest.mark.parametrize("fraction", [0.5, 0.2])
 def test_memory_fraction_is_never_exceeded_after_a_pass(fresh, bits, interval, fraction):
@@ -451,12 +469,12 @@ def test_fewer_bits_keep_more_tokens_in_the_same_bytes(fresh):
     model, tokenizer = fresh
     ids = tokenizer([LONG], return_tensors="pt")["input_ids"]
     kept = {}
-    for bits in (16, 8, 5, 4):
+    for bits in (16, 8, 5, 4, 3, 2):
         cache = CompressedCache(model, memory_fraction=0.5, kv_bits=bits)
         with torch.no_grad():
             model(ids, past_key_values=cache)
         kept[bits] = cache.kept_tokens
-    assert kept[16] < kept[8] < kept[5] < kept[4]
+    assert kept[16] < kept[8] < kept[5] < kept[4] < kept[3] < kept[2]
 
 
 @pytest.mark.parametrize("bits", [None, 4])
@@ -503,8 +521,8 @@ def test_keys_may_keep_more_bits_than_values(fresh):
     assert kept[(8, None)] < kept[(4, 8)] < kept[(4, 5)] < kept[(4, None)]
     with pytest.raises(ValueError, match=r"key_bits .* needs kv_bits"):
         CompressedCache(model, budget=40, key_bits=8)
-    with pytest.raises(ValueError, match="key_bits must be one of 16, 8, 5, 4"):
-        CompressedCache(model, budget=40, kv_bits=4, key_bits=2)
+    with pytest.raises(ValueError, match="key_bits must be one of 16, 8, 5, 4, 3, 2"):
+        CompressedCache(model, budget=40, kv_bits=4, key_bits=6)
 
 
 @pytest.mark.parametrize(
@@ -537,7 +555,7 @@ def test_a_byte_sized_cache_told_no_widths_takes_the_documented_ones(fresh, opti
     assert cache.policy.entry_bytes == sized_by_hand.policy.entry_bytes  # a token costs what those widths cost
 
 
-def test_five_bit_codes_need_a_head_size_in_eights():
+def test_five_and_three_bit_codes_need_a_head_size_in_eights():
     """A head size that 5-bit codes cannot pack (12 channels) is refused when the cache is made, naming the setting,
     and a cache sized in bytes, which would pick 5-bit keys, takes 4 bits instead and runs."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -546,8 +564,8 @@ def test_five_bit_codes_need_a_head_size_in_eights():
     config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     model = LlamaForCausalLM(config).eval()
-    for widths in ({"kv_bits": 5}, {"kv_bits": 4, "key_bits": 5}):
-        with pytest.raises(ValueError, match=r"head_dim \(12\).*5-bit codes a multiple of 8"):
+    for widths in ({"kv_bits": 5}, {"kv_bits": 4, "key_bits": 5}, {"kv_bits": 3}):
+        with pytest.raises(ValueError, match=r"head_dim \(12\).*5- and 3-bit codes a multiple of 8"):
             CompressedCache(model, budget=40, **widths)
     cache = CompressedCache(model, memory_fraction=0.25, scoring="reconstruction")
     assert (cache.options.storage.kv_bits, cache.options.storage.key_bits) == (4, 4)

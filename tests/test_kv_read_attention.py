@@ -137,7 +137,8 @@ def _storage(coding, batch: int, heads: int, head_dim: int, seed: int, dtype: to
 KERNELS = {"triton": "decodekit.cache._triton_attention", "native": "decodekit.cache._native"}
 
 
-@pytest.mark.parametrize(("key_bits", "value_bits"), [(5, 4), (4, 4), (8, 8), (None, 4), (4, None), (None, None)])
+@pytest.mark.parametrize(("key_bits", "value_bits"),
+                         [(5, 4), (4, 4), (8, 8), (3, 2), (2, 3), (None, 4), (4, None), (None, None)])
 @pytest.mark.parametrize("extras", ["plain", "biases", "softcap", "window"])
 @pytest.mark.parametrize(("kernel", "head_dim", "group_size", "dtype"), [
     ("triton", 16, 8, torch.float32), ("native", 16, 8, torch.float32), ("native", 64, 8, torch.float32),
@@ -231,7 +232,7 @@ def test_the_cpu_operator_is_built_and_answers_the_steps_of_auto(fresh, monkeypa
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
-@pytest.mark.parametrize(("key_bits", "value_bits"), [(5, 4), (8, 8), (4, None)])
+@pytest.mark.parametrize(("key_bits", "value_bits"), [(5, 4), (8, 8), (3, 2), (4, None)])
 @pytest.mark.parametrize(("head_dim", "group_size", "dtype"), [(16, 8, torch.float32), (64, 8, torch.bfloat16),
                                                                 (16, 4, torch.float32)])  # fmt: skip
 def test_the_cpu_operator_reads_the_residual_windows_tokens_exact(key_bits, value_bits, head_dim, group_size, dtype):

@@ -19,7 +19,7 @@ def test_sampling_names_every_filter_so_model_defaults_cannot_sneak_in():
     assert kwargs == {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
 
 
-RESIDUAL_NEEDS_CODES = "kv_residual_length applies to keys and values stored in 8, 5 or 4"
+RESIDUAL_NEEDS_CODES = "kv_residual_length applies to keys and values stored in 8, 5, 4, 3 or 2"
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,12 @@ def _decoded(codes, scales, offsets, row, channel, code_bytes, groups,
         return tl.load(codes + rows * HEAD_DIM + channels, mask=inside, other=0.0).to(tl.float32)
     if BITS == 8:
         code = tl.load(codes + rows * code_bytes + channels, mask=inside, other=0).to(tl.int32)
+    elif BITS < 4:  # four codes a byte, then at 3 bits the third bits, eight channels a byte
+        byte = tl.load(codes + rows * code_bytes + channels // 4, mask=inside, other=0).to(tl.int32)
+        code = (byte >> ((channels % 4) * 2)) & 3
+        if BITS == 3:
+            third = tl.load(codes + rows * code_bytes + HEAD_DIM // 4 + channels // 8, mask=inside, other=0)
+            code = code | (((third.to(tl.int32) >> (channels % 8)) & 1) << 2)
     else:
         byte = tl.load(codes + rows * code_bytes + channels // 2, mask=inside, other=0).to(tl.int32)
         code = (byte >> ((channels % 2) * 4)) & 15

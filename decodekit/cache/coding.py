@@ -21,6 +21,7 @@ from decodekit.cache import _native
 from decodekit.cache.quantize import Quantizer
 from decodekit.cache.quantize import rotate as hadamard_rotate
 from decodekit.cache.storage import EntryStorage, Field, mark_static
+from decodekit.settings import CODED_BITS
 
 PARTS = ("keys", "values")
 
@@ -109,7 +110,7 @@ class PlainCoding:
 
 
 class QuantizedCoding:
-    """Keys and values stored as codes of ``key_bits`` and ``value_bits`` bits (8, 5 or 4; None: that part stored
+    """Keys and values stored as codes of ``key_bits`` and ``value_bits`` bits (8, 5, 4, 3 or 2; None: that part stored
     as it is, in 16 bits) in groups of ``group_size`` channels, with a residual window of the last
     ``residual_length`` tokens held exact, coded keys less each row and head's mean key where ``smooth_keys``.
     ``rotated_reads``: attention reads coded keys Hadamard-rotated (set where the attention module's queries are
@@ -121,8 +122,8 @@ class QuantizedCoding:
     ) -> None:
         self.model_dtype = self.stored_dtype = None
         self.quantizers = {
-            "keys": Quantizer(key_bits, group_size, rotated=True) if key_bits in (8, 5, 4) else None,
-            "values": Quantizer(value_bits, group_size) if value_bits in (8, 5, 4) else None,
+            "keys": Quantizer(key_bits, group_size, rotated=True) if key_bits in CODED_BITS else None,
+            "values": Quantizer(value_bits, group_size) if value_bits in CODED_BITS else None,
         }
         self.residual_length = residual_length
         self.rotated_reads = False

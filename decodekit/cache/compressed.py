@@ -52,7 +52,7 @@ class CompressedCache(Cache):
       decayed by ``score_decay`` between passes, times its value's norm), "reconstruction" (the most attention a
       replay of the prompt pays it: query-agnostic, as KVzip) or "attention+novelty"; ``observation_window``,
       ``pool_kernel``, ``value_norm``, ``scoring_backend``, ``matched_layers``.
-    - ``storage`` (:class:`StorageOptions`): ``kv_bits`` (16, 8, 5 or 4), ``key_bits``, ``kv_group_size``,
+    - ``storage`` (:class:`StorageOptions`): ``kv_bits`` (16, 8, 5, 4, 3 or 2), ``key_bits``, ``kv_group_size``,
       ``residual_length``, ``smooth_keys`` (coded keys less their mean key; by default where the model normalizes
       its keys).
     - ``replay`` (:class:`ReplayOptions` or its mode's name): how reconstruction scores are had.

@@ -9,7 +9,7 @@ the rows of a batch keep different tokens, the mask that hides each row's dead e
 the module runs lets the layer evict. With any other cache, or none, the wrapper calls the module's
 own ``forward`` at once and the forward pass is unchanged.
 
-Where a layer stores its keys coded and rotated by a Hadamard matrix (``kv_bits`` or ``key_bits`` of 4, 5 or 8),
+Where a layer stores its keys coded and rotated by a Hadamard matrix (``kv_bits`` or ``key_bits`` of 2 to 8),
 the wrapper of the query projection also hands the module query columns rotated alike
 (``rotary.rotated_query_columns``), so that attention reads the keys as coded, without rotating every stored
 key back at every pass; scores, and so the module's output, are unchanged (a module with a query norm

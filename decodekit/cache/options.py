@@ -174,7 +174,7 @@ class ScoringOptions:
 
 @dataclass(frozen=True)
 class StorageOptions:
-    """How kept entries are stored: ``kv_bits`` per value (16, 8, 5 or 4; None: the model's dtype), keys in
+    """How kept entries are stored: ``kv_bits`` per value (16, 8, 5, 4, 3 or 2; None: the model's dtype), keys in
     ``key_bits`` when given, coded in groups of ``group_size`` channels (None: 32, or the head size if smaller),
     with the last ``residual_length`` tokens also held exact (None: ``recent_tokens``, or by size); coded keys
     less their mean key (``smooth_keys``, SageAttention's smooth K; None: where the model normalizes its keys).
@@ -214,7 +214,7 @@ class StorageOptions:
 
     @property
     def coded(self) -> bool:
-        """Whether keys or values are stored as integer codes (8, 5 or 4 bits)."""
+        """Whether keys or values are stored as integer codes (8, 5, 4, 3 or 2 bits)."""
         return bool({self.kv_bits, self.key_bits} & set(CODED_BITS))
 
 

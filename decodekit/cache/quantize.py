@@ -1,4 +1,4 @@
-"""Keys and values stored in 8, 5 or 4 bits: integer codes with a scale and an offset per group of channels.
+"""Keys and values stored in 8, 5, 4, 3 or 2 bits: integer codes with a scale and an offset per group of channels.
 
 Each entry (one token of one row and KV head) is quantized on its own, in groups of ``group_size``
 channels, asymmetrically (``value ~ offset + code * scale``), so that eviction, beam reorders and
@@ -12,6 +12,9 @@ the perplexity rise from +1.41% (each channel divided by its magnitude) to +0.01
 Codes of 4 bits are packed two per byte. Codes of 5 bits are their low 4 bits packed so, followed by their
 fifth bits packed eight per byte (``head_dim * 5 / 8`` bytes per entry): keys in 5 bits lost +0.03% and +0.07%
 perplexity on two sets of texts where 4 bits lost +0.78% and +0.01% (``benchmarks/results/kv_key_bits_cpu.txt``).
+Codes of 2 bits are packed four per byte (channel ``4i + j`` in bits ``2j`` and ``2j + 1`` of byte ``i``); codes of
+3 bits are their low 2 bits packed so, followed by their third bits packed eight per byte (channel ``8i + j`` in bit
+``j`` of byte ``i``).
 Scales and offsets are kept in 16 bits (the cache's dtype); the
 offset is rounded down and the scale up before coding, so that every value lies inside its
 group's range and rounding a code is the only error: at most half a step, ``scale / 2``.
@@ -103,8 +106,8 @@ def rotate(values: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Quantizer:
-    """How entries are coded: ``bits`` per value (8, 5 or 4) with one scale and offset per ``group_size`` channels,
-    after a Hadamard rotation of each entry when ``rotated`` (keys).
+    """How entries are coded: ``bits`` per value (8, 5, 4, 3 or 2) with one scale and offset per ``group_size``
+    channels, after a Hadamard rotation of each entry when ``rotated`` (keys).
 
     Example:
         >>> quantizer = Quantizer(bits=8, group_size=4)
@@ -112,10 +115,10 @@ class Quantizer:
         >>> codes = quantizer.encode(values)
         >>> codes["codes"].dtype, (quantizer.decode(codes, torch.float32) - values).abs().max() < 0.01
         (torch.uint8, tensor(True))
-        >>> Quantizer(bits=3)
+        >>> Quantizer(bits=6)
         Traceback (most recent call last):
         ...
-        ValueError: a Quantizer codes in 8, 5 or 4 bits; got 3
+        ValueError: a Quantizer codes in 8, 5, 4, 3 or 2 bits; got 6
     """
 
     bits: int = 8
@@ -124,7 +127,7 @@ class Quantizer:
 
     def __post_init__(self) -> None:
         if self.bits not in CODED_BITS or isinstance(self.bits, bool):
-            raise ValueError(f"a Quantizer codes in 8, 5 or 4 bits; got {self.bits!r}")
+            raise ValueError(f"a Quantizer codes in 8, 5, 4, 3 or 2 bits; got {self.bits!r}")
         object.__setattr__(self, "group_size", check_int("kv_group_size", self.group_size, 1))
 
     @property
@@ -134,10 +137,11 @@ class Quantizer:
 
     def groups(self, head_dim: int) -> int:
         """How many groups a head's ``head_dim`` channels form; ValueError when they do not divide evenly."""
-        if head_dim % self.group_size or (self.bits == 4 and head_dim % 2) or (self.bits == 5 and head_dim % 8):
+        if head_dim % self.group_size or head_dim % PACKED_CHANNELS[self.bits]:
             raise ValueError(
-                f"kv_group_size must divide the model's head_dim ({head_dim}), 4-bit codes need an even head_dim "
-                f"and 5-bit codes a multiple of 8; got kv_group_size={self.group_size} with {self.bits} bits"
+                f"kv_group_size must divide the model's head_dim ({head_dim}), 4-bit codes need an even head_dim, "
+                f"2-bit codes a multiple of 4 and 5- and 3-bit codes a multiple of 8; got kv_group_size="
+                f"{self.group_size} with {self.bits} bits"
             )
         return head_dim // self.group_size
 
@@ -197,13 +201,16 @@ class Quantizer:
         levels = _levels(tuple(bits), parts[0].device)
         coded = self._encode_float(torch.stack(parts), dtype, parts[0].shape[-1], levels=levels, packs=False)
         codes, scales, offsets = (coded[name].unbind(0) for name in ("codes", "scales", "offsets"))
-        # The low halves, two per byte, which the 4- and 5-bit parts store (the widths differ, so one part is such).
-        nibbles = _packed(coded["codes"], 4).unbind(0)
+        if set(bits) <= {8, 5, 4}:  # the low halves, two per byte, packed once for the 4- and 5-bit parts
+            nibbles = _packed(coded["codes"], 4).unbind(0)
         together = []
         for index, width in enumerate(bits):
-            packed = codes[index] if width == 8 else nibbles[index]
-            if width == 5:  # then the fifth bits
-                packed = torch.cat([packed, _fifth_bits(codes[index])], dim=-1)
+            if width == 8:
+                packed = codes[index]
+            elif set(bits) <= {8, 5, 4}:
+                packed = nibbles[index] if width == 4 else torch.cat([nibbles[index], _fifth_bits(codes[index])], -1)
+            else:
+                packed = _packed(codes[index], width)
             together.append({"codes": packed, "scales": scales[index], "offsets": offsets[index]})
         return together
 
@@ -275,9 +282,13 @@ class Quantizer:
         At 4 bits each byte holds channel ``2i`` in its low half and ``2i + 1`` in its high half: widened to 16 bits
         and spread as ``low | high << 8``, its two bytes are the two codes in channel order (on a little-endian
         host), and a single conversion writes them. At 5 bits the fifth bits are put in place in those 16 bits
-        before the conversion (``_spread_fifth_bits``)."""
+        before the conversion (``_spread_fifth_bits``). At 2 and 3 bits each byte's codes are shifted out
+        (``_two_bit_codes``)."""
         if self.bits == 8:
             target.copy_(codes)
+            return
+        if self.bits < 4:
+            target.copy_(_two_bit_codes(codes, target.shape[-1], self.bits))
             return
         nibbles = codes[..., : target.shape[-1] // 2]
         if self.bits == 4:
@@ -304,9 +315,30 @@ _LANE_BITS = sum(0x0011 << (16 * lane) for lane in range(4))
 _LANE_FIFTHS = sum(0x1010 << (16 * lane) for lane in range(4))
 
 
+# The channels a packed byte's codes span, by width: a head_dim must be a multiple of it.
+PACKED_CHANNELS = {8: 1, 5: 8, 4: 2, 3: 8, 2: 4}
+# Where each of a byte's codes lies at 2 bits (channel ``4i + j`` in bits ``2j`` and ``2j + 1``), and each of a byte's
+# third bits at 3 bits (channel ``8i + j`` in bit ``j``).
+_PAIR_SHIFTS = torch.arange(0, 8, 2, dtype=torch.uint8)
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
 def _packed(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``codes`` (uint8, each below ``2 ** bits``, ``[..., head_dim]``) packed: their low 4 bits two per byte (channel
-    ``2i`` in the low half), then at 5 bits their fifth bits eight per byte (``_FIFTH_BIT_OF``)."""
+    ``2i`` in the low half), then at 5 bits their fifth bits eight per byte (``_FIFTH_BIT_OF``); at 2 and 3 bits their
+    low 2 bits four per byte, then at 3 bits their third bits eight per byte.
+
+    Example:
+        >>> codes = torch.tensor([1, 2, 3, 0, 7, 6, 5, 4], dtype=torch.uint8)
+        >>> _packed(codes, 3).tolist(), torch.equal(_two_bit_codes(_packed(codes, 3), 8, 3), codes)
+        ([57, 27, 240], True)
+    """
+    if bits < 4:
+        pairs = ((codes & 3).unflatten(-1, (-1, 4)) << _PAIR_SHIFTS.to(codes.device)).sum(-1, dtype=torch.uint8)
+        if bits == 2:
+            return pairs
+        third = ((codes >> 2) & 1).unflatten(-1, (-1, 8)) << _BIT_SHIFTS.to(codes.device)
+        return torch.cat([pairs, third.sum(-1, dtype=torch.uint8)], dim=-1)
     low = codes & 15
     nibbles = low[..., 0::2] | (low[..., 1::2] << 4)
     if bits == 4:
@@ -339,3 +371,13 @@ def _spread_fifth_bits(fifth: torch.Tensor) -> torch.Tensor:
 def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
     """4-bit ``codes`` (two per byte) as uint8, one code per channel (any byte order)."""
     return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+
+
+def _two_bit_codes(codes: torch.Tensor, head_dim: int, bits: int) -> torch.Tensor:
+    """2- or 3-bit ``codes`` (packed as ``_packed`` packs them) as uint8 ``[..., head_dim]``, one code per channel."""
+    device = codes.device
+    unpacked = ((codes[..., : head_dim // 4, None] >> _PAIR_SHIFTS.to(device)) & 3).flatten(-2)
+    if bits == 3:
+        third = (codes[..., head_dim // 4 :, None] >> _BIT_SHIFTS.to(device)) & 1
+        unpacked |= third.flatten(-2) << 2
+    return unpacked

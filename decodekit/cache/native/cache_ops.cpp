@@ -1,7 +1,7 @@
 // A decoding step's attention over a layer's entries read where they lie, on a CPU: one operator per layer.
 //
 // The storage is a layer's EntryStorage: flat tensors holding a segment per (row, KV head) from `starts`, each
-// with its own length. Keys and values are each either coded (4, 5 or 8 bits per channel, packed as quantize.py
+// with its own length. Keys and values are each either coded (2, 3, 4, 5 or 8 bits per channel, packed as quantize.py
 // packs them, with a scale and an offset per group of channels) or plain (the stored dtype). Per (row, KV head),
 // each stored key is decoded into a buffer of one entry and dotted with the query heads of its group, the logits
 // (scaled, capped, biased, -inf outside a sliding window) get a softmax with the step's own token (read exact), and
@@ -49,8 +49,17 @@ struct FifthBits {
       for (int c = 0; c < 8; ++c) adds[byte][c] = ((byte >> ((c / 2) + 4 * (c % 2))) & 1) * 16.f;
   }
 };
+// Each byte of 2-bit codes as its four codes in channel order (channel 4i + j in bits 2j and 2j + 1), in float.
+struct Pairs {
+  float codes[256][4];
+  Pairs() {
+    for (int byte = 0; byte < 256; ++byte)
+      for (int j = 0; j < 4; ++j) codes[byte][j] = (byte >> (2 * j)) & 3;
+  }
+};
 const Nibbles kNibbles;
 const FifthBits kFifthBits;
+const Pairs kPairs;
 
 // One part (keys or values) of the storage: where its codes or plain entries are and how to read them.
 template <typename Scale>
@@ -62,7 +71,7 @@ struct Part {
   int64_t code_bytes = 0;
   int64_t groups = 1;
   int64_t group_size = 0;
-  int64_t bits = 16;  // 4, 5, 8, or 16 (plain)
+  int64_t bits = 16;  // 2, 3, 4, 5, 8, or 16 (plain)
 };
 
 // The codes of the entry at flat slot `slot` as floats in `out` [head_dim] (a plain entry: its values).
@@ -76,6 +85,15 @@ inline void codes_of(const Part<Scale>& part, int64_t slot, int64_t head_dim, fl
   const uint8_t* code = part.codes + slot * part.code_bytes;
   if (part.bits == 8) {
     for (int64_t c = 0; c < head_dim; ++c) out[c] = static_cast<float>(code[c]);
+    return;
+  }
+  if (part.bits < 4) {  // four codes a byte, then at 3 bits the third bits eight a byte (channel 8i + j in bit j)
+    for (int64_t i = 0; i < head_dim / 4; ++i)
+      for (int j = 0; j < 4; ++j) out[4 * i + j] = kPairs.codes[code[i]][j];
+    if (part.bits == 3) {
+      const uint8_t* third = code + head_dim / 4;
+      for (int64_t c = 0; c < head_dim; ++c) out[c] += ((third[c / 8] >> (c % 8)) & 1) * 4.f;
+    }
     return;
   }
   for (int64_t i = 0; i < head_dim / 2; ++i) {
@@ -135,6 +153,9 @@ DECODEKIT_AVX2 inline void decode_avx2(const Part<Scale>& part, int64_t slot, in
   const __m128i low_half = _mm_set1_epi8(0x0F);
   const __m256i fifth_shift = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // channel 8i + c: its bit of byte i
   const __m256i one = _mm256_set1_epi32(1);
+  const __m256i pair_shift = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);  // channel 4i + j: bits 2j of byte i
+  const __m256i bit_shift = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i three = _mm256_set1_epi32(3);
   for (int64_t k = 0; k < part.groups; ++k) {
     const __m256 s = _mm256_set1_ps(to_float(scale[k]));
     const __m256 o = _mm256_set1_ps(to_float(offset[k]));
@@ -142,6 +163,14 @@ DECODEKIT_AVX2 inline void decode_avx2(const Part<Scale>& part, int64_t slot, in
       __m256i ints;
       if (part.bits == 8) {
         ints = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code + c)));
+      } else if (part.bits < 4) {
+        uint16_t two;
+        std::memcpy(&two, code + c / 4, 2);
+        ints = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(two), pair_shift), three);
+        if (part.bits == 3) {
+          const __m256i third = _mm256_srlv_epi32(_mm256_set1_epi32(code[head_dim / 4 + c / 8]), bit_shift);
+          ints = _mm256_or_si256(ints, _mm256_slli_epi32(_mm256_and_si256(third, one), 2));
+        }
       } else {
         uint32_t four;
         std::memcpy(&four, code + c / 2, 4);
@@ -527,6 +556,10 @@ Scale rounded(float value, bool up) {
   }
 }
 
+// Whether entries are coded in `bits`, and the channels one packed byte's codes span (a head_dim is a multiple).
+inline bool packs(int64_t bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 8; }
+inline int64_t packed_channels(int64_t bits) { return bits == 4 ? 2 : bits == 2 ? 4 : bits == 8 ? 1 : 8; }
+
 template <typename Scale>
 void encode_rows(const float* values, int64_t rows, int64_t head_dim, int64_t bits, int64_t group_size,
                  uint8_t* codes, Scale* scales, Scale* offsets) {
@@ -556,6 +589,21 @@ void encode_rows(const float* values, int64_t rows, int64_t head_dim, int64_t bi
         std::memcpy(packed, code.data(), head_dim);
         continue;
       }
+      if (bits < 4) {
+        for (int64_t i = 0; i < head_dim / 4; ++i) {
+          uint8_t four = 0;
+          for (int j = 0; j < 4; ++j) four |= (code[4 * i + j] & 3) << (2 * j);
+          packed[i] = four;
+        }
+        if (bits == 3) {
+          for (int64_t i = 0; i < head_dim / 8; ++i) {
+            uint8_t third = 0;
+            for (int j = 0; j < 8; ++j) third |= ((code[8 * i + j] >> 2) & 1) << j;
+            packed[head_dim / 4 + i] = third;
+          }
+        }
+        continue;
+      }
       for (int64_t i = 0; i < head_dim / 2; ++i) packed[i] = (code[2 * i] & 15) | ((code[2 * i + 1] & 15) << 4);
       if (bits == 5) {
         for (int64_t i = 0; i < head_dim / 8; ++i) {
@@ -577,9 +625,9 @@ void encode_rows(const float* values, int64_t rows, int64_t head_dim, int64_t bi
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> encode_entries(const torch::Tensor& values, int64_t bits,
                                                                         int64_t group_size, at::ScalarType dtype) {
   TORCH_CHECK(values.is_contiguous() && values.scalar_type() == torch::kFloat32, "encode_entries: contiguous float32");
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "encode_entries: bits 4, 5 or 8");
+  TORCH_CHECK(packs(bits), "encode_entries: bits 2, 3, 4, 5 or 8");
   const int64_t head_dim = values.size(-1);
-  TORCH_CHECK(head_dim % group_size == 0 && (bits != 5 || head_dim % 8 == 0) && (bits != 4 || head_dim % 2 == 0),
+  TORCH_CHECK(head_dim % group_size == 0 && head_dim % packed_channels(bits) == 0,
               "encode_entries: the groups must divide the channels");
   const int64_t rows = head_dim == 0 ? 0 : values.numel() / head_dim;
   auto leading = values.sizes().vec();
@@ -759,8 +807,8 @@ void append_coded(const std::vector<torch::Tensor>& coded, const std::vector<tor
     const int64_t width = bits[k];
     TORCH_CHECK(part.is_contiguous() && part.scalar_type() == torch::kFloat32 && part.numel() == units * head_dim,
                 "append_coded: each part's rows: contiguous float32 [batch, heads, 1, head_dim]");
-    TORCH_CHECK(width == 4 || width == 5 || width == 8, "append_coded: bits 4, 5 or 8");
-    TORCH_CHECK(head_dim % group_size == 0 && (width != 5 || head_dim % 8 == 0) && (width != 4 || head_dim % 2 == 0),
+    TORCH_CHECK(packs(width), "append_coded: bits 2, 3, 4, 5 or 8");
+    TORCH_CHECK(head_dim % group_size == 0 && head_dim % packed_channels(width) == 0,
                 "append_coded: the groups must divide the channels");
     const torch::Tensor& codes = coded[3 * k];
     const torch::Tensor& scales = coded[3 * k + 1];
