@@ -555,6 +555,45 @@ def test_a_byte_sized_cache_told_no_widths_takes_the_documented_ones(fresh, opti
     assert cache.policy.entry_bytes == sized_by_hand.policy.entry_bytes  # a token costs what those widths cost
 
 
+def _windowed_model(family: str) -> torch.nn.Module:
+    """A random model with sliding windows of 128 tokens and heads of 32 channels: Gemma 3 with three windowed layers
+    and a global one, or Mistral windowed in every layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+
+    common = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 128, "max_position_embeddings": 1024}
+    torch.manual_seed(0)
+    if family == "gemma3":
+        layers = ["sliding_attention"] * 3 + ["full_attention"]
+        config = Gemma3TextConfig(**common, num_hidden_layers=4, layer_types=layers, query_pre_attn_scalar=32)
+        return Gemma3ForCausalLM(config).eval()
+    return MistralForCausalLM(MistralConfig(**common, num_hidden_layers=2)).eval()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+@pytest.mark.parametrize(("fraction", "widths"), [(0.45, (4, 8)), (0.15, (4, 4)), (0.149, (2, 4)), (0.12, (2, 4))])
+def test_a_byte_sized_cache_with_windows_takes_two_bit_values_below_15_percent(family, fraction, widths):
+    """The documented rule on a model with sliding-window layers (reconstruction scores, heads sharing the budget):
+    keys in 8 bits from 45% of the bytes, else in 4, and values in 2 below 15%; a generate then never holds more
+    than the fraction of the 16-bit cache generate would hold (its windowed layers at their window)."""
+    model = _windowed_model(family)
+    cache = CompressedCache(model, memory_fraction=fraction, scoring="reconstruction", recent_tokens=8)
+    assert (cache.options.storage.kv_bits, cache.options.storage.key_bits) == widths
+    prompt = torch.randint(3, 90, (1, 600), generator=torch.Generator().manual_seed(2))
+    held = []
+
+    class Held(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            seen = cache.get_seq_length()
+            held.append(cache.memory_bytes() / full_cache_bytes(model, seen, 1, element_size=2, windows=True))
+            return scores
+
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=24,
+                   do_sample=False, logits_processor=[Held()], pad_token_id=0)  # fmt: skip
+    assert len(held) == 24 and max(held) <= fraction, held
+    assert min(held) > fraction / 2  # the size was met by choice, not by the floor
+
+
 def test_five_and_three_bit_codes_need_a_head_size_in_eights():
     """A head size that 5-bit codes cannot pack (12 channels) is refused when the cache is made, naming the setting,
     and a cache sized in bytes, which would pick 5-bit keys, takes 4 bits instead and runs."""
