@@ -347,11 +347,11 @@ def _default(options_type: type, name: str) -> Any:
 # keys in 5 bits (else both in 4); the residual window it holds; and its eviction interval.
 KEYS_IN_8_BITS_FROM = {"uniform": 0.45, "layers": 0.2, "heads": 0.45}
 KEYS_IN_5_BITS_FROM = {"heads": 0.1}
-# On a model with sliding-window layers, under "heads": keys in 4 bits below ``KEYS_IN_8_BITS_FROM`` and values in 2
-# bits below this fraction. Chosen on the tuning texts of Gemma 3 270M (mean perplexity rise; a quarter of the bytes:
-# 4/4 -0.01%, 5/4 +0.35%, 4/3 +0.50%, 4/2 +1.20%; a tenth: 4/2 +9.08%, 3/2 +9.48%, 5/2 +11.74%, 3/3 +12.14%, 5/4
-# +20.87%) and kept off models without windows, where 2-bit values lost (SmolLM2 at a tenth: 4/2 +4.63%, 5/4 +0.86%;
-# ``benchmarks/results/kv_low_bits_cpu.txt``).
+# On a model with sliding-window layers, under "heads": keys in 4 bits and values in 2 below this fraction. Chosen on
+# Gemma 3 270M's two tuning sets (mean perplexity rise, keys/values; a tenth of the bytes: 4/2 +9.08% / +8.76%, 5/4
+# +20.87% / +10.89%, and on the first set 3/2 +9.48%, 5/2 +11.74%, 3/3 +12.14%; a quarter: 5/4 +0.35% / +0.52%, 4/4
+# -0.01% / +0.98%, 4/3 +0.50%, 4/2 +1.20%) and kept off models without windows, where 2-bit values lost (SmolLM2 at a
+# tenth: 4/2 +4.63%, 5/4 +0.86%; ``benchmarks/results/kv_low_bits_cpu.txt``).
 VALUES_IN_2_BITS_WITH_WINDOWS_BELOW = 0.15
 RESIDUAL_WHEN_SIZED_IN_BYTES = {"heads": 0}  # absent: recent_tokens
 INTERVAL_WHEN_SIZED_IN_BYTES = {"heads": 1}  # absent: 8
@@ -407,9 +407,9 @@ def byte_sized_widths(
     """``(kv_bits, key_bits)`` for a cache sized in bytes and told no widths: keys in 8 bits and values in 4 while
     evicting costs more than coarser codes, else both in 4 (more tokens beat more bits once many must go); under
     "heads", keys in 5 bits from a tenth of the bytes up (``KEYS_IN_5_BITS_FROM``; 5-bit codes pack eight channels
-    at a time, so a ``head_dim`` that is not a multiple of 8 takes 4 bits), except on a model with
-    ``sliding_windows``: there keys in 4 bits, and values in 2 below ``VALUES_IN_2_BITS_WITH_WINDOWS_BELOW`` (a
-    ``head_dim`` that is not a multiple of 4 keeps them in 4).
+    at a time, so a ``head_dim`` that is not a multiple of 8 takes 4 bits); on a model with ``sliding_windows``,
+    under "heads", keys in 4 bits and values in 2 below ``VALUES_IN_2_BITS_WITH_WINDOWS_BELOW`` (where 2-bit codes
+    pack: a ``head_dim`` that is a multiple of 4).
 
     Example:
         >>> byte_sized_widths(0.5), byte_sized_widths(0.25), byte_sized_widths(None)
@@ -421,15 +421,16 @@ def byte_sized_widths(
         >>> byte_sized_widths(0.25, "heads", head_dim=12)
         (4, 4)
         >>> byte_sized_widths(0.25, "heads", 256, sliding_windows=True), byte_sized_widths(0.1, "heads", 256, True)
-        ((4, 4), (2, 4))
+        ((4, 5), (2, 4))
     """
     if memory_fraction is None:
         return 4, 4
     if memory_fraction >= KEYS_IN_8_BITS_FROM.get(allocation, 0.45):
         return 4, 8
-    if sliding_windows and allocation == "heads":
-        packs_two = head_dim is None or head_dim % 4 == 0
-        return 2 if packs_two and memory_fraction < VALUES_IN_2_BITS_WITH_WINDOWS_BELOW else 4, 4
+    packs_two = head_dim is None or head_dim % 4 == 0
+    few_bytes = memory_fraction < VALUES_IN_2_BITS_WITH_WINDOWS_BELOW
+    if sliding_windows and allocation == "heads" and packs_two and few_bytes:
+        return 2, 4
     packs_five = head_dim is None or head_dim % 8 == 0
     return 4, 5 if packs_five and memory_fraction >= KEYS_IN_5_BITS_FROM.get(allocation, math.inf) else 4
 
