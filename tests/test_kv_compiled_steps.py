@@ -153,7 +153,7 @@ class RecordingBackend:
         return run
 
 
-@pytest.mark.parametrize(("budget", "kv_bits"), [("floor", None), (48, None), (48, 4), ("floor", 8)])
+@pytest.mark.parametrize(("budget", "kv_bits"), [("floor", None), (48, None), (48, 4), ("floor", 8), (48, 3)])
 def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_the_logits_alone(
     fresh, budget, kv_bits
 ):
@@ -163,7 +163,7 @@ def test_compiled_steps_evicting_at_every_step_take_the_same_numbers_and_return_
     device inside compiled steps, from the count the prompt's pass left there; the freed slots written in place),
     which returns the logits alone;
     the host reads the count back after the steps, and the tokens are eager decoding's; down to a budget of the sinks
-    and the recent window alone, and with keys and values coded in 4 or 8 bits (whose rotated queries' matrix a step
+    and the recent window alone, and with keys and values coded in 3, 4 or 8 bits (whose rotated queries' matrix a step
     makes for all layers, kept eagerly but not from a compiled step, which would return it)."""
     model, tokenizer = fresh
     prompt = prompt_batch(tokenizer)["input_ids"]

@@ -65,8 +65,8 @@ def _held(cache) -> list[torch.Tensor]:
     return [tensor.clone() for layer in cache.layers for tensor in layer.held_tensors()]
 
 
-# Every allocation, plain and coded storage (16 bits of a float32 model, 8, 5 and 4 bits, a residual window), refit
-# (matched) layers, each scorer, each way of sizing, float32 and bfloat16.
+# Every allocation, plain and coded storage (16 bits of a float32 model, 8, 5, 4, 3 and 2 bits, a residual window),
+# refit (matched) layers, each scorer, each way of sizing, float32 and bfloat16.
 CASES = [
     ({"budget": 48}, torch.float32),
     ({"budget": 48}, torch.bfloat16),
@@ -80,6 +80,7 @@ CASES = [
     ({"budget": 48, "scoring": "reconstruction", "allocation": "heads", "kv_bits": 4, "residual_length": 8},
      torch.bfloat16),
     ({"budget": 48, "scoring": "reconstruction", "kv_bits": 5, "matched_layers": 0}, torch.float32),
+    ({"memory_fraction": 0.2, "scoring": "reconstruction", "kv_bits": 2, "key_bits": 3}, torch.bfloat16),
     ({"budget": 48, "scoring": "reconstruction", "replay": "prompt_queries"}, torch.bfloat16),
 ]  # fmt: skip
 
