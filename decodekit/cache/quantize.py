@@ -201,16 +201,16 @@ class Quantizer:
         levels = _levels(tuple(bits), parts[0].device)
         coded = self._encode_float(torch.stack(parts), dtype, parts[0].shape[-1], levels=levels, packs=False)
         codes, scales, offsets = (coded[name].unbind(0) for name in ("codes", "scales", "offsets"))
-        if set(bits) <= {8, 5, 4}:  # the low halves, two per byte, packed once for the 4- and 5-bit parts
-            nibbles = _packed(coded["codes"], 4).unbind(0)
+        # The low halves, two per byte, packed once where every part below 8 bits stores them (4 and 5 bits).
+        nibbles = _packed(coded["codes"], 4).unbind(0) if set(bits) <= {8, 5, 4} else None
         together = []
         for index, width in enumerate(bits):
             if width == 8:
                 packed = codes[index]
-            elif set(bits) <= {8, 5, 4}:
-                packed = nibbles[index] if width == 4 else torch.cat([nibbles[index], _fifth_bits(codes[index])], -1)
-            else:
+            elif nibbles is None:  # 2 or 3 bits among the widths: each part packed on its own
                 packed = _packed(codes[index], width)
+            else:
+                packed = nibbles[index] if width == 4 else torch.cat([nibbles[index], _fifth_bits(codes[index])], -1)
             together.append({"codes": packed, "scales": scales[index], "offsets": offsets[index]})
         return together
 
