@@ -1,9 +1,8 @@
 """Decoding speed of byte-sized caches in given widths against generate's own cache, on any model, side by side.
 
-Each cache decodes greedily after the same prompt; a step's time is that of ``generate`` with ``new + 1`` tokens
-less that with 1 (the prompt's pass and its compression cancel), the best of ``--rounds`` rounds, the caches taken
-in turn within each round. The ratio is DynamicCache's time per step over the cache's (tokens/s against
-DynamicCache's)::
+Each cache decodes greedily after the same prompt, timed step by step as ``kv_cache.py`` times its decoding (the
+prompt's pass and its compression left out), the caches taken in turn within each round; the ratio is the cache's
+median tokens/s over DynamicCache's::
 
     OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/kv_step_speed.py --model gemma-3-270m-q4_k_m.gguf \
         --fraction 0.1 --bits model,5/4
@@ -13,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
+import statistics
 
 import torch
+from kv_cache import decode  # benchmarks/ is on sys.path when a script in it runs
 from transformers import DynamicCache
 
 from decodekit.cache import CompressedCache
@@ -55,20 +55,6 @@ def fraction(spelled: str) -> float:
     return value
 
 
-def seconds_per_step(model, prompt: torch.Tensor, make, new_tokens: int) -> float:
-    """The time of one decoding step with the cache ``make()`` returns, after ``prompt``."""
-
-    def run(tokens: int) -> float:
-        cache = make()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
-                           max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)  # fmt: skip
-        return time.perf_counter() - start
-
-    return (run(new_tokens + 1) - run(1)) / new_tokens
-
-
 def positive(spelled: str) -> int:
     """A whole number of at least 1; argparse's error for anything else."""
     if not spelled.isdigit() or int(spelled) < 1:
@@ -96,14 +82,15 @@ def main() -> None:
         makers[f"memory_fraction={args.fraction}, bits {spelled}"] = lambda options=options: CompressedCache(
             model, **options
         )
-    best = {name: float("inf") for name in makers}
-    for _ in range(args.rounds):
+    rates = {name: [] for name in makers}
+    for _ in range(args.rounds):  # interleaved, so that a slow spell of the machine hits every cache
         for name, make in makers.items():
-            best[name] = min(best[name], seconds_per_step(model, prompt, make, args.new_tokens))
-    print(f"{args.model or 'default model'}: {args.prompt_tokens}-token prompt, {args.new_tokens} steps, best of "
+            rates[name].append(decode(model, prompt, make(), args.new_tokens).tokens_per_second())
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    print(f"{args.model or 'default model'}: {args.prompt_tokens}-token prompt, {args.new_tokens} steps, median of "
           f"{args.rounds} rounds, {torch.get_num_threads()} thread(s)")  # fmt: skip
-    for name, seconds in best.items():
-        print(f"  {name:42s} {seconds * 1000:7.1f} ms/step  {best['DynamicCache'] / seconds:5.2f}x DynamicCache")
+    for name, rate in medians.items():
+        print(f"  {name:42s} {1000 / rate:7.1f} ms/step  {rate / medians['DynamicCache']:5.2f}x DynamicCache")
 
 
 if __name__ == "__main__":
