@@ -14,6 +14,7 @@ import decodekit
 from decodekit.cache import CompressedCache, _native, joint
 from decodekit.cache import layer as layer_module
 from decodekit.cache.eviction import removal_moves
+from decodekit.cache.fused_step import FusedSteps
 from decodekit.cache.scorers.attention import AttentionScorer
 from decodekit.cache.storage import EntryStorage
 from tests.decode_steps import decode_by_hand, prompt_batch
@@ -197,6 +198,8 @@ def test_waiting_scores_and_moves_of_the_newest_entries_change_nothing(fresh, mo
     monkeypatch.setattr(layer_module, "removal_moves", recording_moves)  # (alone)
     monkeypatch.setattr(joint, "removal_moves", recording_moves)  # (with the other layers)
     monkeypatch.setattr(_native, "evict_one", recording_evict_one)  # (one entry a segment, on a CPU)
+    fused = FusedSteps.step  # (a step run as one operator evicts one entry a segment as evict_one does)
+    monkeypatch.setattr(FusedSteps, "step", lambda self, *args: moved.append(True) or fused(self, *args))
     quick = CompressedCache(model, **kwargs)
     quick_tokens = _decode_with_interruptions(model, quick, batch, steps=30)
     assert any(waited) == (quick.options.size.eviction_interval > 1)

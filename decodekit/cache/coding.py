@@ -244,13 +244,18 @@ class QuantizedCoding:
         ``appends_steps_natively``), and keep them exact in the residual window; returns the keys as attention reads
         them. The bytes ``encode`` then ``storage.append`` write."""
         key_coding, value_coding = self.quantizers["keys"], self.quantizers["values"]
-        rotated = key_coding.as_coded(keys)
-        parts = [("keys", self.smoothed(rotated), key_coding.bits), ("values", values, value_coding.bits)]
+        rows, read_keys = self.step_rows(keys)
+        parts = [("keys", rows, key_coding.bits), ("values", values, value_coding.bits)]
         storage.append_coded(parts, value_coding.group_size, position, others)
-        read_keys = rotated.to(keys.dtype) if self.rotated_reads else keys
         if self.residual_length:
             self.remember(read_keys, values, torch.tensor([position], dtype=torch.int32, device=keys.device))
         return read_keys
+
+    def step_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoding step's ``keys`` (``[batch, heads, 1, head_dim]``, coded keys) as coded (float32, rotated, less
+        their mean where smoothed) and as attention reads them."""
+        rotated = self.quantizers["keys"].as_coded(keys)
+        return self.smoothed(rotated), rotated.to(keys.dtype) if self.rotated_reads else keys
 
     def decode(
         self, storage: EntryStorage, stop: int, valid: torch.Tensor | None = None, dtype: torch.dtype | None = None

@@ -27,6 +27,7 @@ import decodekit.cache.attention as attention
 import decodekit.cache.compiled as compiled
 import decodekit.cache.matching as matching
 from decodekit.cache.eviction import PROTECTED, best_in_slot_order, lowest, protect, removal_moves
+from decodekit.cache.fused_step import FusedSteps
 from decodekit.cache.joint import Eviction, LayerGroup
 from decodekit.cache.policy import EvictionPolicy
 from decodekit.cache.quantize import hadamard, rotation_block
@@ -65,6 +66,8 @@ class Pass:
     group: int = 1  # query heads per KV head, where the layer read the step's attention itself
     reads_itself: bool = False  # whether the layer computes the step's attention itself (``attention.py``)
     kernel: Callable | None = None  # the step_attention it reads the entries with (None: decoded in PyTorch)
+    fused: bool = False  # whether the step runs as one operator (``fused_step.py``) when its attention is read
+    read: bool = False  # whether a fused step's attention was read (and the step run)
 
     def queries(self) -> torch.Tensor:
         """The observed tokens' queries, rotated to their positions: ``[batch, heads, tokens, head_dim]``."""
@@ -140,6 +143,7 @@ class CompressedLayer(CacheLayerMixin):
         # next steps' tokens will have, written by the last eviction: those steps write their keys and values alone.
         self._quiet_steps = 0
         self._prepared: tuple[int, int] | None = None  # (the storage's keys tensor id, the first slot not prepared)
+        self._fused: FusedSteps | None = None  # the plan of the next decoding steps run as one operator each
         # The cache's layers evicted together while decoding (``joint.py``), and where this layer's decoding storage
         # comes from (a slice of tensors shared with the group's other layers, where it reads entries in place).
         self.group: LayerGroup | None = None
@@ -200,6 +204,7 @@ class CompressedLayer(CacheLayerMixin):
         host's plans for the next eager steps (quiet steps, prepared slots) no longer hold."""
         self._quiet_steps = 0
         self._prepared = None
+        self._fused = None
         if self.seen_device.device.type != "cpu":
             self._seen_stale = True
 
@@ -266,6 +271,11 @@ class CompressedLayer(CacheLayerMixin):
             self._set_pads(pads.to("cpu", torch.long).numpy().copy())
             self.held_pads = self.pads.copy()
             self._padding_held = bool(self.pads.any())
+        if query_length == 1 and self._fused is not None and not self.transient:  # (planned: read by the layer)
+            self._pass = Pass(1, False, reads_itself=True)
+            self.context_start, self.reads_context = self.seen, False
+            return None
+        self._fused = None  # (a pass of several tokens: the plan no longer holds)
         self._pass = step = Pass(query_length, first)
         if not self.transient:  # (a replay's passes are none of these)
             self.context_start = 0 if first else self.seen
@@ -353,6 +363,9 @@ class CompressedLayer(CacheLayerMixin):
             keys, values = compiled.update(self, step, key_states, value_states)
             step.keys, step.values = keys, values
             return keys, values
+        fused = self._fused
+        if fused is not None and step.reads_itself and fused.holds(self):
+            return self._update_fused(step, key_states, value_states)
         batch, heads, new, _ = key_states.shape
         if self.storage is None:
             self._start(key_states)
@@ -363,6 +376,8 @@ class CompressedLayer(CacheLayerMixin):
             if self._codes_step_natively(step):  # its key and value coded into the storage by one C++ operator
                 if storage.free_slots < 1:
                     storage.reserve(storage.lengths_host + 1, self._room(), self._allocator())
+                if not step.waits and step.kernel is _native.step_attention and self._plans_fused():
+                    return self._update_fused(step, key_states, value_states)
                 if step.waits:  # (where the waiting steps begin, for the scorer)
                     step.new_slots = storage.length_range[0] if storage.equal_lengths else storage.lengths.clone()
                 others = {name: 0.0 for name in ("scores", "biases") if name in storage.fields}
@@ -412,6 +427,35 @@ class CompressedLayer(CacheLayerMixin):
             self._write_pass_exact(keys, values, read_keys, value_states, step.new_slots)
         step.keys, step.values = keys, values
         return keys, values
+
+    def _plans_fused(self) -> bool:
+        """Whether the coming decoding step, and the next ones, run as one operator each (``fused_step.py``): planned
+        now."""
+        self._fused = FusedSteps.plan(self)
+        return self._fused is not None
+
+    def _update_fused(self, step: Pass, key_states: torch.Tensor, value_states: torch.Tensor):
+        """``update`` of a step that runs as one operator when the module reads its attention (``_attend_fused``)."""
+        rows, read_keys = self.coding.step_rows(key_states)
+        entries = {}
+        if self._fused.value_norms is not None:  # (the entry's fields other than its score, which is 0)
+            entries = {name: value for name, value in self.scorer.new_entries(value_states).items()
+                       if isinstance(value, torch.Tensor)}  # fmt: skip
+        if self.coding.residual_length:
+            self.coding.remember(read_keys, value_states, torch.tensor([self.seen], dtype=torch.int32))
+        self._seen += 1
+        self._quiet_steps, self._prepared = 0, None  # (the plan evicts; the step-by-step plans start again after it)
+        step.fused = True
+        attention.expect(id(self.module()), partial(self._attend_fused, step, rows, read_keys, value_states, entries))
+        return read_keys, value_states
+
+    def _attend_fused(self, step: Pass, rows, read_keys, values, entries, query, scaling, model_mask) -> torch.Tensor:
+        """The attention of a step that runs as one operator: the step itself (its entry stored, its attention,
+        scores and eviction)."""
+        step.read = True
+        coding = self.coding
+        return self._fused.step(self, query, scaling, rows, read_keys, values, entries, coding.read_key_means(),
+                                coding.residual_window())  # fmt: skip
 
     def _codes_step_natively(self, step: Pass) -> bool:
         """Whether a decoding step's key and value go into the storage through ``coding.append_step`` (one C++
@@ -589,6 +633,12 @@ class CompressedLayer(CacheLayerMixin):
     def end_pass(self, query_length: int) -> None:
         """After attention: score the pass, and evict (after a pass of several tokens, fit the storage's capacity)."""
         step, self._pass = self._pass, None
+        if step is not None and step.fused:  # (the operator did the rest)
+            if not step.read:
+                self._read_missed()
+            if self.group is not None:
+                self.group.after_pass(self)
+            return
         if step is None or (step.keys is None and step.received is None and not self._read_missed()):
             return
         if torch.compiler.is_compiling():
@@ -702,6 +752,17 @@ class CompressedLayer(CacheLayerMixin):
             return np.repeat(row_targets[:, None], self.storage.heads, axis=1)
         counts, bases = self.shares
         shared = self.policy.shared(row_targets, counts, bases)
+        return shared if self.cap is None else np.minimum(shared, self.cap)
+
+    def targets_ahead(self, steps: int) -> np.ndarray:
+        """Host ``[steps, batch, heads]``: ``targets`` once each of the next ``steps`` decoding steps' token is seen."""
+        ahead = np.arange(1, steps + 1)[:, None]
+        real = (self.seen - self.pads)[None, :] + ahead  # [steps, batch]
+        row_targets = self.policy.targets(real.reshape(-1), self.rows, self.cap).reshape(real.shape)
+        heads = self.storage.heads
+        if self.shares is None:
+            return np.repeat(row_targets[:, :, None], heads, axis=2)
+        shared = self.policy.shared(row_targets, *self.shares)
         return shared if self.cap is None else np.minimum(shared, self.cap)
 
     def priority(self, stop: int) -> torch.Tensor:
@@ -841,6 +902,7 @@ class CompressedLayer(CacheLayerMixin):
         """Forget the quiet steps and the prepared slots (after anything that changes lengths or moves entries)."""
         self._quiet_steps = 0
         self._prepared = None
+        self._fused = None
 
     def _select_rows(self, rows: torch.Tensor) -> None:
         if self.storage is None:

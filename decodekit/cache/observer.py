@@ -308,9 +308,18 @@ def _capture_queries(module: nn.Module, to_queries, forward, *args, **kwargs) ->
 
 def _with_rotated_queries(module: nn.Module, projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """The query projection's output with its query columns rotated (``rotated_query_columns``), the others kept."""
-    width = module.config.num_attention_heads * module.head_dim
+    width = _query_width(module)
     rotated = rotated_query_columns(projected[..., :width], module.head_dim, cos, sin)
     return rotated if projected.shape[-1] == width else torch.cat([rotated, projected[..., width:]], dim=-1)
+
+
+def _query_width(module: nn.Module) -> int:
+    """The query columns of ``module``'s projection: its query heads times their size (kept on the module, read at
+    every step)."""
+    width = module.__dict__.get("_decodekit_query_width")
+    if width is None:
+        width = module.__dict__["_decodekit_query_width"] = module.config.num_attention_heads * module.head_dim
+    return width
 
 
 def _attention_mask(module: nn.Module, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

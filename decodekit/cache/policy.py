@@ -128,8 +128,9 @@ class EvictionPolicy:
 
     def shared(self, targets: np.ndarray, counts: np.ndarray, bases: np.ndarray) -> np.ndarray:
         """Per row and head, ``[batch, heads]``: the target under a shared allocation that gave a (row, head)
-        ``counts`` tokens where the even share was ``bases`` (``[batch]``), at a row target of ``targets``."""
-        return np.maximum(counts * targets[:, None] // bases[:, None], self.floor)
+        ``counts`` tokens where the even share was ``bases`` (``[batch]``), at a row target of ``targets`` (``[...,
+        batch]``: leading dimensions give as many ``[..., batch, heads]``)."""
+        return np.maximum(counts * targets[..., None] // bases[:, None], self.floor)
 
     def slack(self, new: int) -> int:
         """How far below its target a row evicts after a pass of ``new`` tokens: a decoding step evicts

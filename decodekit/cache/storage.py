@@ -119,6 +119,11 @@ class EntryStorage:
         self._stale = True
         self._free = None
 
+    def lengths_set_in_place(self, length_range: tuple[int, int], free: int) -> None:
+        """Note that an operator set the lengths in place on a CPU (the host's array is the device's memory), to ones
+        whose least and most are ``length_range`` and whose fewest free slots are ``free``, as the caller knows."""
+        self._length_range, self._free = length_range, free
+
     def _refresh(self) -> None:
         if self._stale:
             self._stale = False

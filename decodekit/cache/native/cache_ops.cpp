@@ -961,6 +961,51 @@ void decay_add(const torch::Tensor& flat, const torch::Tensor& starts, const tor
   }
 }
 
+// One decoding step of a coded layer (fused_step.py), as four of the operators above in a row: the step's key and
+// value coded after each segment's entries (append_coded: `rows` are keys then values, `coded` their codes, scales
+// and offsets), each segment's length counted up; the step's attention over every entry, its own token exact
+// (step_attention); the probability each entry received, over the `query` heads of its KV head, divided by their
+// number, decayed into `scores` (decay_add); one entry evicted from each segment whose `drops` is 1 (evict_one, over
+// every tensor of `fields`) and its length counted down. A residual window (`ring_*`, as step_attention takes it)
+// is read, not written. Returns the attention output, float32 [batch, 1, heads, head_dim].
+torch::Tensor decode_step(const std::vector<torch::Tensor>& fields, const std::vector<torch::Tensor>& coded,
+                          const std::vector<torch::Tensor>& rows, const std::vector<int64_t>& bits, int64_t group_size,
+                          const torch::Tensor& positions, int64_t position, const std::vector<torch::Tensor>& written,
+                          const std::vector<torch::Tensor>& values, const std::vector<torch::Tensor>& zeroed,
+                          const torch::Tensor& starts, const torch::Tensor& lengths, const torch::Tensor& capacities,
+                          const torch::Tensor& query, const torch::Tensor& own_keys, const torch::Tensor& own_values,
+                          double scaling, const c10::optional<torch::Tensor>& key_means, const torch::Tensor& scores,
+                          double decay, const c10::optional<torch::Tensor>& value_norms, const torch::Tensor& drops,
+                          int64_t seen, int64_t sink_tokens, int64_t recent_tokens, double protected_rank,
+                          const c10::optional<torch::Tensor>& ring_keys, const c10::optional<torch::Tensor>& ring_values,
+                          const c10::optional<torch::Tensor>& ring_positions) {
+  TORCH_CHECK(coded.size() == 6 && rows.size() == 2 && bits.size() == 2,
+              "decode_step: keys and values, each with its codes, scales and offsets and its width");
+  TORCH_CHECK(drops.scalar_type() == torch::kInt64 && drops.is_contiguous() && drops.numel() == lengths.numel(),
+              "decode_step: int64 drops [batch, heads]");
+  append_coded(coded, rows, bits, group_size, positions, position, written, values, zeroed, starts, lengths,
+               capacities);
+  int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t units = lengths.numel();
+  int64_t longest = 0;
+  for (int64_t unit = 0; unit < units; ++unit) longest = std::max(longest, ++length[unit]);
+  auto [output, received] = step_attention(
+      query, coded[0], coded[1], coded[2], bits[0], coded[3], coded[4], coded[5], bits[1], group_size, starts,
+      lengths, own_keys, own_values, c10::nullopt,
+      ring_positions.has_value() ? c10::optional<torch::Tensor>(positions) : c10::nullopt, longest, scaling, 0.0,
+      position, 0,
+      ring_keys, ring_values, ring_positions, key_means);
+  const float group = static_cast<float>(query.size(1) / starts.size(1));
+  float* paid = received.data_ptr<float>();
+  for (int64_t at = 0; at < received.numel(); ++at) paid[at] = paid[at] / group;
+  decay_add(scores, starts, lengths, received, decay);
+  evict_one(fields, scores, value_norms, positions, starts, lengths, drops, seen, sink_tokens, recent_tokens,
+            c10::nullopt, 0, protected_rank);
+  const int64_t* drop = drops.data_ptr<int64_t>();
+  for (int64_t unit = 0; unit < units; ++unit) length[unit] -= drop[unit];
+  return output;
+}
+
 // Registered as torch.ops.decodekit's operators, for CPU tensors.
 TORCH_LIBRARY(decodekit, library) {
   library.def(
@@ -978,6 +1023,12 @@ TORCH_LIBRARY(decodekit, library) {
   library.def("evict_one(Tensor(a!)[] fields, Tensor scores, Tensor? value_norms, Tensor positions, Tensor starts, Tensor lengths, Tensor drops, int seen, int sink_tokens, int recent_tokens, Tensor? pads, int window, float protected_rank) -> ()");
   library.def("append_coded(Tensor(a!)[] coded, Tensor[] rows, int[] bits, int group_size, Tensor(b!) positions, int position, Tensor(c!)[] written, Tensor[] values, Tensor(d!)[] zeroed, Tensor starts, Tensor lengths, Tensor capacities) -> ()");
   library.def("decay_add(Tensor(a!) flat, Tensor starts, Tensor lengths, Tensor added, float decay) -> ()");
+  library.def("decode_step(Tensor(a!)[] fields, Tensor(b!)[] coded, Tensor[] rows, int[] bits, int group_size, "
+              "Tensor(c!) positions, int position, Tensor(d!)[] written, Tensor[] values, Tensor(e!)[] zeroed, "
+              "Tensor starts, Tensor(f!) lengths, Tensor capacities, Tensor query, Tensor own_keys, Tensor own_values, "
+              "float scaling, Tensor? key_means, Tensor(g!) scores, float decay, Tensor? value_norms, Tensor drops, "
+              "int seen, int sink_tokens, int recent_tokens, float protected_rank, Tensor? ring_keys, "
+              "Tensor? ring_values, Tensor? ring_positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
@@ -986,6 +1037,7 @@ TORCH_LIBRARY_IMPL(decodekit, CPU, library) {
   library.impl("copy_rows", &copy_rows);
   library.impl("write_rows", &write_rows);
   library.impl("decay_add", &decay_add);
+  library.impl("decode_step", &decode_step);
   library.impl("evict_one", &evict_one);
   library.impl("copy_segments", &copy_segments);
   library.impl("append_rows", &append_rows);

@@ -75,6 +75,11 @@ class AttentionScorer:
         self.flush(layer)
         self.add(layer, self.received(layer, step), self.decay)
 
+    def fused_step_decay(self, layer) -> float | None:
+        """The decay by which a decoding step's scoring may run inside the step's operator (``fused_step.py``): where
+        all it does is decay the scores and add the step's own attention (nothing waits, no pooling); else None."""
+        return self.decay if self.options.scoring.pool_kernel == 1 and not self.waiting else None
+
     @staticmethod
     def add(layer, received: torch.Tensor, decay: float) -> None:
         """Decay every score of the first ``received.shape[-1]`` slots by ``decay``, then add ``received``."""

@@ -79,6 +79,12 @@ class ReconstructionScorer(AttentionScorer):
             self.estimated = self._estimate(layer, step)
         super().after_pass(layer, step)
 
+    def fused_step_decay(self, layer) -> float | None:
+        """As the attention scorer's, outside a replay and the prompt's wait for its scores."""
+        if self.replaying or layer.waits_for_prompt_scores:
+            return None
+        return super().fused_step_decay(layer)
+
     def needs_replay_scores(self, layer) -> bool:
         """Whether ``layer``'s prompt ranking reads replay scores: everywhere but, under a uniform allocation on a
         model with sliding-window layers, the global layers, which rank by the prompt's attention alone
