@@ -35,8 +35,8 @@ class FusedSteps:
 
     ``lengths[k]`` is every segment's length before step ``k`` (host ``[steps, batch, heads]``), ``drops[k]`` which
     segments evict an entry after it (0 or 1) and ``after[k]`` the least and most lengths and the fewest free slots
-    after it; the plan holds while the layer's storage, shares and lengths are
-    the ones it was made for (``holds``). Made by ``plan``, None where a step does more than the four operators.
+    after it; the plan holds while the layer's storage, shares and lengths are the ones it was made for (``holds``).
+    Made by ``plan``, None where a step does more than the four operators.
     """
 
     def __init__(
@@ -45,12 +45,13 @@ class FusedSteps:
         storage = layer.storage
         coding = layer.coding
         self.first_seen = layer.seen
+        self.version = storage.version
+        self.count = len(lengths)
         self.lengths = lengths
         self.after = after  # after each step: the least and most lengths, and the fewest free slots
         self.drops = torch.from_numpy(np.ascontiguousarray(drops, dtype=np.int64))  # [steps, batch, heads]
         self.shares = layer.shares
         flat = storage.flat
-        self.keys_tensor = flat["keys"]
         self.fields = list(flat.values())
         self.coded = [flat[name] for name in ("keys", "key_scales", "key_offsets", "values", "value_scales",
                                               "value_offsets")]  # fmt: skip
@@ -94,14 +95,12 @@ class FusedSteps:
         return cls(layer, before[:count], drops[:count], list(after))
 
     def holds(self, layer: CompressedLayer) -> bool:
-        """Whether the plan covers ``layer``'s coming step: the same storage and shares, the step it planned next, each
-        segment's length the one it planned."""
+        """Whether the plan covers ``layer``'s coming step: the step it planned next, with the storage, shares and
+        lengths it planned (the storage's ``version`` counted up by its own steps alone)."""
         index = layer.seen - self.first_seen
-        return (
-            0 <= index < len(self.lengths) and layer.storage is self.storage and self.storage.flat["keys"] is
-            self.keys_tensor and layer.shares is self.shares and np.array_equal(self.storage.lengths_host,
-                                                                                self.lengths[index])
-        )  # fmt: skip
+        storage = self.storage
+        return 0 <= index < self.count and layer.storage is storage and storage.version == self.version + index \
+            and layer.shares is self.shares  # fmt: skip
 
     def step(
         self, layer: CompressedLayer, query: torch.Tensor, scaling: float, rows: torch.Tensor,

@@ -374,8 +374,8 @@ class CompressedLayer(CacheLayerMixin):
         if step.reads_itself:  # (a decoding step)
             step.kernel = self._step_kernel()
             if self._codes_step_natively(step):  # its key and value coded into the storage by one C++ operator
-                if storage.free_slots < 1:
-                    storage.reserve(storage.lengths_host + 1, self._room(), self._allocator())
+                if storage.free_slots < 1:  # (every segment given its room at once: one layout for all of them)
+                    storage.reserve(storage.lengths_host + 1 + self._room(), 0, self._allocator())
                 if not step.waits and step.kernel is _native.step_attention and self._plans_fused():
                     return self._update_fused(step, key_states, value_states)
                 if step.waits:  # (where the waiting steps begin, for the scorer)

@@ -100,6 +100,8 @@ def rotate(values: torch.Tensor) -> torch.Tensor:
     """``values`` ``[..., head_dim]`` (float32) rotated by the block-diagonal Hadamard matrix of
     :func:`rotation_block`; rotating twice gives ``values`` back."""
     block = rotation_block(values.shape[-1])
+    if block == values.shape[-1]:  # (one block: one product)
+        return values @ hadamard(block, values.device)
     rotated = values.unflatten(-1, (-1, block)) @ hadamard(block, values.device)
     return rotated.flatten(-2)
 

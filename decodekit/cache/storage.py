@@ -89,6 +89,8 @@ class EntryStorage:
         self.fields = dict(fields)
         self.batch, self.heads = batch, heads
         self.device = torch.device(device)
+        # Counted up at every change of the lengths or the layout: a plan made for a state holds while it is unchanged.
+        self.version = 0
         self._set_host_lengths(np.zeros((batch, heads), dtype=np.int64))
         self._lay_out(np.full((batch, heads), capacity, dtype=np.int64), None)
 
@@ -107,6 +109,7 @@ class EntryStorage:
     def _set_host_lengths(self, lengths: np.ndarray) -> None:
         """Hold ``lengths`` as the host's lengths, and the device's (a view of them on a CPU)."""
         self._lengths_host = lengths
+        self.version += 1
         host = torch.from_numpy(lengths)
         self.lengths = host if self.device.type == "cpu" else host.to(self.device)
         self._length_range = (int(lengths.min()), int(lengths.max())) if lengths.size else (0, 0)
@@ -118,11 +121,13 @@ class EntryStorage:
         needed."""
         self._stale = True
         self._free = None
+        self.version += 1
 
     def lengths_set_in_place(self, length_range: tuple[int, int], free: int) -> None:
         """Note that an operator set the lengths in place on a CPU (the host's array is the device's memory), to ones
         whose least and most are ``length_range`` and whose fewest free slots are ``free``, as the caller knows."""
         self._length_range, self._free = length_range, free
+        self.version += 1
 
     def _refresh(self) -> None:
         if self._stale:
@@ -151,6 +156,7 @@ class EntryStorage:
         tensors come from ``allocate``."""
         old = getattr(self, "flat", None)
         old_starts = getattr(self, "starts", None)
+        self.version += 1
         self.capacities = np.array(capacities, dtype=np.int64)
         self._free = None
         ends = self.capacities.reshape(-1).cumsum()
@@ -215,6 +221,7 @@ class EntryStorage:
         """Set every segment's length (host ``[batch, heads]`` or one int); the slots past it are free."""
         self._refresh()
         self._lengths_host[...] = lengths
+        self.version += 1
         self._length_range = (int(self._lengths_host.min()), int(self._lengths_host.max()))
         self._free = None
         if self.device.type != "cpu":
@@ -223,6 +230,7 @@ class EntryStorage:
     def _add_to_lengths(self, count: int) -> None:
         least, most = self.length_range
         self._lengths_host += count
+        self.version += 1
         if self.device.type != "cpu":
             self.lengths += count
         self._length_range = (least + count, most + count)

@@ -275,17 +275,70 @@ inline void softmax_rows(float* logits, int64_t rows, int64_t width) {
   }
 }
 
+#if DECODEKIT_X86
+// e^x of eight floats (Cephes' polynomial after x = n ln 2 + r, within two units in the last place of std::exp); 0
+// below -87 (a logit hidden by -inf, or a weight under float's normal range).
+DECODEKIT_AVX2 inline __m256 exp_avx2(__m256 x) {
+  const __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.3762626647949f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(power)), kept);
+}
+
+// `softmax_rows` with AVX2: the maximum, e^(logit - maximum) and its sum eight logits at a time.
+DECODEKIT_AVX2 inline void softmax_rows_avx2(float* logits, int64_t rows, int64_t width) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* row = logits + g * width;
+    float most = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < width; ++s) most = std::max(most, row[s]);
+    const __m256 shift = _mm256_set1_ps(most);
+    __m256 sums = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= width; s += 8) {
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + s), shift));
+      _mm256_storeu_ps(row + s, e);
+      sums = _mm256_add_ps(sums, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sums);
+    float sum = 0.f;
+    for (float lane : lanes) sum += lane;
+    for (; s < width; ++s) sum += (row[s] = std::exp(row[s] - most));
+    const float inverse = 1.f / sum;
+    for (int64_t t = 0; t < width; ++t) row[t] *= inverse;
+  }
+}
+#endif
+
 // The step's own token's logits (read exact) put after a (row, KV head)'s `count` stored logits, each query head's
-// softmax taken, and each slot's probability summed over the query heads written to `received`; returns that row.
+// softmax taken (with AVX2 where `vectorized`), and each slot's probability summed over the query heads written to
+// `received`; returns that row.
 inline float* with_own_token(const Step& step, const float* queries, int64_t unit, int64_t count,
-                             std::vector<float>& logits) {
+                             std::vector<float>& logits, bool vectorized = false) {
   const int64_t group = step.group, head_dim = step.head_dim, width = count + 1;
   for (int64_t g = 0; g < group; ++g) {
     float value = dot(queries + g * head_dim, step.own_keys + unit * head_dim, head_dim) * step.scaling;
     if (step.softcap > 0) value = step.softcap * std::tanh(value / step.softcap);
     logits[g * width + count] = value;
   }
+#if DECODEKIT_X86
+  if (vectorized)
+    softmax_rows_avx2(logits.data(), group, width);
+  else
+    softmax_rows(logits.data(), group, width);
+#else
   softmax_rows(logits.data(), group, width);
+#endif
   float* taken = step.received + unit * step.slots;
   for (int64_t s = 0; s < step.slots; ++s) taken[s] = 0.f;
   for (int64_t g = 0; g < group; ++g)
@@ -417,7 +470,7 @@ DECODEKIT_AVX2 void attend_unit_avx2(const Step& step, const Part<Scale>& keys, 
       }
     }
   }
-  float* taken = with_own_token(step, queries, unit, count, logits);
+  float* taken = with_own_token(step, queries, unit, count, logits, true);
   for (int64_t first = 0; first < count; first += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, count - first);
     for (int64_t j = 0; j < n; ++j)
