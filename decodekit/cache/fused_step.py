@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from decodekit.cache.eviction import PROTECTED
+from decodekit.cache.quantize import hadamard, rotation_block
 
 STEPS_PLANNED = 32  # decoding steps whose evictions one plan decides
 
@@ -49,7 +50,7 @@ class FusedSteps:
         self.count = len(lengths)
         self.lengths = lengths
         self.after = after  # after each step: the least and most lengths, and the fewest free slots
-        self.drops = torch.from_numpy(np.ascontiguousarray(drops, dtype=np.int64))  # [steps, batch, heads]
+        self.drops = torch.from_numpy(np.ascontiguousarray(drops, dtype=np.int64)).unbind()  # per step [batch, heads]
         self.shares = layer.shares
         flat = storage.flat
         self.fields = list(flat.values())
@@ -65,6 +66,13 @@ class FusedSteps:
         self.decay = layer.scorer.fused_step_decay(layer)
         size = layer.options.size
         self.sink_tokens, self.recent_tokens = size.sink_tokens, size.recent_tokens
+        self.coding = coding
+        self.key_means, self.residual = coding.read_key_means(), coding.residual_window()
+        # The keys' Hadamard rotation as one product (``quantize.rotate`` of one block), where the keys are coded
+        # rotated and not smoothed; else ``QuantizedCoding.step_rows`` makes a step's rows.
+        head_dim = layer.head_dim
+        rotated = coding.quantizers["keys"].rotated and rotation_block(head_dim) == head_dim and not coding.smoothing
+        self.rotation = hadamard(head_dim, storage.device) if rotated else None
 
     @classmethod
     def plan(cls, layer: CompressedLayer, steps: int | None = None) -> FusedSteps | None:
@@ -102,29 +110,37 @@ class FusedSteps:
         return 0 <= index < self.count and layer.storage is storage and storage.version == self.version + index \
             and layer.shares is self.shares  # fmt: skip
 
+    def key_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``QuantizedCoding.step_rows`` of a step's ``keys``: as coded, and as attention reads them."""
+        if self.rotation is None:
+            return self.coding.step_rows(keys)
+        rotated = keys.float() @ self.rotation
+        return rotated, rotated.to(keys.dtype) if self.coding.rotated_reads else keys
+
     def step(
         self, layer: CompressedLayer, query: torch.Tensor, scaling: float, rows: torch.Tensor,
-        read_keys: torch.Tensor, values: torch.Tensor, others: dict[str, torch.Tensor], key_means: torch.Tensor | None,
-        residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        read_keys: torch.Tensor, values: torch.Tensor, others: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """Run the coming step (the layer counted its token already: ``layer.seen`` includes it): ``rows`` are its
         keys as coded (float32 ``[batch, heads, 1, head_dim]``), ``read_keys`` and ``values`` as attention reads them,
-        ``others`` the fields of its entry that are written (its value's norm), its score zeroed; ``residual``: the
-        residual window (``QuantizedCoding.residual_window``), which holds the step's token already. Returns the
+        ``others`` the fields of its entry that are written (its value's norm), its score zeroed. A residual window
+        holds the step's token already. Returns the
         attention output ``[batch, 1, heads, head_dim]`` in the query's dtype."""
         storage = self.storage
         seen = layer.seen
         index = seen - 1 - self.first_seen
         drops = self.drops[index]
         flat, fields = storage.flat, storage.fields
-        written = [flat[name] for name in others]
-        written_values = [value.to(fields[name].dtype).contiguous() for name, value in others.items()]
+        written, written_values = [], []
+        for name, value in others.items():
+            written.append(flat[name])
+            written_values.append(value.to(fields[name].dtype).contiguous())
         output = torch.ops.decodekit.decode_step(
             self.fields, self.coded, [_float32(rows), _float32(values)], self.bits, self.group_size,
             flat["positions"], seen - 1, written, written_values, self.zeroed, storage.starts, storage.lengths,
-            self.capacities, _float32(query), _float32(read_keys), _float32(values), scaling, key_means,
+            self.capacities, _float32(query), _float32(read_keys), _float32(values), scaling, self.key_means,
             flat["scores"], self.decay, self.value_norms, drops, seen, self.sink_tokens, self.recent_tokens,
-            PROTECTED, *(residual or (None, None, None)),
+            PROTECTED, *(self.residual or (None, None, None)),
         )  # fmt: skip
         storage.lengths_set_in_place(*self.after[index])  # (the operator counted them as planned)
         return output if query.dtype == torch.float32 else output.to(query.dtype)

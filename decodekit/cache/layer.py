@@ -436,9 +436,10 @@ class CompressedLayer(CacheLayerMixin):
 
     def _update_fused(self, step: Pass, key_states: torch.Tensor, value_states: torch.Tensor):
         """``update`` of a step that runs as one operator when the module reads its attention (``_attend_fused``)."""
-        rows, read_keys = self.coding.step_rows(key_states)
+        fused = self._fused
+        rows, read_keys = fused.key_rows(key_states)
         entries = {}
-        if self._fused.value_norms is not None:  # (the entry's fields other than its score, which is 0)
+        if fused.value_norms is not None:  # (the entry's fields other than its score, which is 0)
             entries = {name: value for name, value in self.scorer.new_entries(value_states).items()
                        if isinstance(value, torch.Tensor)}  # fmt: skip
         if self.coding.residual_length:
@@ -453,9 +454,7 @@ class CompressedLayer(CacheLayerMixin):
         """The attention of a step that runs as one operator: the step itself (its entry stored, its attention,
         scores and eviction)."""
         step.read = True
-        coding = self.coding
-        return self._fused.step(self, query, scaling, rows, read_keys, values, entries, coding.read_key_means(),
-                                coding.residual_window())  # fmt: skip
+        return self._fused.step(self, query, scaling, rows, read_keys, values, entries)
 
     def _codes_step_natively(self, step: Pass) -> bool:
         """Whether a decoding step's key and value go into the storage through ``coding.append_step`` (one C++

@@ -109,25 +109,32 @@ class EntryStorage:
     def _set_host_lengths(self, lengths: np.ndarray) -> None:
         """Hold ``lengths`` as the host's lengths, and the device's (a view of them on a CPU)."""
         self._lengths_host = lengths
-        self.version += 1
+        self._count_change()
         host = torch.from_numpy(lengths)
         self.lengths = host if self.device.type == "cpu" else host.to(self.device)
         self._length_range = (int(lengths.min()), int(lengths.max())) if lengths.size else (0, 0)
         self._free: int | None = None  # the fewest free slots of any segment, once counted
         self._stale = False  # whether compiled steps changed the device's lengths since the host last read them
 
+    def _count_change(self) -> None:
+        """Count a change of the lengths or the layout (``version``), outside compiled steps: a compiled step's
+        changes end every plan of eager steps (``CompressedLayer.mark_host_stale``), and a count the compiler read
+        would be a guard that fails at every step."""
+        if not torch.compiler.is_compiling():
+            self.version += 1
+
     def mark_stale(self) -> None:
         """Note that the device's lengths changed without the host (a compiled step): read them back when next
         needed."""
         self._stale = True
         self._free = None
-        self.version += 1
+        self._count_change()
 
     def lengths_set_in_place(self, length_range: tuple[int, int], free: int) -> None:
         """Note that an operator set the lengths in place on a CPU (the host's array is the device's memory), to ones
         whose least and most are ``length_range`` and whose fewest free slots are ``free``, as the caller knows."""
         self._length_range, self._free = length_range, free
-        self.version += 1
+        self._count_change()
 
     def _refresh(self) -> None:
         if self._stale:
@@ -156,7 +163,7 @@ class EntryStorage:
         tensors come from ``allocate``."""
         old = getattr(self, "flat", None)
         old_starts = getattr(self, "starts", None)
-        self.version += 1
+        self._count_change()
         self.capacities = np.array(capacities, dtype=np.int64)
         self._free = None
         ends = self.capacities.reshape(-1).cumsum()
@@ -221,7 +228,7 @@ class EntryStorage:
         """Set every segment's length (host ``[batch, heads]`` or one int); the slots past it are free."""
         self._refresh()
         self._lengths_host[...] = lengths
-        self.version += 1
+        self._count_change()
         self._length_range = (int(self._lengths_host.min()), int(self._lengths_host.max()))
         self._free = None
         if self.device.type != "cpu":
@@ -230,7 +237,7 @@ class EntryStorage:
     def _add_to_lengths(self, count: int) -> None:
         least, most = self.length_range
         self._lengths_host += count
-        self.version += 1
+        self._count_change()
         if self.device.type != "cpu":
             self.lengths += count
         self._length_range = (least + count, most + count)
