@@ -9,11 +9,12 @@ entry at each of the next ``STEPS_PLANNED`` steps, from the targets the policy g
 seen (what ``CompressedLayer.eviction_due`` decides step by step), and runs each step as one operator that does the
 four. Its results are theirs, byte for byte.
 
-Example (what a layer does at a decoding step)::
+Example (what ``CompressedLayer`` does at its decoding steps)::
 
-    fused = layer.fused_steps        # planned where they apply, kept while the plan holds
-    if fused is not None and fused.holds(layer):
-        output = fused.step(layer, query, scaling, rows, read_keys, values, others)
+    fused = FusedSteps.plan(layer)               # None where a step does more than the four operators
+    if fused is not None and fused.holds(layer):  # (at each step, until the plan ends or the storage changes)
+        rows, read_keys = fused.key_rows(keys)    # (the layer counts the step's token)
+        output = fused.step(layer, query, scaling, rows, read_keys, values, {})
 """
 
 from __future__ import annotations
@@ -34,21 +35,20 @@ CompressedLayer = Any  # a decodekit.cache.layer.CompressedLayer (not imported: 
 class FusedSteps:
     """The plan of a layer's next decoding steps, each run as one operator.
 
-    ``lengths[k]`` is every segment's length before step ``k`` (host ``[steps, batch, heads]``), ``drops[k]`` which
-    segments evict an entry after it (0 or 1) and ``after[k]`` the least and most lengths and the fewest free slots
-    after it; the plan holds while the layer's storage, shares and lengths are the ones it was made for (``holds``).
-    Made by ``plan``, None where a step does more than the four operators.
+    ``drops[k]`` says which segments evict an entry after step ``k`` (0 or 1, ``[batch, heads]``) and ``after[k]``
+    the least and most lengths and the fewest free slots after it; the plan holds while the layer's storage, shares
+    and lengths are the ones it was made for (``holds``). Made by ``plan``, None where a step does more than the four
+    operators.
     """
 
     def __init__(
-        self, layer: CompressedLayer, lengths: np.ndarray, drops: np.ndarray, after: list[tuple[tuple[int, int], int]]
+        self, layer: CompressedLayer, drops: np.ndarray, after: list[tuple[tuple[int, int], int]]
     ) -> None:
         storage = layer.storage
         coding = layer.coding
         self.first_seen = layer.seen
         self.version = storage.version
-        self.count = len(lengths)
-        self.lengths = lengths
+        self.count = len(drops)
         self.after = after  # after each step: the least and most lengths, and the fewest free slots
         self.drops = torch.from_numpy(np.ascontiguousarray(drops, dtype=np.int64)).unbind()  # per step [batch, heads]
         self.shares = layer.shares
@@ -100,7 +100,7 @@ class FusedSteps:
         kept = kept[:count]
         after = zip(zip(kept.min(axis=(1, 2)).tolist(), kept.max(axis=(1, 2)).tolist(), strict=True),
                     (storage.capacities - kept).min(axis=(1, 2)).tolist(), strict=True)  # fmt: skip
-        return cls(layer, before[:count], drops[:count], list(after))
+        return cls(layer, drops[:count], list(after))
 
     def holds(self, layer: CompressedLayer) -> bool:
         """Whether the plan covers ``layer``'s coming step: the step it planned next, with the storage, shares and
