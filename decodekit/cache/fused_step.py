@@ -13,7 +13,7 @@ Example (what ``CompressedLayer`` does at its decoding steps)::
 
     fused = FusedSteps.plan(layer)               # None where a step does more than the four operators
     if fused is not None and fused.holds(layer):  # (at each step, until the plan ends or the storage changes)
-        rows, read_keys = fused.key_rows(keys)    # (the layer counts the step's token)
+        rows, read_keys = layer.coding.step_rows(keys)  # (the layer counts the step's token)
         output = fused.step(layer, query, scaling, rows, read_keys, values, {})
 """
 
@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from decodekit.cache.eviction import PROTECTED
-from decodekit.cache.quantize import hadamard, rotation_block
 
 STEPS_PLANNED = 32  # decoding steps whose evictions one plan decides
 
@@ -66,13 +65,7 @@ class FusedSteps:
         self.decay = layer.scorer.fused_step_decay(layer)
         size = layer.options.size
         self.sink_tokens, self.recent_tokens = size.sink_tokens, size.recent_tokens
-        self.coding = coding
         self.key_means, self.residual = coding.read_key_means(), coding.residual_window()
-        # The keys' Hadamard rotation as one product (``quantize.rotate`` of one block), where the keys are coded
-        # rotated and not smoothed; else ``QuantizedCoding.step_rows`` makes a step's rows.
-        head_dim = layer.head_dim
-        rotated = coding.quantizers["keys"].rotated and rotation_block(head_dim) == head_dim and not coding.smoothing
-        self.rotation = hadamard(head_dim, storage.device) if rotated else None
 
     @classmethod
     def plan(cls, layer: CompressedLayer, steps: int | None = None) -> FusedSteps | None:
@@ -110,13 +103,6 @@ class FusedSteps:
         return 0 <= index < self.count and layer.storage is storage and storage.version == self.version + index \
             and layer.shares is self.shares  # fmt: skip
 
-    def key_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``QuantizedCoding.step_rows`` of a step's ``keys``: as coded, and as attention reads them."""
-        if self.rotation is None:
-            return self.coding.step_rows(keys)
-        rotated = keys.float() @ self.rotation
-        return rotated, rotated.to(keys.dtype) if self.coding.rotated_reads else keys
-
     def step(
         self, layer: CompressedLayer, query: torch.Tensor, scaling: float, rows: torch.Tensor,
         read_keys: torch.Tensor, values: torch.Tensor, others: dict[str, torch.Tensor]
@@ -124,8 +110,8 @@ class FusedSteps:
         """Run the coming step (the layer counted its token already: ``layer.seen`` includes it): ``rows`` are its
         keys as coded (float32 ``[batch, heads, 1, head_dim]``), ``read_keys`` and ``values`` as attention reads them,
         ``others`` the fields of its entry that are written (its value's norm), its score zeroed. A residual window
-        holds the step's token already. Returns the
-        attention output ``[batch, 1, heads, head_dim]`` in the query's dtype."""
+        holds the step's token already. Returns the attention output ``[batch, 1, heads, head_dim]`` in the query's
+        dtype."""
         storage = self.storage
         seen = layer.seen
         index = seen - 1 - self.first_seen
@@ -155,11 +141,10 @@ def applies(layer: CompressedLayer) -> bool:
     coding = layer.coding
     if storage is None or not coding.quantized or not coding.appends_steps_natively(storage):
         return False
-    ranked = layer.scorer.ranked_fields()
     return (
         not layer.transient and not layer.waits_for_prompt_scores and not layer.biased and layer.window is None
         and layer.softcap is None and not layer.padding_held and not layer.pads.any() and layer.prompt_queries is None
-        and layer.scorer.fused_step_decay(layer) is not None and ranked is not None and ranked[0] == "scores"
+        and layer.scorer.fused_step_decay(layer) is not None and layer.natively_ranked() is not None
         and layer.interval == 1
     )  # fmt: skip
 

@@ -436,10 +436,9 @@ class CompressedLayer(CacheLayerMixin):
 
     def _update_fused(self, step: Pass, key_states: torch.Tensor, value_states: torch.Tensor):
         """``update`` of a step that runs as one operator when the module reads its attention (``_attend_fused``)."""
-        fused = self._fused
-        rows, read_keys = fused.key_rows(key_states)
+        rows, read_keys = self.coding.step_rows(key_states)
         entries = {}
-        if fused.value_norms is not None:  # (the entry's fields other than its score, which is 0)
+        if self._fused.value_norms is not None:  # (the entry's fields other than its score, which is 0)
             entries = {name: value for name, value in self.scorer.new_entries(value_states).items()
                        if isinstance(value, torch.Tensor)}  # fmt: skip
         if self.coding.residual_length:
@@ -745,22 +744,17 @@ class CompressedLayer(CacheLayerMixin):
 
     def targets(self) -> torch.Tensor:
         """Host ``[batch, heads]``: how many tokens each row and head may keep now."""
-        real = self.seen - self.pads
-        row_targets = self.policy.targets(real, self.rows, self.cap)
-        if self.shares is None:
-            return np.repeat(row_targets[:, None], self.storage.heads, axis=1)
-        counts, bases = self.shares
-        shared = self.policy.shared(row_targets, counts, bases)
-        return shared if self.cap is None else np.minimum(shared, self.cap)
+        return self._targets_at(self.seen - self.pads)
 
     def targets_ahead(self, steps: int) -> np.ndarray:
         """Host ``[steps, batch, heads]``: ``targets`` once each of the next ``steps`` decoding steps' token is seen."""
-        ahead = np.arange(1, steps + 1)[:, None]
-        real = (self.seen - self.pads)[None, :] + ahead  # [steps, batch]
+        return self._targets_at((self.seen - self.pads)[None, :] + np.arange(1, steps + 1)[:, None])
+
+    def _targets_at(self, real: np.ndarray) -> np.ndarray:
+        """Host ``[..., batch, heads]``: the targets of each row and head at ``real`` (``[..., batch]``) tokens seen."""
         row_targets = self.policy.targets(real.reshape(-1), self.rows, self.cap).reshape(real.shape)
-        heads = self.storage.heads
         if self.shares is None:
-            return np.repeat(row_targets[:, :, None], heads, axis=2)
+            return np.repeat(row_targets[..., None], self.storage.heads, axis=-1)
         shared = self.policy.shared(row_targets, *self.shares)
         return shared if self.cap is None else np.minimum(shared, self.cap)
 
@@ -830,7 +824,7 @@ class CompressedLayer(CacheLayerMixin):
         before = tuple(part.clone() for part in self.decoded()) if prompt else None  # (the eviction moves entries)
         longest = self.longest
         if self.moves_few(eviction):  # few go: the last entries of each segment move into their slots
-            ranked = self._natively_ranked() if most == 1 and not prompt else None
+            ranked = self.natively_ranked() if most == 1 and not prompt else None
             if ranked is not None:  # (one a segment: one C++ operator)
                 self._evict_one_natively(drops, ranked)
             else:
@@ -846,7 +840,7 @@ class CompressedLayer(CacheLayerMixin):
         self._quiet_steps = int((targets - keep).min())
         self._prepare_steps()
 
-    def _natively_ranked(self) -> tuple[str, ...] | None:
+    def natively_ranked(self) -> tuple[str, ...] | None:
         """The fields an eviction of one entry a segment ranks by where it runs as one C++ operator
         (``_native.evict_one``): on a CPU where it is built, for a scorer that ranks by its scores (times the values'
         norms), as ``priority`` does; None elsewhere."""
