@@ -371,6 +371,8 @@ class CompressedLayer(CacheLayerMixin):
             self._start(key_states)
         storage = self.storage
         step.waits = self.scorer.may_wait(self, step)
+        if step.waits and self._writes_prepared_slot(step):
+            return self._update_prepared(step, key_states, value_states)
         if step.reads_itself:  # (a decoding step)
             step.kernel = self._step_kernel()
             if self._codes_step_natively(step):  # its key and value coded into the storage by one C++ operator
@@ -425,6 +427,28 @@ class CompressedLayer(CacheLayerMixin):
         else:
             keys, values = self.coding.decode(storage, self.longest)
             self._write_pass_exact(keys, values, read_keys, value_states, step.new_slots)
+        step.keys, step.values = keys, values
+        return keys, values
+
+    def _writes_prepared_slot(self, step: Pass) -> bool:
+        """Whether a decoding step whose scoring waits writes its key and value alone (``_update_prepared``): plain
+        entries that attention reads in place, every segment of one length with its next slot prepared."""
+        storage = self.storage
+        return (
+            self._prepared is not None and not step.reads_itself and not self.transient and not self.coding.quantized
+            and storage.rectangular and storage.equal_lengths and storage.free_slots > 0
+            and self._is_prepared(storage.length_range[0]) and self.coding.reads_in_place()
+        )  # fmt: skip
+
+    def _update_prepared(self, step: Pass, key_states: torch.Tensor, value_states: torch.Tensor):
+        """``update`` of a decoding step into prepared slots (``_writes_prepared_slot``): what the step-by-step path
+        does there, without its checks: the key and value written, counted, and read in place."""
+        storage = self.storage
+        step.new_slots = storage.length_range[0]
+        keys, values = storage.append_step(key_states, value_states)
+        self._seen += 1
+        if self.seen_device is not None and self.seen_device.device.type != "cpu":
+            self.seen_device.add_(1)
         step.keys, step.values = keys, values
         return keys, values
 

@@ -99,9 +99,9 @@ class EntryStorage:
         copied = object.__new__(type(self))
         memo[id(self)] = copied
         for name, value in vars(self).items():
-            if name not in ("_views", "_slices", "_padded"):
+            if name not in ("_views", "_slices", "_step_views", "_padded"):
                 setattr(copied, name, copy.deepcopy(value, memo))
-        copied._views, copied._slices, copied._padded = {}, {}, None
+        copied._views, copied._slices, copied._step_views, copied._padded = {}, {}, {}, None
         if self.device.type == "cpu":
             copied.lengths = torch.from_numpy(copied._lengths_host)
         return copied
@@ -111,7 +111,8 @@ class EntryStorage:
         self._lengths_host = lengths
         self._count_change()
         host = torch.from_numpy(lengths)
-        self.lengths = host if self.device.type == "cpu" else host.to(self.device)
+        self._on_cpu = self.device.type == "cpu"
+        self.lengths = host if self._on_cpu else host.to(self.device)
         self._length_range = (int(lengths.min()), int(lengths.max())) if lengths.size else (0, 0)
         self._free: int | None = None  # the fewest free slots of any segment, once counted
         self._stale = False  # whether compiled steps changed the device's lengths since the host last read them
@@ -178,6 +179,7 @@ class EntryStorage:
                      for name, field in self.fields.items()}  # fmt: skip
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (its flat tensor, the view of it)
         self._slices: dict[tuple[str, int, int], torch.Tensor] = {}  # (name, first slot, slots): ``slots``' view
+        self._step_views: dict[int, tuple[torch.Tensor, ...]] = {}  # slot: ``append_step``'s views
         self._padded: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (starts, stop, padded_index(stop))
         if old is None or source is None:
             return
@@ -238,7 +240,7 @@ class EntryStorage:
         least, most = self.length_range
         self._lengths_host += count
         self._count_change()
-        if self.device.type != "cpu":
+        if not self._on_cpu:
             self.lengths += count
         self._length_range = (least + count, most + count)
         if self._free is not None:
@@ -371,6 +373,38 @@ class EntryStorage:
             index = (self.starts + self.lengths)[..., None] + torch.arange(count, device=self.device)
             self.write_at(index.flatten(), entries, count)
         self._add_to_lengths(count)
+
+    def append_step(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a decoding step's ``keys`` and ``values`` (``[batch, heads, 1, head_dim]``) into the next slot of every
+        segment and count them; return fields ``keys`` and ``values`` through the new entries, as attention reads them
+        (views). For a rectangular layout whose segments hold one length and have a free slot; the step's other
+        fields are left as they are (written before: ``CompressedLayer`` prepares the next steps' positions and
+        scores). Eager steps between evictions write the same slots again and again: each slot's views are made once
+        per layout.
+
+        Example:
+            >>> fields = {"keys": Field((2,), torch.float32), "values": Field((2,), torch.float32)}
+            >>> storage = EntryStorage(fields, batch=1, heads=1, capacity=4, device="cpu")
+            >>> keys, values = storage.append_step(torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+            >>> keys.shape, storage.lengths_host.tolist()
+            (torch.Size([1, 1, 1, 2]), [[1]])
+        """
+        least, most = self.length_range
+        if least != most or not self.rectangular or self.free_slots < 1:
+            raise ValueError("append_step needs a rectangular layout whose segments hold one length and have room")
+        flat_keys, flat_values = self.flat["keys"], self.flat["values"]
+        made = self._step_views.get(least)
+        if made is None or made[0] is not flat_keys or made[1] is not flat_values:
+            if len(self._step_views) >= 256:
+                self._step_views.clear()
+            made = self._step_views[least] = (
+                flat_keys, flat_values, self.slots("keys", least, 1), self.slots("values", least, 1),
+                self.slots("keys", 0, least + 1), self.slots("values", 0, least + 1),
+            )  # fmt: skip
+        made[2].copy_(keys)
+        made[3].copy_(values)
+        self._add_to_lengths(1)
+        return made[4], made[5]
 
     def append_coded(
         self, parts: list[tuple[str, torch.Tensor, int]], group_size: int, position: int,
