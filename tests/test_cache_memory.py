@@ -165,8 +165,9 @@ def bytes_by_hand(cache: CompressedCache, model) -> int:
 
 
 def test_a_size_in_bytes_codes_groups_of_64_channels_where_they_divide_the_head(fresh):
-    """Heads of 64 channels: a size in bytes codes each group of 64 with one scale and offset (half the scales' bytes
-    of groups of 32), counted by hand; told a group size, it keeps it; a budget keeps 32."""
+    """Heads of 64 channels: a size in bytes from a tenth up codes each group of 64 with one scale and offset (half the
+    scales' bytes of groups of 32), counted by hand; told a group size, it keeps it; a budget and a twentieth of the
+    bytes keep 32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _, tokenizer = fresh
@@ -177,8 +178,9 @@ def test_a_size_in_bytes_codes_groups_of_64_channels_where_they_divide_the_head(
     model = LlamaForCausalLM(config).eval()
     ids = tokenizer([" ".join([PROMPT] * 8)], return_tensors="pt")["input_ids"]
     by_size = {}
-    for name, options in {"bytes": {"memory_fraction": 0.25}, "told": {"memory_fraction": 0.25, "kv_group_size": 32},
-                          "budget": {"budget": 40, "kv_bits": 4}}.items():  # fmt: skip
+    sizes = {"bytes": {"memory_fraction": 0.25}, "told": {"memory_fraction": 0.25, "kv_group_size": 32},
+             "budget": {"budget": 40, "kv_bits": 4}, "twentieth": {"memory_fraction": 0.05}}  # fmt: skip
+    for name, options in sizes.items():
         cache = CompressedCache(model, **options)
         with torch.no_grad():
             model(ids, past_key_values=cache)
@@ -187,5 +189,6 @@ def test_a_size_in_bytes_codes_groups_of_64_channels_where_they_divide_the_head(
     assert by_size["bytes"].options.storage.group_size == 64
     assert by_size["told"].options.storage.group_size == 32
     assert by_size["budget"].options.storage.group_size == 32
+    assert by_size["twentieth"].options.storage.group_size == 32
     # The same bytes hold more tokens in groups of 64.
     assert by_size["bytes"].kept_tokens > by_size["told"].kept_tokens

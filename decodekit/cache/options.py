@@ -353,12 +353,13 @@ KEYS_IN_5_BITS_FROM = {"heads": 0.1}
 # -0.01% / +0.98%, 4/3 +0.50%, 4/2 +1.20%) and kept off models without windows, where 2-bit values lost (SmolLM2 at a
 # tenth: 4/2 +4.63%, 5/4 +0.86%; ``benchmarks/results/kv_low_bits_cpu.txt``).
 VALUES_IN_2_BITS_WITH_WINDOWS_BELOW = 0.15
-# A size in bytes codes in groups of this many channels where it divides the head size (else 32): half the scales'
-# bytes go to more tokens. Chosen on both models' tuning texts (mean perplexity rise, groups of 64 against 32): Gemma 3
-# 270M at a quarter / a tenth / a twentieth of the bytes -0.20% / +7.33% / +51.70% against +0.35% / +9.08% / +51.42%
-# (128 channels at a tenth: +9.93%); SmolLM2-135M at a tenth +0.43% against +0.86%
-# (``benchmarks/results/kv_group_size_cpu.txt``).
-GROUP_SIZE_WHEN_SIZED_IN_BYTES = 64
+# A size in bytes from a tenth of the bytes up codes in groups of this many channels where it divides the head size
+# (else 32): half the scales' bytes go to more tokens. Chosen on both models' tuning texts (mean perplexity rise, groups
+# of 64 against 32): Gemma 3 270M at a quarter / a tenth / a twentieth of the bytes -0.20% / +7.33% / +51.70% against
+# +0.35% / +9.08% / +51.42% (128 channels at a tenth: +9.93%); SmolLM2-135M -0.03% / +0.43% / +3.11% against
+# +0.31% / +0.86% / +2.75% (``benchmarks/results/kv_group_size_cpu.txt``).
+WIDE_GROUP_SIZE = 64
+WIDE_GROUPS_FROM = 0.1
 RESIDUAL_WHEN_SIZED_IN_BYTES = {"heads": 0}  # absent: recent_tokens
 INTERVAL_WHEN_SIZED_IN_BYTES = {"heads": 1}  # absent: 8
 MATCHED_LAYERS = {"reconstruction": 1}  # absent: 0
@@ -441,18 +442,23 @@ def byte_sized_widths(
     return 4, 5 if packs_five and memory_fraction >= KEYS_IN_5_BITS_FROM.get(allocation, math.inf) else 4
 
 
-def default_group_size(in_bytes: bool, head_dim: int | None) -> int:
-    """The channels per group scale and offset when told none: ``GROUP_SIZE_WHEN_SIZED_IN_BYTES`` for a size in bytes
-    where it divides the head size, else 32 (or the head size, if smaller).
+def default_group_size(size: SizeOptions, head_dim: int | None) -> int:
+    """The channels per group scale and offset when told none: ``WIDE_GROUP_SIZE`` for ``max_bytes`` or a
+    ``memory_fraction`` of at least ``WIDE_GROUPS_FROM`` where it divides the head size, else 32 (or the head size,
+    if smaller).
 
     Example:
-        >>> default_group_size(False, 64), default_group_size(True, 64), default_group_size(True, 96)
-        (32, 64, 32)
-        >>> default_group_size(True, 16), default_group_size(False, None)
+        >>> quarter, twentieth = SizeOptions(memory_fraction=0.25), SizeOptions(memory_fraction=0.05)
+        >>> default_group_size(quarter, 64), default_group_size(twentieth, 64), default_group_size(quarter, 96)
+        (64, 32, 32)
+        >>> default_group_size(SizeOptions(budget=64), 64), default_group_size(SizeOptions(max_bytes=10**6), 128)
+        (32, 64)
+        >>> default_group_size(SizeOptions(budget=64), 16), default_group_size(SizeOptions(budget=64), None)
         (16, 32)
     """
-    if in_bytes and head_dim and head_dim % GROUP_SIZE_WHEN_SIZED_IN_BYTES == 0:
-        return GROUP_SIZE_WHEN_SIZED_IN_BYTES
+    wide = size.max_bytes is not None or (size.memory_fraction is not None and size.memory_fraction >= WIDE_GROUPS_FROM)
+    if wide and head_dim and head_dim % WIDE_GROUP_SIZE == 0:
+        return WIDE_GROUP_SIZE
     return min(32, head_dim) if head_dim else 32
 
 
@@ -538,7 +544,7 @@ def resolve(grouped: dict[str, Any], head_dim: int | None, sliding_windows: bool
     if residual is None:
         residual = RESIDUAL_WHEN_SIZED_IN_BYTES.get(allocation, size.recent_tokens) if size.in_bytes else \
             size.recent_tokens  # fmt: skip
-    group_size = storage.group_size or default_group_size(size.in_bytes, head_dim)
+    group_size = storage.group_size or default_group_size(size, head_dim)
     storage = replace(storage, kv_bits=kv_bits, key_bits=key_bits, group_size=group_size, residual_length=residual)
     if head_dim:
         from decodekit.cache.quantize import Quantizer
