@@ -162,33 +162,3 @@ def bytes_by_hand(cache: CompressedCache, model) -> int:
         block = head_dim & -head_dim
         total += block * block * 4
     return total
-
-
-def test_a_size_in_bytes_codes_groups_of_64_channels_where_they_divide_the_head(fresh):
-    """Heads of 64 channels: a size in bytes from a tenth up codes each group of 64 with one scale and offset (half the
-    scales' bytes of groups of 32), counted by hand; told a group size, it keeps it; a budget and a twentieth of the
-    bytes keep 32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    _, tokenizer = fresh
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # fmt: skip
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    ids = tokenizer([" ".join([PROMPT] * 8)], return_tensors="pt")["input_ids"]
-    by_size = {}
-    sizes = {"bytes": {"memory_fraction": 0.25}, "told": {"memory_fraction": 0.25, "kv_group_size": 32},
-             "budget": {"budget": 40, "kv_bits": 4}, "twentieth": {"memory_fraction": 0.05}}  # fmt: skip
-    for name, options in sizes.items():
-        cache = CompressedCache(model, **options)
-        with torch.no_grad():
-            model(ids, past_key_values=cache)
-        assert cache.memory_bytes() == bytes_by_hand(cache, model)
-        by_size[name] = cache
-    assert by_size["bytes"].options.storage.group_size == 64
-    assert by_size["told"].options.storage.group_size == 32
-    assert by_size["budget"].options.storage.group_size == 32
-    assert by_size["twentieth"].options.storage.group_size == 32
-    # The same bytes hold more tokens in groups of 64.
-    assert by_size["bytes"].kept_tokens > by_size["told"].kept_tokens

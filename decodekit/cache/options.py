@@ -175,7 +175,7 @@ class ScoringOptions:
 @dataclass(frozen=True)
 class StorageOptions:
     """How kept entries are stored: ``kv_bits`` per value (16, 8, 5, 4, 3 or 2; None: the model's dtype), keys in
-    ``key_bits`` when given, coded in groups of ``group_size`` channels (None: ``default_group_size``),
+    ``key_bits`` when given, coded in groups of ``group_size`` channels (None: 32, or the head size if smaller),
     with the last ``residual_length`` tokens also held exact (None: ``recent_tokens``, or by size); coded keys
     less their mean key (``smooth_keys``, SageAttention's smooth K; None: where the model normalizes its keys).
 
@@ -353,13 +353,6 @@ KEYS_IN_5_BITS_FROM = {"heads": 0.1}
 # -0.01% / +0.98%, 4/3 +0.50%, 4/2 +1.20%) and kept off models without windows, where 2-bit values lost (SmolLM2 at a
 # tenth: 4/2 +4.63%, 5/4 +0.86%; ``benchmarks/results/kv_low_bits_cpu.txt``).
 VALUES_IN_2_BITS_WITH_WINDOWS_BELOW = 0.15
-# A size in bytes from a tenth of the bytes up codes in groups of this many channels where it divides the head size
-# (else 32): half the scales' bytes go to more tokens. Chosen on both models' tuning texts (mean perplexity rise, groups
-# of 64 against 32): Gemma 3 270M at a quarter / a tenth / a twentieth of the bytes -0.20% / +7.33% / +51.70% against
-# +0.35% / +9.08% / +51.42% (128 channels at a tenth: +9.93%); SmolLM2-135M -0.03% / +0.43% / +3.11% against
-# +0.31% / +0.86% / +2.75% (``benchmarks/results/kv_group_size_cpu.txt``).
-WIDE_GROUP_SIZE = 64
-WIDE_GROUPS_FROM = 0.1
 RESIDUAL_WHEN_SIZED_IN_BYTES = {"heads": 0}  # absent: recent_tokens
 INTERVAL_WHEN_SIZED_IN_BYTES = {"heads": 1}  # absent: 8
 MATCHED_LAYERS = {"reconstruction": 1}  # absent: 0
@@ -440,26 +433,6 @@ def byte_sized_widths(
         return 2, 4
     packs_five = head_dim is None or head_dim % 8 == 0
     return 4, 5 if packs_five and memory_fraction >= KEYS_IN_5_BITS_FROM.get(allocation, math.inf) else 4
-
-
-def default_group_size(size: SizeOptions, head_dim: int | None) -> int:
-    """The channels per group scale and offset when told none: ``WIDE_GROUP_SIZE`` for ``max_bytes`` or a
-    ``memory_fraction`` of at least ``WIDE_GROUPS_FROM`` where it divides the head size, else 32 (or the head size,
-    if smaller).
-
-    Example:
-        >>> quarter, twentieth = SizeOptions(memory_fraction=0.25), SizeOptions(memory_fraction=0.05)
-        >>> default_group_size(quarter, 64), default_group_size(twentieth, 64), default_group_size(quarter, 96)
-        (64, 32, 32)
-        >>> default_group_size(SizeOptions(budget=64), 64), default_group_size(SizeOptions(max_bytes=10**6), 128)
-        (32, 64)
-        >>> default_group_size(SizeOptions(budget=64), 16), default_group_size(SizeOptions(budget=64), None)
-        (16, 32)
-    """
-    wide = size.max_bytes is not None or (size.memory_fraction is not None and size.memory_fraction >= WIDE_GROUPS_FROM)
-    if wide and head_dim and head_dim % WIDE_GROUP_SIZE == 0:
-        return WIDE_GROUP_SIZE
-    return min(32, head_dim) if head_dim else 32
 
 
 def default_eviction_interval(budget: int | None) -> int:
@@ -544,7 +517,7 @@ def resolve(grouped: dict[str, Any], head_dim: int | None, sliding_windows: bool
     if residual is None:
         residual = RESIDUAL_WHEN_SIZED_IN_BYTES.get(allocation, size.recent_tokens) if size.in_bytes else \
             size.recent_tokens  # fmt: skip
-    group_size = storage.group_size or default_group_size(size, head_dim)
+    group_size = storage.group_size or (min(32, head_dim) if head_dim else 32)
     storage = replace(storage, kv_bits=kv_bits, key_bits=key_bits, group_size=group_size, residual_length=residual)
     if head_dim:
         from decodekit.cache.quantize import Quantizer
