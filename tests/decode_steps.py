@@ -48,3 +48,27 @@ def greedy_steps(model, cache, batch, steps: int, record: Callable) -> list[tupl
             last = model(token, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
             taken.append((last, record(cache)))
     return taken
+
+
+def logits_of_greedy_steps(model, cache, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy steps by hand after ``prompt`` (``[rows, tokens]``, no padding) through ``cache``: the logits of every
+    step, ``[rows, steps, vocab]``."""
+    logits = []
+    with torch.no_grad():
+        token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
+        for step in range(steps):
+            position = torch.full((prompt.shape[0], 1), prompt.shape[1] + step)
+            out = model(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits
+            logits.append(out)
+            token = out[:, -1:].argmax(dim=-1)
+    return torch.cat(logits, dim=1)
+
+
+def assert_same_entries(ours, theirs) -> None:
+    """Two caches' layers hold the same lengths and, in every valid slot, the same bytes in every field."""
+    for layer, other in zip(ours.layers, theirs.layers, strict=True):
+        assert (layer.storage.lengths_host == other.storage.lengths_host).all()
+        valid = layer.storage.valid(layer.longest)
+        for name in layer.storage.fields:
+            stored, expected = layer.storage.read(name, layer.longest), other.storage.read(name, layer.longest)
+            assert torch.equal(stored[valid], expected[valid]), name

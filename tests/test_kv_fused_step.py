@@ -12,6 +12,7 @@ import torch
 
 from decodekit.cache import CompressedCache, _native, fused_step
 from decodekit.cache.fused_step import FusedSteps
+from tests.decode_steps import assert_same_entries, logits_of_greedy_steps
 from tests.families import VOCAB, build_family_model
 
 CASES = {
@@ -28,15 +29,7 @@ def _decode(model, options: dict, steps: int) -> tuple[torch.Tensor, CompressedC
     """Greedy steps by hand after a two-row prompt; the logits of every step, and the cache."""
     cache = CompressedCache(model, **options)
     prompt = torch.randint(3, VOCAB, (2, 90), generator=torch.Generator().manual_seed(1))
-    logits = []
-    with torch.no_grad():
-        token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
-        for step in range(steps):
-            position = torch.full((2, 1), prompt.shape[1] + step)
-            out = model(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits
-            logits.append(out)
-            token = out[:, -1:].argmax(dim=-1)
-    return torch.cat(logits, dim=1), cache
+    return logits_of_greedy_steps(model, cache, prompt, steps), cache
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -54,12 +47,7 @@ def test_fused_steps_give_the_step_by_step_logits_and_entries_byte_for_byte(monk
     plain, plain_cache = _decode(model, options, steps=60)
     assert not fused_calls
     assert torch.equal(fused, plain)
-    for ours, theirs in zip(fused_cache.layers, plain_cache.layers, strict=True):
-        assert (ours.storage.lengths_host == theirs.storage.lengths_host).all()
-        valid = ours.storage.valid(ours.longest)
-        for name in ours.storage.fields:
-            stored, expected = ours.storage.read(name, ours.longest), theirs.storage.read(name, ours.longest)
-            assert torch.equal(stored[valid], expected[valid]), name
+    assert_same_entries(fused_cache, plain_cache)
 
 
 def test_fused_steps_do_not_run_where_a_step_does_more(monkeypatch):

@@ -13,6 +13,7 @@ import torch
 from decodekit.cache import CompressedCache
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.storage import EntryStorage, Field
+from tests.decode_steps import assert_same_entries, logits_of_greedy_steps
 from tests.families import VOCAB, build_family_model
 
 CASES = {
@@ -26,15 +27,7 @@ def _decode(model, options: dict, steps: int) -> tuple[torch.Tensor, CompressedC
     """Greedy steps by hand after a two-row prompt; the logits of every step, and the cache."""
     cache = CompressedCache(model, **options)
     prompt = torch.randint(3, VOCAB, (2, 70), generator=torch.Generator().manual_seed(2))
-    logits = []
-    with torch.no_grad():
-        token = model(prompt, past_key_values=cache).logits[:, -1:].argmax(dim=-1)
-        for step in range(steps):
-            position = torch.full((2, 1), prompt.shape[1] + step)
-            out = model(token, past_key_values=cache, position_ids=position, cache_position=position[0]).logits
-            logits.append(out)
-            token = out[:, -1:].argmax(dim=-1)
-    return torch.cat(logits, dim=1), cache
+    return logits_of_greedy_steps(model, cache, prompt, steps), cache
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -52,13 +45,8 @@ def test_prepared_steps_give_the_step_by_step_logits_and_entries_byte_for_byte(m
     slow, slow_cache = _decode(model, options, steps=50)
     assert not shortened
     assert torch.equal(fast, slow)
-    for ours, theirs in zip(fast_cache.layers, slow_cache.layers, strict=True):
-        assert (ours.storage.lengths_host == theirs.storage.lengths_host).all()
-        assert ours.seen == theirs.seen
-        valid = ours.storage.valid(ours.longest)
-        for name in ours.storage.fields:
-            stored, expected = ours.storage.read(name, ours.longest), theirs.storage.read(name, ours.longest)
-            assert torch.equal(stored[valid], expected[valid]), name
+    assert_same_entries(fast_cache, slow_cache)
+    assert [layer.seen for layer in fast_cache.layers] == [layer.seen for layer in slow_cache.layers]
 
 
 def test_steps_that_do_more_take_the_step_by_step_path(monkeypatch):
