@@ -410,11 +410,9 @@ class CompressedLayer(CacheLayerMixin):
             storage.append(entries, 1, room=self._room(), allocate=self._allocator())
         else:
             storage.append(entries, new)
-        self._seen += new
+        self._count_seen(new)
         if grows and not self.transient:
             self._prepare_steps()  # (the steps into the new room write their keys and values alone)
-        if self.seen_device is not None and self.seen_device.device.type != "cpu":
-            self.seen_device.add_(new)
         if quantized:
             self.coding.remember(read_keys, value_states, positions)
         if step.first:
@@ -436,8 +434,7 @@ class CompressedLayer(CacheLayerMixin):
         storage = self.storage
         return (
             self._prepared is not None and not step.reads_itself and not self.transient and not self.coding.quantized
-            and storage.rectangular and storage.equal_lengths and storage.free_slots > 0
-            and self._is_prepared(storage.length_range[0]) and self.coding.reads_in_place()
+            and storage.takes_step() and self._is_prepared(storage.length_range[0]) and self.coding.reads_in_place()
         )  # fmt: skip
 
     def _update_prepared(self, step: Pass, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -446,11 +443,16 @@ class CompressedLayer(CacheLayerMixin):
         storage = self.storage
         step.new_slots = storage.length_range[0]
         keys, values = storage.append_step(key_states, value_states)
-        self._seen += 1
-        if self.seen_device is not None and self.seen_device.device.type != "cpu":
-            self.seen_device.add_(1)
+        self._count_seen(1)
         step.keys, step.values = keys, values
         return keys, values
+
+    def _count_seen(self, new: int) -> None:
+        """Count ``new`` tokens given to this layer, on the host and on an accelerator's copy for compiled steps (on a
+        CPU the copy is the host's memory)."""
+        self._seen += new
+        if self.seen_device is not None and self.seen_device.device.type != "cpu":
+            self.seen_device.add_(new)
 
     def _plans_fused(self) -> bool:
         """Whether the coming decoding step, and the next ones, run as one operator each (``fused_step.py``): planned

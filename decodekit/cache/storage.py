@@ -389,22 +389,27 @@ class EntryStorage:
             >>> keys.shape, storage.lengths_host.tolist()
             (torch.Size([1, 1, 1, 2]), [[1]])
         """
-        least, most = self.length_range
-        if least != most or not self.rectangular or self.free_slots < 1:
+        if not self.takes_step():
             raise ValueError("append_step needs a rectangular layout whose segments hold one length and have room")
-        flat_keys, flat_values = self.flat["keys"], self.flat["values"]
-        made = self._step_views.get(least)
-        if made is None or made[0] is not flat_keys or made[1] is not flat_values:
+        slot = self.length_range[0]
+        made = self._step_views.get(slot)  # (emptied with every new layout: ``_lay_out``)
+        if made is None:
             if len(self._step_views) >= 256:
                 self._step_views.clear()
-            made = self._step_views[least] = (
-                flat_keys, flat_values, self.slots("keys", least, 1), self.slots("values", least, 1),
-                self.slots("keys", 0, least + 1), self.slots("values", 0, least + 1),
+            made = self._step_views[slot] = (
+                self.slots("keys", slot, 1), self.slots("values", slot, 1),
+                self.slots("keys", 0, slot + 1), self.slots("values", 0, slot + 1),
             )  # fmt: skip
-        made[2].copy_(keys)
-        made[3].copy_(values)
+        made[0].copy_(keys)
+        made[1].copy_(values)
         self._add_to_lengths(1)
-        return made[4], made[5]
+        return made[2], made[3]
+
+    def takes_step(self) -> bool:
+        """Whether ``append_step`` can write the next step: a rectangular layout whose segments hold one length and
+        each have a free slot."""
+        least, most = self.length_range
+        return least == most and self.rectangular and self.free_slots > 0
 
     def append_coded(
         self, parts: list[tuple[str, torch.Tensor, int]], group_size: int, position: int,
