@@ -13,7 +13,7 @@ import torch
 from decodekit.cache import CompressedCache
 from decodekit.cache.layer import CompressedLayer
 from decodekit.cache.storage import EntryStorage, Field
-from tests.decode_steps import assert_same_entries, logits_of_greedy_steps
+from tests.decode_steps import assert_same_entries, decode_by_hand, logits_of_greedy_steps, prompt_batch
 from tests.families import VOCAB, build_family_model
 
 CASES = {
@@ -74,3 +74,23 @@ def test_append_step_refuses_segments_of_different_lengths():
     storage.set_lengths(4)
     with pytest.raises(ValueError, match="have room"):
         storage.append_step(torch.ones(1, 2, 1, 2), torch.ones(1, 2, 1, 2))
+
+
+def test_a_left_padded_batch_writes_prepared_slots_once_its_padding_is_dropped(monkeypatch, tiny):
+    """Padding held in place has no prepared slots; after the first eviction drops it the steps write prepared
+    slots, choosing the step-by-step path's tokens and holding its entries."""
+    model, tokenizer = tiny
+    batch = prompt_batch(tokenizer, padded=True)
+    assert bool((batch["attention_mask"] == 0).any())
+    shortened = []
+    original = CompressedLayer._update_prepared
+    monkeypatch.setattr(CompressedLayer, "_update_prepared",
+                        lambda self, *args: shortened.append(1) or original(self, *args))  # fmt: skip
+    fast_cache = CompressedCache(model, budget=40)
+    fast = decode_by_hand(model, fast_cache, batch, steps=30)
+    assert shortened
+    monkeypatch.setattr(CompressedLayer, "_writes_prepared_slot", lambda self, step: False)
+    slow_cache = CompressedCache(model, budget=40)
+    slow = decode_by_hand(model, slow_cache, batch, steps=30)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(fast, slow, strict=True))
+    assert_same_entries(fast_cache, slow_cache)
